@@ -1,0 +1,150 @@
+"""Parameter pytrees. Every leaf is described once in `param_shapes`; the GGUF loader, random
+init for tests, layer-split slicing and shardings all derive from it.
+
+Weights keep GGUF's numpy order: a projection is W [out, in] and is applied as x @ W.T.
+Layer-stacked leaves have a leading layer axis: per layer kind ([Lg] GDN, [La] attention)
+or over all layers ([L]) for norms and the MoE.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.config import ModelConfig
+
+# Leaves kept in float32 whatever the compute dtype: small, and precision-critical.
+FP32_LEAVES = frozenset({"gdn.a", "gdn.dt_bias", "gdn.conv", "moe.router", "moe.shared_gate_inp"})
+
+
+@struct.dataclass
+class GDNParams:
+  qkv: jax.Array       # [Lg, 2*Hk*Dk + Hv*Dv, D]  attn_qkv: q | k | v
+  gate: jax.Array      # [Lg, Hv*Dv, D]            attn_gate (z)
+  ba: jax.Array        # [Lg, 2*Hv, D]             ssm_ba, per k-group [b(r) | a(r)]
+  conv: jax.Array      # [Lg, C, K]                ssm_conv1d
+  a: jax.Array         # [Lg, Hv]                  ssm_a = -exp(A_log)
+  dt_bias: jax.Array   # [Lg, Hv]                  ssm_dt.bias
+  norm: jax.Array      # [Lg, Dv]                  ssm_norm (no +1)
+  out: jax.Array       # [Lg, D, Hv*Dv]            ssm_out
+
+
+@struct.dataclass
+class AttnParams:
+  q: jax.Array         # [La, 2*H*Hd, D]  attn_q, per head [q | gate]
+  k: jax.Array         # [La, G*Hd, D]
+  v: jax.Array         # [La, G*Hd, D]
+  q_norm: jax.Array    # [La, Hd]
+  k_norm: jax.Array    # [La, Hd]
+  out: jax.Array       # [La, D, H*Hd]   attn_output
+
+
+@struct.dataclass
+class MoEParams:
+  router: jax.Array           # [L, E, D]      ffn_gate_inp
+  gate_exps: jax.Array        # [L, E, F, D]
+  up_exps: jax.Array          # [L, E, F, D]
+  down_exps: jax.Array        # [L, E, D, F]
+  shared_gate: jax.Array      # [L, Fs, D]     ffn_gate_shexp
+  shared_up: jax.Array        # [L, Fs, D]
+  shared_down: jax.Array      # [L, D, Fs]
+  shared_gate_inp: jax.Array  # [L, 1, D]      ffn_gate_inp_shexp
+
+
+@struct.dataclass
+class LayerParams:
+  attn_norm: jax.Array   # [L, D]  (+1 already folded in, as in GGUF)
+  post_norm: jax.Array   # [L, D]
+  gdn: GDNParams
+  attn: AttnParams
+  moe: MoEParams
+
+
+@struct.dataclass
+class Params:
+  embed: jax.Array       # [V, D]
+  final_norm: jax.Array  # [D]
+  lm_head: jax.Array     # [V, D]
+  layers: LayerParams
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Every leaf's shape, keyed by its dotted path (e.g. "layers.gdn.qkv")."""
+  D, V, L, Lg, La = cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.n_gdn, cfg.n_attn
+  Hv, Dv, C, K = cfg.gdn_n_v_heads, cfg.gdn_d_v, cfg.gdn_conv_dim, cfg.conv_kernel
+  H, G, Hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+  E, F, Fs = cfg.n_experts, cfg.d_ff_expert, cfg.d_ff_shared
+  return {
+      "embed": (V, D), "final_norm": (D,), "lm_head": (V, D),
+      "layers.attn_norm": (L, D), "layers.post_norm": (L, D),
+      "layers.gdn.qkv": (Lg, C, D), "layers.gdn.gate": (Lg, Hv * Dv, D),
+      "layers.gdn.ba": (Lg, 2 * Hv, D), "layers.gdn.conv": (Lg, C, K),
+      "layers.gdn.a": (Lg, Hv), "layers.gdn.dt_bias": (Lg, Hv),
+      "layers.gdn.norm": (Lg, Dv), "layers.gdn.out": (Lg, D, Hv * Dv),
+      "layers.attn.q": (La, 2 * H * Hd, D), "layers.attn.k": (La, G * Hd, D),
+      "layers.attn.v": (La, G * Hd, D), "layers.attn.q_norm": (La, Hd),
+      "layers.attn.k_norm": (La, Hd), "layers.attn.out": (La, D, H * Hd),
+      "layers.moe.router": (L, E, D), "layers.moe.gate_exps": (L, E, F, D),
+      "layers.moe.up_exps": (L, E, F, D), "layers.moe.down_exps": (L, E, D, F),
+      "layers.moe.shared_gate": (L, Fs, D), "layers.moe.shared_up": (L, Fs, D),
+      "layers.moe.shared_down": (L, D, Fs), "layers.moe.shared_gate_inp": (L, 1, D),
+  }
+
+
+def leaf_dtype(path: str, dtype) -> jnp.dtype:
+  """The storage dtype of a leaf for a given compute dtype."""
+  return jnp.float32 if path.removeprefix("layers.") in FP32_LEAVES else jnp.dtype(dtype)
+
+
+def params_from_flat(flat: dict[str, object]) -> Params:
+  """Build the Params pytree from {dotted path: array}."""
+  def sub(prefix, cls):
+    names = [f.name for f in cls.__dataclass_fields__.values()]
+    return cls(**{n: flat[f"{prefix}{n}"] for n in names})
+  layers = LayerParams(
+      attn_norm=flat["layers.attn_norm"], post_norm=flat["layers.post_norm"],
+      gdn=sub("layers.gdn.", GDNParams), attn=sub("layers.attn.", AttnParams),
+      moe=sub("layers.moe.", MoEParams))
+  return Params(embed=flat["embed"], final_norm=flat["final_norm"], lm_head=flat["lm_head"],
+                layers=layers)
+
+
+def params_to_flat(params: Params) -> dict[str, jax.Array]:
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    out[".".join(k.name for k in path)] = leaf
+  return out
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.05) -> Params:
+  """Random parameters with sane magnitudes (for tests and benchmarks; numpy, on host)."""
+  rng = np.random.default_rng(seed)
+  flat = {}
+  for path, shape in param_shapes(cfg).items():
+    name = path.split(".")[-1]
+    if name in ("attn_norm", "post_norm", "final_norm", "q_norm", "k_norm", "norm"):
+      x = 1.0 + 0.1 * rng.standard_normal(shape)
+    elif name == "a":
+      x = -np.exp(rng.uniform(-1.0, 1.0, shape))
+    elif name == "dt_bias":
+      x = rng.uniform(-0.5, 0.5, shape)
+    elif name == "conv":
+      x = 0.3 * rng.standard_normal(shape)
+    else:
+      x = scale * rng.standard_normal(shape)
+    flat[path] = jnp.asarray(x.astype(np.float32), dtype=leaf_dtype(path, dtype))
+  return params_from_flat(flat)
+
+
+@struct.dataclass
+class LoraParams:
+  """Stacked LoRA for the mixer output projections, each file's scale folded into B.
+
+  Several adapter files stack along the rank axis R; a file without a given layer contributes
+  zero rows there. `y = W x + B (A x)` for rows whose switch is on.
+  """
+  gdn_a: jax.Array    # [Lg, R, Hv*Dv]   for ssm_out
+  gdn_b: jax.Array    # [Lg, D, R]
+  attn_a: jax.Array   # [La, R, H*Hd]    for attn_output
+  attn_b: jax.Array   # [La, D, R]

@@ -1,0 +1,31 @@
+"""Per-slot model state: one pytree with a batch (slot) axis, keyed by the layer pattern."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.config import ModelConfig
+
+
+@struct.dataclass
+class ModelState:
+  k: jax.Array      # [La, B, S, G, Hd]  attention keys (after norm + RoPE)
+  v: jax.Array      # [La, B, S, G, Hd]
+  conv: jax.Array   # [Lg, B, K-1, C]    last K-1 raw (pre-conv) q|k|v rows
+  ssm: jax.Array    # [Lg, B, Hv, Dv, Dk] float32 recurrent state
+  pos: jax.Array    # [B] int32 tokens consumed so far
+  lora: jax.Array   # [B] int32 the LoRA switch (0 off, 1 on) the state was computed under
+
+
+def init_state(cfg: ModelConfig, batch: int, max_seq: int, dtype=jnp.float32) -> ModelState:
+  """Empty state for `batch` rows and `max_seq` tokens of K/V."""
+  La, Lg = cfg.n_attn, cfg.n_gdn
+  return ModelState(
+      k=jnp.zeros((La, batch, max_seq, cfg.n_kv_head, cfg.head_dim), dtype),
+      v=jnp.zeros((La, batch, max_seq, cfg.n_kv_head, cfg.head_dim), dtype),
+      conv=jnp.zeros((Lg, batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), dtype),
+      ssm=jnp.zeros((Lg, batch, cfg.gdn_n_v_heads, cfg.gdn_d_v, cfg.gdn_d_k), jnp.float32),
+      pos=jnp.zeros((batch,), jnp.int32),
+      lora=jnp.zeros((batch,), jnp.int32),
+  )

@@ -1,0 +1,26 @@
+"""Tolerances, once, keyed by dtype. Never loosened in the change that makes a test pass."""
+import numpy as np
+
+# Relative error bound (max |got - want| / max |want|) for kernels against float64 math.
+KERNEL_REL = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
+# Model logits against transformers in fp32 (max abs error).
+MODEL_LOGITS_ABS_FP32 = 1e-4
+# Chunked vs recurrent delta rule (fp32 references).
+DELTA_RULE_FP32 = 1e-5
+
+
+def assert_close(got, want, *, rel=None, abs_=None, what=""):
+  """Assert closeness; the message reports max-abs and relative RMS error."""
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+  err = np.abs(got - want)
+  max_abs = float(err.max()) if err.size else 0.0
+  scale = float(np.abs(want).max()) if want.size else 0.0
+  rel_rms = float(np.sqrt((err ** 2).mean()) / (np.sqrt((want ** 2).mean()) + 1e-30)) if err.size else 0.0
+  msg = f"{what}: max_abs={max_abs:.3e} rel_rms={rel_rms:.3e} max_rel={max_abs / (scale + 1e-30):.3e}"
+  if abs_ is not None:
+    assert max_abs <= abs_, msg + f" > abs {abs_:g}"
+  if rel is not None:
+    assert max_abs <= rel * scale, msg + f" > rel {rel:g}"
+  return max_abs
