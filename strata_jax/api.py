@@ -1,0 +1,121 @@
+"""The Python entry points: `load_model`, `load_lora`."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.config import ModelConfig
+from strata_jax.errors import AdapterError, GGUFError
+from strata_jax.params import LoraParams, Params
+
+DEFAULT_MODEL = "demo-base.gguf"
+DEFAULT_ADAPTER = "demo-lora.gguf"
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class Model:
+  """A loaded model: config, params, tokenizer, identity, and where its layers live."""
+  cfg: ModelConfig
+  params: Params
+  dtype: object
+  path: str
+  fingerprint: str
+  tokenizer: object | None = None
+  add_bos: bool = False
+  bos_id: int | None = None
+  eos_id: int | None = None
+  layer_ranges: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+  devices: list | None = None
+
+  def encode(self, text: str) -> list[int]:
+    if self.tokenizer is None:
+      raise GGUFError(f"{self.path}: the model file has no tokenizer; pass token ids instead")
+    ids = self.tokenizer.encode(text)
+    return ([self.bos_id] + ids) if self.add_bos and self.bos_id is not None else ids
+
+  def decode(self, ids) -> str | None:
+    return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else None
+
+
+@dataclasses.dataclass
+class LoraSet:
+  """Loaded adapters: stacked params, per-file info, and the identity that keys the caches."""
+  params: LoraParams
+  files: list
+  adapter_id: int
+  rank_total: int
+  ignored: list[str] = dataclasses.field(default_factory=list)
+  nbytes: int = 0
+
+
+def asset_path(name: str) -> str:
+  return str(importlib.resources.files("strata_jax") / "assets" / name)
+
+
+def default_model_path() -> str:
+  return asset_path(DEFAULT_MODEL)
+
+
+def _dtype(dtype) -> object:
+  if isinstance(dtype, str):
+    if dtype not in _DTYPES:
+      raise GGUFError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+  return jnp.dtype(dtype).type if dtype is not None else jnp.float32
+
+
+def load_model(path: str | None = None, dtype="float32", layer_split=None,
+               split_devices=None) -> Model:
+  """Load a qwen3next GGUF (default: the embedded demo model).
+
+  Args:
+    path: the GGUF file; None for the embedded default model.
+    dtype: compute dtype, "float32" or "bfloat16".
+    layer_split: None (one device), "auto", or a list of per-stage layer counts.
+    split_devices: device indices for the stages (default: the first N devices).
+  """
+  from strata_jax.gguf.reader import read_model_gguf  # noqa: PLC0415 (keeps import light)
+  from strata_jax.parallel.plan import plan_layer_split  # noqa: PLC0415
+
+  path = path or default_model_path()
+  if not os.path.isfile(path):
+    raise GGUFError(f"{path}: no such model file")
+  dt = _dtype(dtype)
+  mf = read_model_gguf(path, dtype=dt)
+  tok = mf.tokenizer
+  model = Model(cfg=mf.cfg, params=mf.params, dtype=dt, path=path, fingerprint=mf.fingerprint,
+                tokenizer=tok, add_bos=mf.add_bos, bos_id=mf.bos_id, eos_id=mf.eos_id,
+                layer_ranges=[(0, mf.cfg.n_layers)])
+  if layer_split is not None:
+    model.layer_ranges, model.devices = plan_layer_split(model, layer_split, split_devices)
+  return model
+
+
+def load_lora(model: Model, paths, scales=None) -> LoraSet:
+  """Load llama.cpp LoRA adapter GGUF(s) for `model`; several files stack their ranks."""
+  from strata_jax.engine.prefix_cache import adapter_identity  # noqa: PLC0415
+  from strata_jax.gguf.adapter import read_adapters  # noqa: PLC0415
+
+  paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+  if not paths:
+    raise AdapterError("load_lora needs at least one adapter file")
+  scales = [1.0] * len(paths) if scales is None else list(scales)
+  if len(scales) != len(paths):
+    raise AdapterError(f"{len(paths)} adapter files but {len(scales)} scales")
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    ls = read_adapters(model.cfg, [str(p) for p in paths], scales, dtype=model.dtype)
+  aid = adapter_identity([(str(p), float(s)) for p, s in zip(paths, scales)])
+  return LoraSet(params=ls.params, files=ls.files, adapter_id=aid, rank_total=ls.rank_total,
+                 ignored=list(getattr(ls, "ignored", [])), nbytes=int(getattr(ls, "nbytes", 0)))
+
+
+def model_fingerprint(model: Model, lora: LoraSet | None) -> str:
+  """Identity for session files: the model's alone without an adapter, else with its id."""
+  return model.fingerprint if lora is None else f"{model.fingerprint}+lora:{lora.adapter_id:016x}"

@@ -1,0 +1,155 @@
+"""`strata-jax` command line: generate, convert, serve."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _lora_args(p):
+  p.add_argument("--lora", default=None, help="adapter GGUF file(s), comma-separated")
+  p.add_argument("--lora-scaled", default=None, help="F:S[,F:S...] adapter files with scales")
+  p.add_argument("--lora-off", action="store_true", help="load the adapters, run with the switch off")
+
+
+def _model_args(p):
+  p.add_argument("--model", default=None, help="model GGUF (default: the embedded demo model)")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--layer-split", default=None, help="auto | N1,N2,... layers per stage")
+  p.add_argument("--split-devices", default=None, help="device indices for the stages: 0,1,...")
+  _lora_args(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="strata-jax", description=__doc__)
+  sub = ap.add_subparsers(dest="cmd", required=True)
+  g = sub.add_parser("generate", help="generate text or tokens from a prompt")
+  _model_args(g)
+  src = g.add_mutually_exclusive_group()
+  src.add_argument("--prompt", default=None)
+  src.add_argument("--prompt-tokens", default=None, help="comma-separated token ids")
+  g.add_argument("-n", type=int, default=32, help="tokens to generate")
+  g.add_argument("--temperature", type=float, default=0.0)
+  g.add_argument("--top-k", type=int, default=0)
+  g.add_argument("--top-p", type=float, default=1.0)
+  g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--json", action="store_true", help="print one JSON object")
+  g.add_argument("--dump-logits", default=None, metavar="OUT.npz")
+
+  c = sub.add_parser("convert", help="convert transformers / PEFT checkpoints to GGUF")
+  csub = c.add_subparsers(dest="what", required=True)
+  ch = csub.add_parser("hf", help="transformers Qwen3-Next checkpoint -> model GGUF")
+  ch.add_argument("hf_dir")
+  ch.add_argument("out")
+  ch.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16"])
+  cp = csub.add_parser("peft", help="PEFT LoRA -> llama.cpp adapter GGUF")
+  cp.add_argument("peft_dir")
+  cp.add_argument("out")
+  cp.add_argument("--base", required=True, help="the base transformers checkpoint dir")
+  cp.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16"])
+
+  s = sub.add_parser("serve", help="OpenAI / Anthropic compatible HTTP server")
+  _model_args(s)
+  s.add_argument("--host", default="127.0.0.1")
+  s.add_argument("--port", type=int, default=8080)
+  s.add_argument("--slots", type=int, default=4)
+  s.add_argument("--slot-save-path", default=None)
+  s.add_argument("--config", default=None, help="JSON server config file")
+  s.add_argument("--ctx-size", type=int, default=4096)
+  return ap
+
+
+def parse_lora(args) -> tuple[list[str], list[float]]:
+  """--lora F[,F...] and --lora-scaled F:S[,F:S...] -> (paths, scales)."""
+  from strata_jax.errors import AdapterError  # noqa: PLC0415
+  paths, scales = [], []
+  for f in (args.lora.split(",") if args.lora else []):
+    if f:
+      paths.append(f)
+      scales.append(1.0)
+  for item in (args.lora_scaled.split(",") if args.lora_scaled else []):
+    f, sep, s = item.rpartition(":")
+    try:
+      if not sep or not f:
+        raise ValueError
+      scales.append(float(s))
+    except ValueError:
+      raise AdapterError(f"--lora-scaled {item!r}: expected FILE:SCALE") from None
+    paths.append(f)
+  return paths, scales
+
+
+def load_from_args(args):
+  import strata_jax as sj  # noqa: PLC0415
+  model = sj.load_model(args.model, dtype=args.dtype, layer_split=args.layer_split,
+                        split_devices=args.split_devices)
+  paths, scales = parse_lora(args)
+  lora = sj.load_lora(model, paths, scales) if paths else None
+  if lora is not None:
+    print(f"LoRA: {len(lora.files)} files, rank {lora.rank_total}, "
+          f"{lora.nbytes / 2**20:.2f} MiB", file=sys.stderr)
+  return model, lora
+
+
+def cmd_generate(args) -> int:
+  import numpy as np  # noqa: PLC0415
+  import strata_jax as sj  # noqa: PLC0415
+  from strata_jax.errors import RequestError  # noqa: PLC0415
+  model, lora = load_from_args(args)
+  if args.prompt_tokens is not None:
+    try:
+      ids = [int(t) for t in args.prompt_tokens.split(",") if t.strip()]
+    except ValueError:
+      raise RequestError(f"--prompt-tokens {args.prompt_tokens!r}: expected ids like 1,2,3") from None
+  else:
+    ids = model.encode(args.prompt if args.prompt is not None else "Hello")
+  if args.n < 1:
+    raise RequestError(f"-n must be >= 1, got {args.n}")
+  use_lora = lora is not None and not args.lora_off
+  engine = sj.Engine(model, lora=lora, slots=1, max_seq=len(ids) + args.n + 1)
+  stop = [model.eos_id] if (model.eos_id is not None and args.prompt is not None) else []
+  res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
+                        lora=use_lora, return_logits=bool(args.dump_logits))
+  if args.dump_logits:
+    np.savez(args.dump_logits, prompt=res.prompt_logits.astype(np.float32),
+             prompt_last=res.prompt_logits[-1].astype(np.float32),
+             steps=res.step_logits.astype(np.float32))
+  text = model.decode(res.tokens) or ""
+  if args.json:
+    print(json.dumps({"prompt_tokens": ids, "tokens": res.tokens, "text": text,
+                      "lora": bool(use_lora)}))
+  else:
+    print(text if model.tokenizer is not None else " ".join(map(str, res.tokens)))
+  return 0
+
+
+def cmd_convert(args) -> int:
+  if args.what == "hf":
+    from strata_jax.gguf.convert_hf import convert_hf  # noqa: PLC0415
+    convert_hf(args.hf_dir, args.out, outtype=args.outtype)
+  else:
+    from strata_jax.gguf.convert_peft import convert_peft  # noqa: PLC0415
+    convert_peft(args.peft_dir, args.base, args.out, outtype=args.outtype)
+  print(f"wrote {args.out}", file=sys.stderr)
+  return 0
+
+
+def cmd_serve(args) -> int:
+  from strata_jax.serve.app import serve_main  # noqa: PLC0415
+  return serve_main(args)
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  from strata_jax.errors import StrataError  # noqa: PLC0415
+  try:
+    return {"generate": cmd_generate, "convert": cmd_convert, "serve": cmd_serve}[args.cmd](args)
+  except (StrataError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

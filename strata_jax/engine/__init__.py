@@ -1,0 +1,1 @@
+"""Host-side engine: batch slots, sampling, conversation cache, prefix block cache."""

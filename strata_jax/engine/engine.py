@@ -1,0 +1,302 @@
+"""The engine: batch slots decoding together, sampling, a conversation cache per slot and a
+prefix block cache shared by the slots. Host-side orchestration in numpy; every device call
+goes through `strata_jax.steps`."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax import steps
+from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
+from strata_jax.engine.sampling import sample
+from strata_jax.errors import RequestError
+from strata_jax.parallel.split import make_stages
+from strata_jax.state import init_state
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request. `lora`: None means on when an adapter is loaded."""
+  tokens: list[int]
+  max_tokens: int = 32
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  stop: Sequence[int] = ()
+  lora: bool | None = None
+  return_logits: bool = False
+
+
+@dataclasses.dataclass
+class Result:
+  prompt_tokens: list[int]
+  tokens: list[int]
+  lora: bool
+  finish_reason: str            # "stop" | "length"
+  cached_tokens: int            # prompt tokens read from a cache
+  prompt_tokens_computed: int
+  ttft_s: float
+  decode_tokens_per_s: float
+  slot: int
+  text: str | None = None
+  prompt_logits: np.ndarray | None = None   # [T, V] (return_logits)
+  step_logits: np.ndarray | None = None     # [n, V] the logits each token was chosen from
+
+
+@dataclasses.dataclass
+class _Running:
+  req: Request
+  switch: int
+  tokens: list[int]
+  rng: np.random.Generator
+  t0: float
+  t_first: float = 0.0
+  cached: int = 0
+  computed: int = 0
+  step_logits: list = dataclasses.field(default_factory=list)
+  prompt_logits: np.ndarray | None = None
+
+
+class Engine:
+  """Batch slots over one model (optionally split into stages) and an optional LoRA set.
+
+  Args:
+    model: a `strata_jax.Model` (from `load_model`).
+    lora: a `LoraSet` from `load_lora`, or None.
+    slots: number of rows decoding together.
+    max_seq: K/V capacity per slot (tokens).
+    block_size: prefix-cache block and prefill chunk size (tokens).
+    prefix_cache_bytes: host memory bound of the prefix block cache (0 disables it).
+  """
+
+  def __init__(self, model, lora=None, slots: int = 1, max_seq: int | None = None,
+               block_size: int = 64, prefix_cache_bytes: int = 256 << 20):
+    self.model, self.lora_set, self.n_slots = model, lora, int(slots)
+    cfg = model.cfg
+    self.block_size = int(block_size)
+    cap = max_seq or min(cfg.context_length, 4096)
+    self.max_seq = -(-int(cap) // self.block_size) * self.block_size
+    lora_params = lora.params if lora is not None else None
+    self.stages = make_stages(cfg, model.params, lora_params, model.layer_ranges, model.devices)
+    self.states = []
+    for st in self.stages:
+      s = init_state(st.cfg, self.n_slots, self.max_seq, model.dtype)
+      self.states.append(jax.device_put(s, st.device) if st.device is not None else s)
+    self.adapter_id = lora.adapter_id if lora is not None else 0
+    self.prefix_cache = PrefixCache(prefix_cache_bytes, self.block_size)
+    # per slot: the tokens whose state the row holds, and the (switch, adapter id) it was under
+    self.slot_tokens: list[list[int]] = [[] for _ in range(self.n_slots)]
+    self.slot_key: list[tuple[int, int]] = [(0, 0)] * self.n_slots
+    self._lru = collections.OrderedDict((s, None) for s in range(self.n_slots))
+
+  # ----- public API -----------------------------------------------------------------------
+  @property
+  def has_lora(self) -> bool:
+    return self.lora_set is not None
+
+  def generate(self, prompt: str | None = None, tokens: Sequence[int] | None = None, **kw):
+    """Generate for one prompt (text or token ids). Keyword arguments as in `Request`."""
+    if (prompt is None) == (tokens is None):
+      raise RequestError("generate() needs exactly one of prompt= or tokens=")
+    ids = self.model.encode(prompt) if prompt is not None else list(tokens)
+    return self.run([Request(tokens=ids, **kw)])[0]
+
+  def run(self, requests: Sequence[Request]) -> list[Result]:
+    """Serve requests through the slots with continuous batching; results in request order."""
+    for r in requests:
+      self._check(r)
+    pending = collections.deque(enumerate(requests))
+    running: dict[int, tuple[int, _Running]] = {}
+    results: list[Result | None] = [None] * len(requests)
+    while pending or running:
+      while pending and len(running) < self.n_slots:
+        idx, req = pending.popleft()
+        slot = self._pick_slot(req, exclude=running.keys())
+        run = self._start(slot, req)
+        if self._finished(slot, run):
+          results[idx] = self._finish(slot, run)
+        else:
+          running[slot] = (idx, run)
+      if running:
+        self._decode_step(running)
+        for slot in list(running):
+          idx, run = running[slot]
+          if self._finished(slot, run):
+            results[idx] = self._finish(slot, run)
+            del running[slot]
+    return results
+
+  # ----- requests -------------------------------------------------------------------------
+  def _check(self, r: Request):
+    if not r.tokens:
+      raise RequestError("the prompt is empty: at least one token is needed")
+    v = self.model.cfg.vocab_size
+    bad = [t for t in r.tokens if not 0 <= int(t) < v]
+    if bad:
+      raise RequestError(f"prompt token {bad[0]} is outside the vocabulary [0, {v})")
+    if len(r.tokens) >= self.max_seq:
+      raise RequestError(f"the prompt has {len(r.tokens)} tokens; this engine holds at most "
+                         f"{self.max_seq - 1} prompt tokens per slot (max_seq={self.max_seq})")
+    if r.max_tokens < 1:
+      raise RequestError(f"max_tokens must be >= 1, got {r.max_tokens}")
+    if r.lora and not self.has_lora:
+      raise RequestError("the request asks for the LoRA adapter but none is loaded")
+
+  def _switch(self, r: Request) -> int:
+    return int(self.has_lora if r.lora is None else bool(r.lora))
+
+  def _cache_key(self, switch: int) -> tuple[int, int]:
+    return (switch, self.adapter_id if switch else 0)
+
+  def _conv_match(self, slot: int, req: Request) -> int:
+    """Tokens of the slot's conversation the request can reuse (0 if none)."""
+    have = self.slot_tokens[slot]
+    if (req.return_logits or self.slot_key[slot] != self._cache_key(self._switch(req))
+        or not have or len(have) >= len(req.tokens) or req.tokens[:len(have)] != have):
+      return 0
+    return len(have)
+
+  def _pick_slot(self, req: Request, exclude) -> int:
+    free = [s for s in self._lru if s not in exclude]
+    best = max(free, key=lambda s: self._conv_match(s, req))
+    return best if self._conv_match(best, req) > 0 else free[0]
+
+  # ----- prefill --------------------------------------------------------------------------
+  def _start(self, slot: int, req: Request) -> _Running:
+    self._lru.move_to_end(slot)
+    switch = self._switch(req)
+    run = _Running(req=req, switch=switch, tokens=[], rng=np.random.default_rng(req.seed),
+                   t0=time.perf_counter())
+    toks = list(map(int, req.tokens))
+    start = self._conv_match(slot, req)
+    aligned = start == 0
+    if start == 0:
+      self._reset(slot)
+      start = self._restore_prefix(slot, toks, switch) if not req.return_logits else 0
+    run.cached = start
+    aid = self.adapter_id if switch else 0
+    hashes = block_hashes(toks, self.block_size, aid) if aligned else []
+    logits_parts = []
+    pos = start
+    while pos < len(toks):
+      # Chunks end on block boundaries, so every full block can be snapshotted.
+      n = min(self.block_size - pos % self.block_size, len(toks) - pos)
+      chunk = np.zeros(self.block_size, np.int32)
+      chunk[:n] = toks[pos:pos + n]
+      out = self._prefill_chunk(slot, chunk, n, switch, all_logits=req.return_logits)
+      logits_parts.append(np.asarray(out)[:n] if req.return_logits else None)
+      pos += n
+      blk = pos // self.block_size - 1
+      if aligned and pos % self.block_size == 0 and blk < len(hashes):
+        self._snapshot(slot, hashes, blk)
+    run.computed = len(toks) - start
+    last = np.asarray(out)[n - 1] if req.return_logits else np.asarray(out)
+    if req.return_logits:
+      run.prompt_logits = np.concatenate(logits_parts, axis=0)
+    self.slot_tokens[slot] = toks
+    self.slot_key[slot] = self._cache_key(switch)
+    self._emit(run, last)
+    return run
+
+  def _prefill_chunk(self, slot, chunk, n, switch, all_logits):
+    x = jnp.asarray(chunk)
+    for i, st in enumerate(self.stages):
+      if st.device is not None:
+        x = jax.device_put(x, st.device)
+      x, self.states[i] = steps.prefill(
+          st.cfg, st.params, st.lora, self.states[i], jnp.int32(slot), x, jnp.int32(n),
+          jnp.int32(switch), all_logits=all_logits)
+    return x
+
+  def _reset(self, slot: int):
+    rows = jnp.asarray(np.arange(self.n_slots) == slot, jnp.int32)
+    for i, st in enumerate(self.stages):
+      r = jax.device_put(rows, st.device) if st.device is not None else rows
+      self.states[i] = steps.reset_rows(self.states[i], r)
+    self.slot_tokens[slot] = []
+
+  def _snapshot(self, slot: int, hashes: list[bytes], blk: int):
+    if self.prefix_cache.max_bytes <= 0 or hashes[blk] in self.prefix_cache:
+      return
+    payload = []
+    for state in self.states:
+      k, v = steps.read_kv(state, jnp.int32(slot), jnp.int32(blk * self.block_size),
+                           length=self.block_size)
+      conv, ssm = steps.read_recurrent(state, jnp.int32(slot))
+      payload.append({"k": np.asarray(k), "v": np.asarray(v), "conv": np.asarray(conv),
+                      "ssm": np.asarray(ssm)})
+    self.prefix_cache.insert(hashes[blk], tuple(payload), hashes[blk - 1] if blk else None)
+
+  def _restore_prefix(self, slot: int, toks: list[int], switch: int) -> int:
+    """Load the longest cached block prefix (leaving >= 1 token to compute); returns its length."""
+    if self.prefix_cache.max_bytes <= 0:
+      return 0
+    usable = (len(toks) - 1) // self.block_size
+    if usable == 0:
+      return 0
+    hashes = block_hashes(toks, self.block_size, self.adapter_id if switch else 0)[:usable]
+    entries = self.prefix_cache.match(hashes)
+    if not entries:
+      return 0
+    n = len(entries) * self.block_size
+    for i, st in enumerate(self.stages):
+      state = self.states[i]
+      for b, entry in enumerate(entries):
+        e = entry[i]
+        state = steps.write_kv(state, jnp.int32(slot), jnp.int32(b * self.block_size),
+                               jnp.asarray(e["k"]), jnp.asarray(e["v"]))
+      last = entries[-1][i]
+      state = steps.write_recurrent(state, jnp.int32(slot), jnp.asarray(last["conv"]),
+                                    jnp.asarray(last["ssm"]), jnp.int32(n), jnp.int32(switch))
+      self.states[i] = state
+    return n
+
+  # ----- decode ---------------------------------------------------------------------------
+  def _decode_step(self, running: dict[int, tuple[int, _Running]]):
+    B = self.n_slots
+    toks, sw, act = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    for slot, (_, run) in running.items():
+      toks[slot], sw[slot], act[slot] = run.tokens[-1], run.switch, 1
+    x, sw_d, act_d = jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(act)
+    for i, st in enumerate(self.stages):
+      if st.device is not None:
+        x, sw_d, act_d = jax.device_put((x, sw_d, act_d), st.device)
+      x, self.states[i] = steps.decode(st.cfg, st.params, st.lora, self.states[i], x, sw_d, act_d)
+    logits = np.asarray(x)
+    for slot, (_, run) in running.items():
+      self.slot_tokens[slot].append(run.tokens[-1])
+      self._emit(run, logits[slot])
+
+  def _emit(self, run: _Running, logits: np.ndarray):
+    r = run.req
+    if r.return_logits:
+      run.step_logits.append(np.asarray(logits, np.float32))
+    run.tokens.append(sample(logits, run.rng, r.temperature, r.top_k, r.top_p))
+    if len(run.tokens) == 1:
+      run.t_first = time.perf_counter()
+
+  def _finished(self, slot: int, run: _Running) -> bool:
+    r = run.req
+    return (run.tokens[-1] in r.stop or len(run.tokens) >= r.max_tokens
+            or len(self.slot_tokens[slot]) + 1 >= self.max_seq)
+
+  def _finish(self, slot: int, run: _Running) -> Result:
+    r = run.req
+    now = time.perf_counter()
+    n_dec = len(run.tokens) - 1
+    return Result(
+        prompt_tokens=list(r.tokens), tokens=list(run.tokens), lora=bool(run.switch),
+        finish_reason="stop" if run.tokens[-1] in r.stop else "length",
+        cached_tokens=run.cached, prompt_tokens_computed=run.computed,
+        ttft_s=run.t_first - run.t0,
+        decode_tokens_per_s=n_dec / (now - run.t_first) if n_dec and now > run.t_first else 0.0,
+        slot=slot, text=self.model.decode(run.tokens),
+        prompt_logits=run.prompt_logits,
+        step_logits=np.stack(run.step_logits) if r.return_logits else None)

@@ -1,0 +1,320 @@
+"""Prefix block cache: chained xxh3-128 block digests and a host-side LRU block store.
+
+A prompt is cut into blocks of `block_size` tokens. Block 0's digest is
+`xxh3_128(tokens_0 as '<i4')`, block i's is `xxh3_128(digest_{i-1} ‖ tokens_i as '<i4')`
+(seed 0), each digest stored as 16 bytes little-endian, low 64 bits first. A non-zero adapter
+identity is prepended as 8 little-endian bytes to block 0's buffer, so every later digest of an
+adapted request differs from the base chain; id 0 hashes byte-identically to the plain chain.
+Because each digest covers every earlier token (and the adapter), equal digests mean equal
+prefixes, and a block can only be matched when its parent is.
+
+The store keeps, per block, an opaque numpy payload from the engine: the block's attention K/V
+rows and the GDN conv + recurrent state at the block's end, so a hit restores both and never
+resumes from a wrong recurrent state.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import os
+import struct
+from typing import Any
+
+import jax
+import numpy as np
+import xxhash
+
+from strata_jax.errors import AdapterError, RequestError, StrataError
+
+DIGEST_BYTES = 16
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_ADAPTER_DOMAIN = b"strata-lora-v1"
+_READ_CHUNK = 1 << 20
+
+
+def _check_int(value: Any, name: str) -> int:
+  """`value` as a Python int; bools, floats and strings are refused."""
+  if isinstance(value, (bool, np.bool_)):
+    raise RequestError(f"{name} must be an integer, got a bool ({value!r})")
+  try:
+    return operator.index(value)
+  except TypeError:
+    raise RequestError(
+        f"{name} must be an integer, got {type(value).__name__} ({value!r})") from None
+
+
+def _tokens_as_int32(tokens: Any) -> np.ndarray:
+  """Token ids as a 1-D '<i4' array; any integer dtype in int32 range is accepted."""
+  try:
+    arr = np.asarray(tokens)
+  except ValueError as e:  # ragged nested lists
+    raise RequestError(f"tokens must be a flat sequence of integers: {e}") from None
+  if arr.ndim != 1:
+    raise RequestError(f"tokens must be 1-D, got shape {arr.shape}")
+  if arr.size == 0:
+    return np.zeros((0,), "<i4")  # np.asarray([]) is float64; an empty prompt is still valid
+  if arr.dtype.kind not in "iu":
+    # object arrays come from ints beyond int64; floats, bools and strings are refused too
+    raise RequestError(f"tokens must be integers in int32 range [{_INT32_MIN}, {_INT32_MAX}], "
+                       f"got dtype {arr.dtype}")
+  lo, hi = int(arr.min()), int(arr.max())
+  if lo < _INT32_MIN or hi > _INT32_MAX:
+    bad = lo if lo < _INT32_MIN else hi
+    raise RequestError(f"token id {bad} is outside int32 range [{_INT32_MIN}, {_INT32_MAX}]")
+  # Always hash int32 bytes: int64 ids hash differently (env-feasibility §5).
+  return arr.astype("<i4", copy=False)
+
+
+def block_hashes(tokens: Any, block_size: int, adapter_id: int = 0) -> list[bytes]:
+  """Chained 16-byte digests of the full blocks of `tokens`, as the prefix cache computes them.
+
+  Args:
+    tokens: token ids [T], a sequence or array of integers in int32 range.
+    block_size: tokens per block (>= 1). A partial trailing block gets no digest.
+    adapter_id: 64-bit adapter identity from `adapter_identity` (0 = base model or LoRA off).
+
+  Returns:
+    `T // block_size` digests, each 16 bytes (the xxh3-128 value little-endian, low 64 bits
+    first); digest i covers blocks 0..i and the adapter id.
+
+  Raises:
+    RequestError: tokens not 1-D integers in int32 range, block_size < 1, or adapter_id
+      outside [0, 2**64).
+  """
+  block_size = _check_int(block_size, "block_size")
+  if block_size < 1:
+    raise RequestError(f"block_size must be >= 1, got {block_size}")
+  adapter_id = _check_int(adapter_id, "adapter_id")
+  if not 0 <= adapter_id < 2**64:
+    raise RequestError(f"adapter_id must be in [0, 2**64), got {adapter_id}")
+  arr = _tokens_as_int32(tokens)
+  n_blocks = arr.shape[0] // block_size
+  buf = memoryview(arr[: n_blocks * block_size].tobytes())
+  stride = 4 * block_size
+  prev = adapter_id.to_bytes(8, "little") if adapter_id else b""
+  out = []
+  for i in range(n_blocks):
+    # xxh3_128_digest() is big-endian (canonical); the contract wants low 64 bits first.
+    value = xxhash.xxh3_128_intdigest(prev + buf[i * stride:(i + 1) * stride], seed=0)
+    prev = value.to_bytes(DIGEST_BYTES, "little")
+    out.append(prev)
+  return out
+
+
+def _content_digest(source: Any, index: int) -> tuple[int, int]:
+  """(xxh3_64 of the bytes, byte length) of an adapter given as bytes or a file path."""
+  if isinstance(source, (bytes, bytearray, memoryview)):
+    data = memoryview(source).cast("B")
+    return xxhash.xxh3_64_intdigest(data, seed=0), data.nbytes
+  if isinstance(source, (str, os.PathLike)):
+    h = xxhash.xxh3_64(seed=0)
+    size = 0
+    try:
+      with open(source, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+          h.update(chunk)
+          size += len(chunk)
+    except OSError as e:
+      raise AdapterError(
+          f"{os.fspath(source)}: cannot read adapter file: {e.strerror or e}") from None
+    return h.intdigest(), size
+  raise AdapterError(
+      f"adapter {index}: expected file bytes or a path, got {type(source).__name__}")
+
+
+def adapter_identity(files: list[tuple[Any, float]]) -> int:
+  """Non-zero 64-bit identity of a set of LoRA adapters, for prefix-cache keys.
+
+  Derived from each file's contents (not its path, so the same adapter shares cache across
+  paths and instances, and a file rewritten in place under the same name gets a new id), its
+  byte length, its user scale, and the files' order. The encoding is domain-separated and
+  fixed-width so that no other input can produce the same hashed buffer.
+
+  Args:
+    files: `(contents_or_path, scale)` pairs in load order; contents as bytes, or a path read
+      in 1 MiB chunks.
+
+  Returns:
+    0 for an empty list (the base model), otherwise an id in [1, 2**64).
+
+  Raises:
+    AdapterError: an unreadable file, an entry that is not a pair, or a non-finite scale.
+  """
+  if not files:
+    return 0
+  h = xxhash.xxh3_64(seed=0)
+  h.update(struct.pack("<Q", len(_ADAPTER_DOMAIN)) + _ADAPTER_DOMAIN)
+  h.update(struct.pack("<Q", len(files)))
+  for i, item in enumerate(files):
+    try:
+      source, scale = item
+    except (TypeError, ValueError):
+      raise AdapterError(f"adapter {i}: expected a (contents_or_path, scale) pair") from None
+    content, size = _content_digest(source, i)
+    try:
+      scale = float(scale)
+    except (TypeError, ValueError):
+      raise AdapterError(f"adapter {i}: scale must be a number, got {scale!r}") from None
+    if not math.isfinite(scale):
+      raise AdapterError(f"adapter {i}: scale must be finite, got {scale}")
+    scale += 0.0  # -0.0 -> 0.0: the same adapter math, so the same id
+    h.update(struct.pack("<QQd", content, size, scale))
+  return h.intdigest() or 1
+
+
+def _payload_nbytes(payload: Any) -> int:
+  """Total bytes of a pytree of numpy arrays; device arrays are refused (host-side store)."""
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(payload):
+    if not isinstance(leaf, (np.ndarray, np.generic)):
+      raise TypeError(
+          f"prefix-cache payload leaves must be numpy arrays, got {type(leaf).__name__}")
+    total += leaf.nbytes
+  return total
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+class _Node:
+  __slots__ = ("digest", "parent", "payload", "nbytes", "n_tokens", "prev", "next")
+
+  def __init__(self, digest, parent, payload, nbytes, n_tokens):
+    self.digest, self.parent = digest, parent
+    self.payload, self.nbytes, self.n_tokens = payload, nbytes, n_tokens
+    self.prev = self.next = None
+
+
+class PrefixCache:
+  """Host-side LRU store of per-block payloads, keyed by the 16-byte chain digest.
+
+  Recency is one doubly linked list (least recent first). An OrderedDict cannot place an entry
+  in the middle, and we need that: a new block goes just *behind* its parent, and `match`
+  refreshes a hit chain deepest-first so the root ends up most recent. Together these keep
+  every block less recent than its parent, so the least recent entry is always a leaf:
+  eviction trims chains from the tail, never orphans a child (a block whose parent is gone
+  could never be matched again and would only waste memory), and needs no cascade. All
+  operations are O(1) per block.
+
+  Stats: `hits` counts blocks served by `match`, `misses` the blocks asked for but not served
+  (every block after the first miss included), so `hits / (hits + misses)` is the block hit
+  rate; `evictions` counts entries dropped to respect `max_bytes`.
+  """
+
+  def __init__(self, max_bytes: int, block_size: int):
+    if not _is_int(max_bytes) or max_bytes < 0:
+      raise StrataError(f"prefix cache max_bytes must be an integer >= 0, got {max_bytes!r}")
+    if not _is_int(block_size) or block_size < 1:
+      raise StrataError(f"prefix cache block_size must be an integer >= 1, got {block_size!r}")
+    self.max_bytes = int(max_bytes)
+    self.block_size = int(block_size)
+    self._nodes: dict[bytes, _Node] = {}
+    self._head = _Node(None, None, None, 0, 0)  # sentinel: head.next is the least recent
+    self._head.prev = self._head.next = self._head
+    self._bytes = 0
+    self._hits = self._misses = self._evictions = 0
+
+  # -- recency list ------------------------------------------------------------------------
+
+  def _unlink(self, node: _Node) -> None:
+    node.prev.next, node.next.prev = node.next, node.prev
+
+  def _link_before(self, node: _Node, at: _Node) -> None:
+    """Place `node` just before `at` (just less recent); `at = head` means most recent."""
+    node.prev, node.next = at.prev, at
+    at.prev.next = node
+    at.prev = node
+
+  def _place(self, node: _Node) -> None:
+    """Just behind the parent when there is one (keeps children older), else most recent."""
+    parent = self._nodes.get(node.parent) if node.parent is not None else None
+    self._link_before(node, parent if parent is not None else self._head)
+
+  # -- public API --------------------------------------------------------------------------
+
+  def __len__(self) -> int:
+    return len(self._nodes)
+
+  def __contains__(self, digest: bytes) -> bool:
+    return digest in self._nodes
+
+  def match(self, hashes: list[bytes]) -> list[Any]:
+    """Payloads of the longest run of cached blocks from block 0.
+
+    Args:
+      hashes: the request's block digests, from `block_hashes`.
+
+    Returns:
+      payloads for blocks 0..k-1, stopping at the first block not cached (or stored under a
+      different parent, which only a mis-built chain can produce).
+    """
+    run: list[_Node] = []
+    parent = None
+    for digest in hashes:
+      node = self._nodes.get(digest)
+      if node is None or node.parent != parent:
+        break
+      run.append(node)
+      parent = digest
+    for node in reversed(run):  # deepest first, so the root ends most recent
+      self._unlink(node)
+      self._link_before(node, self._head)
+    self._hits += len(run)
+    self._misses += len(hashes) - len(run)
+    return [node.payload for node in run]
+
+  def insert(self, digest: bytes, payload: Any, parent: bytes | None) -> bool:
+    """Store one block's payload under its chain digest.
+
+    Args:
+      digest: the block's 16-byte digest.
+      payload: pytree of numpy arrays (K/V rows, GDN state at the block's end).
+      parent: digest of the previous block (`hashes[i - 1]`); None for block 0. Required,
+        because `match` checks the link: a block stored without its parent is never matched.
+        A block whose parent is not cached is not stored: it could never be matched.
+
+    Returns:
+      True when the block is cached after the call. False when its parent is absent, when the
+      payload alone exceeds `max_bytes`, or when making room would evict its own parent.
+    """
+    if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
+      raise TypeError(f"digest must be {DIGEST_BYTES} bytes, got {digest!r}")
+    node = self._nodes.get(digest)
+    if node is not None:  # same digest, same prefix: keep the stored payload, refresh it
+      self._unlink(node)
+      self._place(node)
+      return True
+    if parent is not None and parent not in self._nodes:
+      return False
+    nbytes = _payload_nbytes(payload)
+    if nbytes > self.max_bytes:
+      return False
+    while self._bytes + nbytes > self.max_bytes:
+      victim = self._head.next
+      if parent is not None and victim.digest == parent:  # only our own chain is left
+        return False
+      self._evict(victim)
+    node = _Node(digest, parent, payload, nbytes, self.block_size)
+    self._place(node)
+    self._nodes[digest] = node
+    self._bytes += nbytes
+    return True
+
+  def _evict(self, node: _Node) -> None:
+    self._unlink(node)
+    del self._nodes[node.digest]
+    self._bytes -= node.nbytes
+    self._evictions += 1
+
+  @property
+  def stats(self) -> dict[str, int]:
+    return dict(hits=self._hits, misses=self._misses, evictions=self._evictions,
+                bytes=self._bytes, entries=len(self._nodes), capacity_bytes=self.max_bytes)
+
+  def clear(self) -> None:
+    """Drop every entry and reset the counters."""
+    self._nodes.clear()
+    self._head.prev = self._head.next = self._head
+    self._bytes = 0
+    self._hits = self._misses = self._evictions = 0

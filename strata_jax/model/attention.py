@@ -1,0 +1,38 @@
+"""Gated softmax attention (Qwen3-Next full-attention layers) over a per-row K/V cache."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.config import ModelConfig
+from strata_jax.model.common import linear, out_projection, rms_norm, rope_neox
+
+
+def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, lora_a, lora_b, switch):
+  """x [B, T, D]; k_cache/v_cache [B, S, G, Hd]; pos [B] first position of x's tokens.
+
+  The T new keys/values are written at pos..pos+T-1 (writes past S are dropped); each query
+  attends causally to cache positions <= its own. Returns (y [B, T, D], k_cache, v_cache).
+  """
+  B, T, _ = x.shape
+  H, G, Hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+  S = k_cache.shape[1]
+  qg = linear(x, p.q).reshape(B, T, H, 2 * Hd)
+  q, gate = qg[..., :Hd], qg[..., Hd:]
+  k = linear(x, p.k).reshape(B, T, G, Hd)
+  v = linear(x, p.v).reshape(B, T, G, Hd)
+  q, k = rms_norm(q, p.q_norm, cfg.rms_eps), rms_norm(k, p.k_norm, cfg.rms_eps)
+  positions = pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]          # [B, T]
+  q = rope_neox(q, positions, cfg.n_rot, cfg.rope_base)
+  k = rope_neox(k, positions, cfg.n_rot, cfg.rope_base)
+  rows = jnp.arange(B)[:, None]
+  k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+  qh = q.reshape(B, T, G, H // G, Hd).astype(jnp.float32)                   # q-head h <- kv h//(H/G)
+  scores = jnp.einsum("btgrd,bsgd->bgrts", qh, k_cache.astype(jnp.float32)) * (Hd ** -0.5)
+  mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]              # [B, T, S]
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache.astype(jnp.float32)).reshape(B, T, H, Hd)
+  out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype).reshape(B, T, H * Hd)
+  return out_projection(out, p.out, lora_a, lora_b, switch), k_cache, v_cache

@@ -1,0 +1,88 @@
+"""The layer stack: embedding -> layers (a lax.scan over repeats of the layer pattern) -> logits."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from strata_jax.config import ATTN, ModelConfig
+from strata_jax.model.attention import attn_mixer
+from strata_jax.model.common import linear, rms_norm
+from strata_jax.model.gdn import gdn_mixer
+from strata_jax.model.moe import moe
+
+
+def pattern_period(layer_types: str) -> int:
+  """Smallest p such that the pattern is its first p letters repeated."""
+  n = len(layer_types)
+  for p in range(1, n + 1):
+    if n % p == 0 and layer_types[:p] * (n // p) == layer_types:
+      return p
+  return n
+
+
+def _blocks(tree, n_blocks):
+  """[L*, ...] -> [n_blocks, L*/n_blocks, ...] for every leaf (None passes through)."""
+  return jax.tree.map(lambda a: a.reshape(n_blocks, a.shape[0] // n_blocks, *a.shape[1:]), tree)
+
+
+def _unblocks(tree):
+  return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
+  """Apply every layer of `cfg.layer_types`.
+
+  layers: LayerParams; lora: LoraParams or None; kv: (k, v) [La, B, S, G, Hd];
+  gdn_state: (conv [Lg, B, K-1, C], ssm [Lg, B, Hv, Dv, Dk]); x [B, T, D]; pos, n_valid,
+  switch [B]. Returns (x, kv, gdn_state).
+
+  The scan runs over repeats of the pattern's period (e.g. 12 x "GGGA"); the period's
+  layers are unrolled in the body, so compile time does not grow with depth.
+  """
+  period = pattern_period(cfg.layer_types)
+  n_blocks = cfg.n_layers // period
+  block_types = cfg.layer_types[:period]
+  norms = _blocks((layers.attn_norm, layers.post_norm, layers.moe), n_blocks)
+  gdn_p = _blocks(layers.gdn, n_blocks)
+  attn_p = _blocks(layers.attn, n_blocks)
+  lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
+  lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
+  kv_b, gdn_b = _blocks(kv, n_blocks), _blocks(gdn_state, n_blocks)
+  B, T, D = x.shape
+
+  def body(x, xs):
+    (attn_norm, post_norm, moe_p), gp, ap, lg, la, (kc, vc), (conv, ssm) = xs
+    kc, vc, conv, ssm = list(kc), list(vc), list(conv), list(ssm)
+    gi = ai = 0
+    for li, kind in enumerate(block_types):
+      h = rms_norm(x, attn_norm[li], cfg.rms_eps)
+      if kind == ATTN:
+        p = jax.tree.map(lambda a: a[ai], ap)
+        la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
+        y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, *la_i, switch)
+        ai += 1
+      else:
+        p = jax.tree.map(lambda a: a[gi], gp)
+        lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
+        y, conv[gi], ssm[gi] = gdn_mixer(cfg, p, h, conv[gi], ssm[gi], n_valid, *lg_i, switch)
+        gi += 1
+      x = x + y
+      h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
+      x = x + moe(cfg, jax.tree.map(lambda a: a[li], moe_p), h).reshape(B, T, D)
+    stack = lambda xs_, like: jnp.stack(xs_) if xs_ else like
+    return x, ((stack(kc, xs[5][0]), stack(vc, xs[5][1])), (stack(conv, xs[6][0]), stack(ssm, xs[6][1])))
+
+  x, (kv_b, gdn_b) = lax.scan(body, x, (norms, gdn_p, attn_p, lora_g, lora_a, kv_b, gdn_b))
+  return x, _unblocks(kv_b), _unblocks(gdn_b)
+
+
+def embed(params, tokens):
+  """tokens [B, T] -> [B, T, D]."""
+  return jnp.take(params.embed, tokens, axis=0)
+
+
+def logits_from_hidden(cfg: ModelConfig, params, x):
+  """x [..., D] -> float32 logits [..., V]."""
+  h = rms_norm(x, params.final_norm, cfg.rms_eps)
+  return linear(h, params.lm_head).astype(jnp.float32)

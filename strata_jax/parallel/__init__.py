@@ -1,0 +1,1 @@
+"""Layer split: contiguous layer ranges (stages) placed on devices."""

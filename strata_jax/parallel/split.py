@@ -1,0 +1,73 @@
+"""Slicing params, adapters and state into per-stage pieces placed on their devices.
+
+A stage owns layers [lo, hi). Stage 0 also holds the embedding; the last stage the final norm
+and the LM head. Each stage's arrays are committed to its device; the engine hands the
+activation [T, D] from one stage's device to the next (one transfer per boundary per step).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from strata_jax.config import ATTN, GDN, ModelConfig
+from strata_jax.params import LayerParams, LoraParams, Params
+
+
+@dataclasses.dataclass
+class Stage:
+  layers: tuple[int, int]
+  cfg: ModelConfig
+  params: Params
+  lora: LoraParams | None
+  device: object | None
+
+
+def _kind_range(cfg: ModelConfig, lo: int, hi: int, kind: str) -> slice:
+  return slice(cfg.layer_types[:lo].count(kind), cfg.layer_types[:hi].count(kind))
+
+
+def slice_layers(cfg: ModelConfig, layers: LayerParams, lo: int, hi: int) -> LayerParams:
+  g, a = _kind_range(cfg, lo, hi, GDN), _kind_range(cfg, lo, hi, ATTN)
+  return LayerParams(
+      attn_norm=layers.attn_norm[lo:hi], post_norm=layers.post_norm[lo:hi],
+      gdn=jax.tree.map(lambda x: x[g], layers.gdn), attn=jax.tree.map(lambda x: x[a], layers.attn),
+      moe=jax.tree.map(lambda x: x[lo:hi], layers.moe))
+
+
+def slice_lora(cfg: ModelConfig, lora: LoraParams | None, lo: int, hi: int) -> LoraParams | None:
+  if lora is None:
+    return None
+  g, a = _kind_range(cfg, lo, hi, GDN), _kind_range(cfg, lo, hi, ATTN)
+  return LoraParams(gdn_a=lora.gdn_a[g], gdn_b=lora.gdn_b[g], attn_a=lora.attn_a[a],
+                    attn_b=lora.attn_b[a])
+
+
+def parse_ranges(n_layers: int, counts: list[int]) -> list[tuple[int, int]]:
+  """[24, 24] -> [(0, 24), (24, 48)]; the counts must be positive and sum to n_layers."""
+  if any(c <= 0 for c in counts) or sum(counts) != n_layers:
+    raise ValueError(f"layer split {','.join(map(str, counts))} must be positive counts that "
+                     f"sum to the model's {n_layers} layers")
+  out, lo = [], 0
+  for c in counts:
+    out.append((lo, lo + c))
+    lo += c
+  return out
+
+
+def make_stages(cfg: ModelConfig, params: Params, lora: LoraParams | None,
+                ranges: list[tuple[int, int]], devices: list | None) -> list[Stage]:
+  """Cut the model into stages; with `devices`, commit each stage's arrays to its device."""
+  stages = []
+  last = len(ranges) - 1
+  for i, (lo, hi) in enumerate(ranges):
+    p = Params(embed=params.embed if i == 0 else None,
+               final_norm=params.final_norm if i == last else None,
+               lm_head=params.lm_head if i == last else None,
+               layers=slice_layers(cfg, params.layers, lo, hi))
+    lr = slice_lora(cfg, lora, lo, hi)
+    dev = devices[i] if devices else None
+    if dev is not None:
+      p, lr = jax.device_put((p, lr), dev)
+    stages.append(Stage(layers=(lo, hi), cfg=cfg.stage(lo, hi), params=p, lora=lr, device=dev))
+  return stages

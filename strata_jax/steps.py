@@ -1,0 +1,118 @@
+"""The jitted step functions: the only jit sites of the model.
+
+`prefill` consumes a fixed-size chunk of one slot's prompt; `decode` advances every slot by one
+token. The LoRA switch, positions, slot ids and lengths are arrays, so one compiled program
+serves every switch state and every prompt length (chunks are padded). State is donated.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from strata_jax.config import ModelConfig
+from strata_jax.model import forward
+from strata_jax.state import ModelState
+
+
+def _row(a, slot):
+  """a [L, B, ...] -> [L, 1, ...] the slot's row."""
+  return lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
+
+
+def _set_row(a, row, slot):
+  return lax.dynamic_update_slice_in_dim(a, row.astype(a.dtype), slot, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("state",))
+def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_valid, switch,
+            *, all_logits: bool = False):
+  """Run one chunk of a slot's prompt.
+
+  Args:
+    slot: int32 [] the batch row.  tokens: int32 [T] (padded), or the hidden [T, D] coming from
+      the previous stage when this stage's params have no embedding (layer split).
+    n_valid: int32 [] real tokens.
+    switch: int32 [] LoRA switch for this row (ignored when `lora` is None).
+  Returns:
+    (logits, state): float32 [T, V] (all_logits) or [V] (after the last valid token).
+  """
+  pos = state.pos[slot][None]
+  nv = jnp.reshape(n_valid, (1,)).astype(jnp.int32)
+  sw = jnp.reshape(switch, (1,)).astype(jnp.int32)
+  kv = (_row(state.k, slot), _row(state.v, slot))
+  gdn = (_row(state.conv, slot), _row(state.ssm, slot))
+  x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
+  x, kv, gdn = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw)
+  if params.lm_head is None:     # not the last stage of a layer split: hand the hidden on
+    logits = x[0]
+  elif all_logits:
+    logits = forward.logits_from_hidden(cfg, params, x[0])
+  else:
+    logits = forward.logits_from_hidden(cfg, params, x[0, n_valid - 1])
+  state = state.replace(
+      k=_set_row(state.k, kv[0], slot), v=_set_row(state.v, kv[1], slot),
+      conv=_set_row(state.conv, gdn[0], slot), ssm=_set_row(state.ssm, gdn[1], slot),
+      pos=state.pos.at[slot].add(n_valid), lora=state.lora.at[slot].set(sw[0]))
+  return logits, state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, active):
+  """One token for every row. tokens, switch, active: int32 [B] (tokens: the hidden [B, D]
+  from the previous stage when this stage has no embedding). Inactive rows keep their
+  state (their K/V write lands past their length and is overwritten later).
+  Returns (logits float32 [B, V], state)."""
+  act = active.astype(bool)
+  x = forward.embed(params, tokens[:, None]) if params.embed is not None else tokens[:, None]
+  x, (k, v), (conv, ssm) = forward.run_layers(
+      cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
+      act.astype(jnp.int32), switch)
+  keep = lambda new, old: jnp.where(act.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)
+  state = state.replace(
+      k=k, v=v, conv=keep(conv, state.conv), ssm=keep(ssm, state.ssm),
+      pos=state.pos + act.astype(jnp.int32),
+      lora=jnp.where(act, switch.astype(jnp.int32), state.lora))
+  if params.lm_head is None:
+    return x[:, 0], state
+  return forward.logits_from_hidden(cfg, params, x[:, 0]), state
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def reset_rows(state: ModelState, rows):
+  """Clear the recurrent state and length of the rows where rows [B] is true."""
+  r = rows.astype(bool)
+  z = lambda a: jnp.where(r.reshape((1, -1) + (1,) * (a.ndim - 2)), jnp.zeros_like(a), a)
+  return state.replace(conv=z(state.conv), ssm=z(state.ssm), pos=jnp.where(r, 0, state.pos),
+                       lora=jnp.where(r, 0, state.lora))
+
+
+@functools.partial(jax.jit, static_argnames=("length",))
+def read_kv(state: ModelState, slot, start, *, length: int):
+  """K/V of one row at positions [start, start+length): ([La, length, G, Hd], same)."""
+  cut = lambda a: lax.dynamic_slice_in_dim(_row(a, slot)[:, 0], start, length, axis=1)
+  return cut(state.k), cut(state.v)
+
+
+@jax.jit
+def read_recurrent(state: ModelState, slot):
+  """GDN state of one row: (conv [Lg, K-1, C], ssm [Lg, Hv, Dv, Dk])."""
+  return _row(state.conv, slot)[:, 0], _row(state.ssm, slot)[:, 0]
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def write_kv(state: ModelState, slot, start, k, v):
+  """Write K/V rows k, v [La, n, G, Hd] of one slot at positions [start, start+n)."""
+  put = lambda a, x: lax.dynamic_update_slice(
+      a, x[:, None].astype(a.dtype), (0, slot, start, 0, 0))
+  return state.replace(k=put(state.k, k), v=put(state.v, v))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def write_recurrent(state: ModelState, slot, conv, ssm, pos, switch):
+  """Set one row's GDN state, length and the switch it was computed under."""
+  return state.replace(conv=_set_row(state.conv, conv[:, None], slot),
+                       ssm=_set_row(state.ssm, ssm[:, None], slot),
+                       pos=state.pos.at[slot].set(pos), lora=state.lora.at[slot].set(switch))
