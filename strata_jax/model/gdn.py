@@ -41,8 +41,8 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
   b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)
   qkv, conv_state = causal_conv(qkv, conv_state, p.conv, n_valid)
   kd = cfg.gdn_key_dim
-  q = l2_norm(qkv[..., :kd].reshape(B, T, Hk, Dk), cfg.rms_eps) * (Dk ** -0.5)
-  k = l2_norm(qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk), cfg.rms_eps)
+  q = l2_norm(qkv[..., :kd].reshape(B, T, Hk, Dk)) * (Dk ** -0.5)
+  k = l2_norm(qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk))
   v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
   q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)                  # v-head h <- k-head h//r
   beta = jax.nn.sigmoid(b)

@@ -1,0 +1,21 @@
+"""LoRA delta as a Pallas kernel: y = select(on, base + B @ (A @ x), base) per row."""
+from pallas_kernels.lora.api import (
+    ENV_VAR,
+    IMPLEMENTATIONS,
+    default_implementation,
+    lora_apply,
+    lora_xla,
+)
+from pallas_kernels.lora.kernel import lora_pallas, tiling
+from pallas_kernels.lora.reference import lora_reference
+
+__all__ = [
+    "ENV_VAR",
+    "IMPLEMENTATIONS",
+    "default_implementation",
+    "lora_apply",
+    "lora_pallas",
+    "lora_reference",
+    "lora_xla",
+    "tiling",
+]

@@ -1,0 +1,82 @@
+"""Backend choice for the LoRA delta: the one entry point model code calls.
+
+Implementations (all share one contract, tested by one parametrized suite):
+  "pallas"            the Pallas kernel compiled for the GPU (Triton lowering; README).
+  "pallas_interpret"  the same kernel under the Pallas interpreter (CPU tests).
+  "xla"               plain jnp with the kernel's numerics (native 16-bit x @ A^T, fp32
+                      accumulation, fp32 h @ B^T) and the same select.
+
+Default: "pallas" on GPU, "pallas_interpret" on CPU, "xla" elsewhere. The environment
+variable STRATA_LORA_IMPL overrides the default (an explicit `implementation=` wins).
+"""
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.lora.kernel import check_lora_inputs, dot_policy, lora_pallas
+
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
+ENV_VAR = "STRATA_LORA_IMPL"
+_NT = (((1,), (1,)), ((), ()))
+
+
+def default_implementation():
+  """STRATA_LORA_IMPL if set, else by `jax.default_backend()`."""
+  env = os.environ.get(ENV_VAR, "").strip()
+  if env:
+    if env not in IMPLEMENTATIONS:
+      raise ValueError(f"{ENV_VAR}={env!r}: expected one of {IMPLEMENTATIONS}")
+    return env
+  backend = jax.default_backend()
+  if backend == "gpu":
+    return "pallas"
+  if backend == "cpu":
+    return "pallas_interpret"
+  return "xla"
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def lora_xla(base, x, a, b, on, *, scale=1.0):
+  """XLA version of `lora_pallas`, same arguments, numerics and select."""
+  check_lora_inputs(base, x, a, b, on)
+  f32 = jnp.float32
+  cd, precision = dot_policy(x.dtype, a.dtype)
+  h = lax.dot_general(x.astype(cd), a.astype(cd), _NT, precision=precision,
+                      preferred_element_type=f32)  # [N, R]
+  delta = lax.dot_general(h, b.astype(f32), _NT, precision=lax.Precision.HIGHEST,
+                          preferred_element_type=f32)  # [N, Dout]
+  if scale != 1.0:
+    delta = delta * scale
+  y = (base.astype(f32) + delta).astype(base.dtype)
+  return jnp.where((on != 0)[:, None], y, base)
+
+
+def lora_apply(base, x, a, b, on, *, scale=1.0, implementation=None):
+  """y = where(on != 0, base + scale * (x @ a^T) @ b^T, base) by the chosen implementation.
+
+  Args:
+    base: [N, Dout] float32/float16/bfloat16 (the output dtype).
+    x: [N, Din] float activations.
+    a: [R, Din] stacked LoRA A (ranks of several files concatenated).
+    b: [Dout, R] stacked LoRA B with each file's scale folded in.
+    on: [N] int32 per-row switch; an off row returns base bit for bit.
+    scale: static extra factor (model code passes 1.0).
+    implementation: one of IMPLEMENTATIONS, or None for `default_implementation()`.
+
+  Returns:
+    [N, Dout] in base.dtype.
+  """
+  impl = implementation or default_implementation()
+  if impl == "pallas":
+    if jax.default_backend() != "gpu":
+      raise ValueError(f"lora: implementation 'pallas' needs a GPU backend, not "
+                       f"{jax.default_backend()!r}; use 'pallas_interpret' or 'xla'")
+    return lora_pallas(base, x, a, b, on, scale=scale)
+  if impl == "pallas_interpret":
+    return lora_pallas(base, x, a, b, on, scale=scale, interpret=True)
+  if impl == "xla":
+    return lora_xla(base, x, a, b, on, scale=scale)
+  raise ValueError(f"lora: unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")

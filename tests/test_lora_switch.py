@@ -1,0 +1,113 @@
+"""The LoRA switch is data: one compiled program serves on, off and mixed rows; a row with the
+switch off is bit-identical to the model loaded with no adapter."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from strata_jax import steps
+from strata_jax.state import init_state
+from model_fixtures import TINY, random_lora, tiny_model
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def lora():
+  return random_lora(rank=12)
+
+
+def _run(model, lora_params, tokens, switch, n_decode=4, batch=1, slot=0):
+  """Prefill `tokens` (in CHUNK pieces) into `slot`, then greedy-decode; returns every
+  logits array and the final state as numpy."""
+  cfg = model.cfg
+  state = init_state(cfg, batch, 512)
+  out = []
+  pos = 0
+  while pos < len(tokens):
+    n = min(CHUNK, len(tokens) - pos)
+    chunk = np.zeros(CHUNK, np.int32)
+    chunk[:n] = tokens[pos:pos + n]
+    lg, state = steps.prefill(cfg, model.params, lora_params, state, jnp.int32(slot),
+                              jnp.asarray(chunk), jnp.int32(n), jnp.int32(switch), all_logits=True)
+    out.append(np.asarray(lg)[:n])
+    pos += n
+  nxt = int(np.argmax(out[-1][-1]))
+  sw = np.full(batch, switch, np.int32)
+  act = (np.arange(batch) == slot).astype(np.int32)
+  for _ in range(n_decode):
+    toks = np.zeros(batch, np.int32)
+    toks[slot] = nxt
+    lg, state = steps.decode(cfg, model.params, lora_params, state, jnp.asarray(toks),
+                             jnp.asarray(sw), jnp.asarray(act))
+    out.append(np.asarray(lg)[slot:slot + 1])
+    nxt = int(np.argmax(out[-1][0]))
+  return out, jax.tree.map(np.asarray, state)
+
+
+def _bits_equal(a, b):
+  return all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("T", [1, 8, 300])
+def test_off_is_bit_identical_to_no_adapter(model, lora, T):
+  toks = np.random.default_rng(T).integers(0, TINY.vocab_size, T)
+  base_logits, base_state = _run(model, None, toks, 0)
+  # compiled and first run with the switch on, then off through the same program
+  on_logits, _ = _run(model, lora.params, toks, 1)
+  off_logits, off_state = _run(model, lora.params, toks, 0)
+  assert _bits_equal(off_logits, base_logits)
+  assert _bits_equal(base_state.replace(lora=off_state.lora), off_state)
+  assert not np.allclose(on_logits[-1], base_logits[-1]), "the adapter must change the output"
+  on_again, _ = _run(model, lora.params, toks, 1)
+  assert _bits_equal(on_again, on_logits), "switching back on re-applies the adapter"
+
+
+def test_one_program_for_every_switch_state(model, lora):
+  toks = np.arange(20) % TINY.vocab_size
+  _run(model, lora.params, toks, 1, batch=2)
+  before = (steps.prefill._cache_size(), steps.decode._cache_size())
+  _run(model, lora.params, toks, 0, batch=2)
+  _run(model, lora.params, toks, 1, batch=2, slot=1)
+  assert (steps.prefill._cache_size(), steps.decode._cache_size()) == before
+
+
+def test_mixed_batch_rows(model, lora):
+  """Rows on and off decode together; off rows equal the no-adapter model, on rows all-on."""
+  cfg = model.cfg
+  B = 3
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(0, cfg.vocab_size, n) for n in (5, 9, 13)]
+  switches = np.array([1, 0, 1], np.int32)
+
+  def batch_run(lora_params, sw):
+    state = init_state(cfg, B, 512)
+    for s, p in enumerate(prompts):
+      chunk = np.zeros(CHUNK, np.int32)
+      chunk[:len(p)] = p
+      _, state = steps.prefill(cfg, model.params, lora_params, state, jnp.int32(s),
+                               jnp.asarray(chunk), jnp.int32(len(p)), jnp.int32(sw[s]))
+    toks = jnp.asarray([int(p[-1]) for p in prompts], jnp.int32)
+    outs = []
+    for _ in range(3):
+      lg, state = steps.decode(cfg, model.params, lora_params, state, toks, jnp.asarray(sw),
+                               jnp.ones(B, jnp.int32))
+      outs.append(np.asarray(lg))
+      toks = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+    return np.stack(outs), jax.tree.map(np.asarray, state)
+
+  mixed, mixed_state = batch_run(lora.params, switches)
+  base, base_state = batch_run(None, np.zeros(B, np.int32))
+  all_on, on_state = batch_run(lora.params, np.ones(B, np.int32))
+  off_rows, on_rows = switches == 0, switches == 1
+  assert np.array_equal(mixed[:, off_rows], base[:, off_rows])
+  assert np.array_equal(mixed[:, on_rows], all_on[:, on_rows])
+  assert np.array_equal(mixed_state.ssm[:, off_rows], base_state.ssm[:, off_rows])
+  assert np.array_equal(mixed_state.ssm[:, on_rows], on_state.ssm[:, on_rows])
+  assert list(mixed_state.lora) == list(switches), "state remembers each row's switch"
