@@ -39,6 +39,12 @@ class Model:
     ids = self.tokenizer.encode(text)
     return ([self.bos_id] + ids) if self.add_bos and self.bos_id is not None else ids
 
+  def stop_ids(self) -> list[int]:
+    """Token ids that end a generation (end-of-generation tokens of the vocabulary)."""
+    if self.tokenizer is not None and getattr(self.tokenizer, "eog_ids", None):
+      return sorted(self.tokenizer.eog_ids)
+    return [self.eos_id] if self.eos_id is not None else []
+
   def decode(self, ids) -> str | None:
     return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else None
 

@@ -108,7 +108,7 @@ def cmd_generate(args) -> int:
     raise RequestError(f"-n must be >= 1, got {args.n}")
   use_lora = lora is not None and not args.lora_off
   engine = sj.Engine(model, lora=lora, slots=1, max_seq=len(ids) + args.n + 1)
-  stop = [model.eos_id] if (model.eos_id is not None and args.prompt is not None) else []
+  stop = model.stop_ids() if args.prompt is not None else []
   res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
                         lora=use_lora, return_logits=bool(args.dump_logits))
@@ -116,7 +116,7 @@ def cmd_generate(args) -> int:
     np.savez(args.dump_logits, prompt=res.prompt_logits.astype(np.float32),
              prompt_last=res.prompt_logits[-1].astype(np.float32),
              steps=res.step_logits.astype(np.float32))
-  text = model.decode(res.tokens) or ""
+  text = res.text or ""
   if args.json:
     print(json.dumps({"prompt_tokens": ids, "tokens": res.tokens, "text": text,
                       "lora": bool(use_lora)}))

@@ -242,10 +242,8 @@ def test_gpu_parity(impl, act, case):
                                 dict(block_rows=32, din_splits=4, num_warps=4)],
                          ids=["fused", "fused-g4", "split8x10", "split24", "bn32-w4"])
 @pytest.mark.parametrize("n", [1, 8, 300])
-@pytest.mark.parametrize("act", [BF16, F32], ids=["bf16", "f32"])
-@pytest.mark.usefixtures("highest_precision")
-def test_gpu_tilings(kw, n, act):
-  args = make_inputs(n, 6144, 2560, 50, act=act, w=act, seed=29)
+def test_gpu_tilings(kw, n):
+  args = make_inputs(n, 6144, 2560, 50, act=BF16, w=BF16, seed=29)
   check(lora_pallas(*(jnp.asarray(v) for v in args), **kw), *args, what=f"gpu tiling {kw}")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ class Request:
   stop: Sequence[int] = ()
   lora: bool | None = None
   return_logits: bool = False
+  on_token: Callable[[int], None] | None = None   # called with each token as it is sampled
 
 
 @dataclasses.dataclass
@@ -48,6 +49,17 @@ class Result:
   text: str | None = None
   prompt_logits: np.ndarray | None = None   # [T, V] (return_logits)
   step_logits: np.ndarray | None = None     # [n, V] the logits each token was chosen from
+
+
+class Handle:
+  """A submitted request; `result` is None until it finishes."""
+
+  def __init__(self, req: Request):
+    self.req, self.result = req, None
+
+  @property
+  def done(self) -> bool:
+    return self.result is not None
 
 
 @dataclasses.dataclass
@@ -95,6 +107,8 @@ class Engine:
     self.slot_tokens: list[list[int]] = [[] for _ in range(self.n_slots)]
     self.slot_key: list[tuple[int, int]] = [(0, 0)] * self.n_slots
     self._lru = collections.OrderedDict((s, None) for s in range(self.n_slots))
+    self._pending: collections.deque = collections.deque()
+    self._running: dict = {}
 
   # ----- public API -----------------------------------------------------------------------
   @property
@@ -110,28 +124,41 @@ class Engine:
 
   def run(self, requests: Sequence[Request]) -> list[Result]:
     """Serve requests through the slots with continuous batching; results in request order."""
-    for r in requests:
-      self._check(r)
-    pending = collections.deque(enumerate(requests))
-    running: dict[int, tuple[int, _Running]] = {}
-    results: list[Result | None] = [None] * len(requests)
-    while pending or running:
-      while pending and len(running) < self.n_slots:
-        idx, req = pending.popleft()
-        slot = self._pick_slot(req, exclude=running.keys())
-        run = self._start(slot, req)
+    handles = [self.submit(r) for r in requests]
+    while self.busy:
+      self.step()
+    return [h.result for h in handles]
+
+  def submit(self, req: Request) -> "Handle":
+    """Queue a request (validated now); `step()` drives it. Returns a handle whose `result`
+    is set when it finishes."""
+    self._check(req)
+    h = Handle(req)
+    self._pending.append(h)
+    return h
+
+  @property
+  def busy(self) -> bool:
+    return bool(self._pending or self._running)
+
+  def step(self):
+    """One scheduling round: free slots take queued requests (prefill), then every running
+    row decodes one token together. A finished slot takes the next request next round."""
+    while self._pending and len(self._running) < self.n_slots:
+      h = self._pending.popleft()
+      slot = self._pick_slot(h.req, exclude=self._running.keys())
+      run = self._start(slot, h.req)
+      if self._finished(slot, run):
+        h.result = self._finish(slot, run)
+      else:
+        self._running[slot] = (h, run)
+    if self._running:
+      self._decode_step(self._running)
+      for slot in list(self._running):
+        h, run = self._running[slot]
         if self._finished(slot, run):
-          results[idx] = self._finish(slot, run)
-        else:
-          running[slot] = (idx, run)
-      if running:
-        self._decode_step(running)
-        for slot in list(running):
-          idx, run = running[slot]
-          if self._finished(slot, run):
-            results[idx] = self._finish(slot, run)
-            del running[slot]
-    return results
+          h.result = self._finish(slot, run)
+          del self._running[slot]
 
   # ----- requests -------------------------------------------------------------------------
   def _check(self, r: Request):
@@ -259,7 +286,7 @@ class Engine:
     return n
 
   # ----- decode ---------------------------------------------------------------------------
-  def _decode_step(self, running: dict[int, tuple[int, _Running]]):
+  def _decode_step(self, running: dict):
     B = self.n_slots
     toks, sw, act = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
     for slot, (_, run) in running.items():
@@ -279,6 +306,8 @@ class Engine:
     if r.return_logits:
       run.step_logits.append(np.asarray(logits, np.float32))
     run.tokens.append(sample(logits, run.rng, r.temperature, r.top_k, r.top_p))
+    if r.on_token is not None:
+      r.on_token(run.tokens[-1])
     if len(run.tokens) == 1:
       run.t_first = time.perf_counter()
 
@@ -291,12 +320,13 @@ class Engine:
     r = run.req
     now = time.perf_counter()
     n_dec = len(run.tokens) - 1
+    stopped = run.tokens[-1] in r.stop
     return Result(
         prompt_tokens=list(r.tokens), tokens=list(run.tokens), lora=bool(run.switch),
-        finish_reason="stop" if run.tokens[-1] in r.stop else "length",
+        finish_reason="stop" if stopped else "length",
         cached_tokens=run.cached, prompt_tokens_computed=run.computed,
         ttft_s=run.t_first - run.t0,
         decode_tokens_per_s=n_dec / (now - run.t_first) if n_dec and now > run.t_first else 0.0,
-        slot=slot, text=self.model.decode(run.tokens),
+        slot=slot, text=self.model.decode(run.tokens[:-1] if stopped else run.tokens),
         prompt_logits=run.prompt_logits,
         step_logits=np.stack(run.step_logits) if r.return_logits else None)

@@ -675,7 +675,7 @@ def _check_replaceable(path: str):
       return
     try:   # a raw look, so that a session with a damaged header can still be replaced
       with open(os.path.join(path, "_CHECKPOINT_METADATA"), "rb") as f:
-        if f'"magic": "{MAGIC}"'.encode() in f.read(1 << 20):
+        if f'"{MAGIC}"'.encode() in f.read(1 << 20):
           return
     except OSError:
       pass
