@@ -116,3 +116,24 @@ def write_recurrent(state: ModelState, slot, conv, ssm, pos, switch):
   return state.replace(conv=_set_row(state.conv, conv[:, None], slot),
                        ssm=_set_row(state.ssm, ssm[:, None], slot),
                        pos=state.pos.at[slot].set(pos), lora=state.lora.at[slot].set(switch))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps"), donate_argnames=("state",))
+def decode_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, active, *,
+                  n_steps: int):
+  """`n_steps` greedy decode steps in one program (one dispatch for many tokens).
+
+  Each step is `decode` followed by an on-device argmax that feeds the next step; inactive
+  rows keep their token and state. tokens, switch, active: int32 [B].
+  Returns (tokens int32 [n_steps, B] the chosen ids, state).
+  """
+  act = active.astype(bool)
+
+  def body(carry, _):
+    toks, st = carry
+    logits, st = decode(cfg, params, lora, st, toks, switch, active)
+    nxt = jnp.where(act, jnp.argmax(logits, axis=-1).astype(jnp.int32), toks)
+    return (nxt, st), nxt
+
+  (_, state), out = lax.scan(body, (tokens.astype(jnp.int32), state), None, length=n_steps)
+  return out, state

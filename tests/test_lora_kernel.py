@@ -12,11 +12,13 @@ import pytest
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels.lora import (
+    AUTO_PALLAS_MIN_ROWS,
     ENV_VAR,
     default_implementation,
     lora_apply,
     lora_pallas,
     lora_reference,
+    resolve,
 )
 
 CPU_IMPLS = ("pallas_interpret", "xla")
@@ -205,6 +207,13 @@ def test_implementation_choice(monkeypatch):
   monkeypatch.setenv(ENV_VAR, "triton")
   with pytest.raises(ValueError, match=ENV_VAR):
     default_implementation()
+  monkeypatch.setenv(ENV_VAR, "auto")
+  small, large = resolve(None, 8), resolve(None, AUTO_PALLAS_MIN_ROWS)
+  if ON_GPU:
+    assert (small, large) == ("xla", "pallas")
+  else:
+    assert small == large == "pallas_interpret"
+  assert resolve("xla", 1) == "xla"
 
 
 # ---------------------------------------------------------------- compiled, on the device

@@ -29,12 +29,13 @@ BF16 = jnp.bfloat16
 
 # Pallas variants: name -> lora_pallas keyword arguments (None: the defaults).
 PALLAS_VARIANTS = {
-    "pallas_default": {},
+    "pallas_default": {},  # tiling() defaults, chosen from the sweep below (README)
     "pallas_s24_g20": dict(din_splits=24, dout_splits=20),
     "pallas_s8_g20": dict(din_splits=8, dout_splits=20),
     "pallas_s4_g20": dict(din_splits=4, dout_splits=20),
     "pallas_s8_g5": dict(din_splits=8, dout_splits=5),
     "pallas_fused_g20": dict(din_splits=1, dout_splits=20),
+    "pallas_fused_g1": dict(din_splits=1, dout_splits=1),
 }
 
 

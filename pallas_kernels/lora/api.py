@@ -6,8 +6,14 @@ Implementations (all share one contract, tested by one parametrized suite):
   "xla"               plain jnp with the kernel's numerics (native 16-bit x @ A^T, fp32
                       accumulation, fp32 h @ B^T) and the same select.
 
+And "auto", which picks one of them per call from the backend and the row count N (static
+under jit, so still one program per shape): on GPU "xla" below `AUTO_PALLAS_MIN_ROWS` rows,
+where this launch-bound op is cheaper as XLA fusions, and "pallas" from there on, where the
+kernel is faster and a switched-off block costs next to nothing (README, measured numbers).
+
 Default: "pallas" on GPU, "pallas_interpret" on CPU, "xla" elsewhere. The environment
-variable STRATA_LORA_IMPL overrides the default (an explicit `implementation=` wins).
+variable STRATA_LORA_IMPL (any of the four names) overrides the default; an explicit
+`implementation=` wins over both.
 """
 import functools
 import os
@@ -19,16 +25,31 @@ from jax import lax
 from pallas_kernels.lora.kernel import check_lora_inputs, dot_policy, lora_pallas
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
+CHOICES = (*IMPLEMENTATIONS, "auto")
 ENV_VAR = "STRATA_LORA_IMPL"
+AUTO_PALLAS_MIN_ROWS = 1024  # H200, 6144 -> 2560, rank 50: XLA wins at N <= 300 (README)
 _NT = (((1,), (1,)), ((), ()))
+
+
+def resolve(implementation, n_rows):
+  """The concrete implementation `lora_apply` runs for this choice and row count."""
+  impl = implementation or default_implementation()
+  if impl == "auto":
+    backend = jax.default_backend()
+    if backend == "gpu":
+      return "pallas" if n_rows >= AUTO_PALLAS_MIN_ROWS else "xla"
+    return "pallas_interpret" if backend == "cpu" else "xla"
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"lora: unknown implementation {impl!r}; expected one of {CHOICES}")
+  return impl
 
 
 def default_implementation():
   """STRATA_LORA_IMPL if set, else by `jax.default_backend()`."""
   env = os.environ.get(ENV_VAR, "").strip()
   if env:
-    if env not in IMPLEMENTATIONS:
-      raise ValueError(f"{ENV_VAR}={env!r}: expected one of {IMPLEMENTATIONS}")
+    if env not in CHOICES:
+      raise ValueError(f"{ENV_VAR}={env!r}: expected one of {CHOICES}")
     return env
   backend = jax.default_backend()
   if backend == "gpu":
@@ -40,7 +61,11 @@ def default_implementation():
 
 @functools.partial(jax.jit, static_argnames=("scale",))
 def lora_xla(base, x, a, b, on, *, scale=1.0):
-  """XLA version of `lora_pallas`, same arguments, numerics and select."""
+  """XLA version of `lora_pallas`: same arguments, select and fp32 accumulation.
+
+  x @ A^T follows the kernel's `dot_policy`; h @ B^T runs in fp32 at HIGHEST (the kernel
+  splits h into bf16 hi + lo when B is bf16; the two agree to ~1e-5 relative).
+  """
   check_lora_inputs(base, x, a, b, on)
   f32 = jnp.float32
   cd, precision = dot_policy(x.dtype, a.dtype)
@@ -64,12 +89,12 @@ def lora_apply(base, x, a, b, on, *, scale=1.0, implementation=None):
     b: [Dout, R] stacked LoRA B with each file's scale folded in.
     on: [N] int32 per-row switch; an off row returns base bit for bit.
     scale: static extra factor (model code passes 1.0).
-    implementation: one of IMPLEMENTATIONS, or None for `default_implementation()`.
+    implementation: one of CHOICES, or None for `default_implementation()`.
 
   Returns:
     [N, Dout] in base.dtype.
   """
-  impl = implementation or default_implementation()
+  impl = resolve(implementation, x.shape[0])
   if impl == "pallas":
     if jax.default_backend() != "gpu":
       raise ValueError(f"lora: implementation 'pallas' needs a GPU backend, not "
@@ -77,6 +102,4 @@ def lora_apply(base, x, a, b, on, *, scale=1.0, implementation=None):
     return lora_pallas(base, x, a, b, on, scale=scale)
   if impl == "pallas_interpret":
     return lora_pallas(base, x, a, b, on, scale=scale, interpret=True)
-  if impl == "xla":
-    return lora_xla(base, x, a, b, on, scale=scale)
-  raise ValueError(f"lora: unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
+  return lora_xla(base, x, a, b, on, scale=scale)

@@ -32,9 +32,12 @@ _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FLOATS = (jnp.dtype(jnp.float32), *_HALF)
 _NT = (((1,), (1,)), ((), ()))  # lhs @ rhs^T without materializing a transpose
 _MIN_TILE = 16  # tl.dot needs every dim >= 16
+# Default tiling (`tiling`), chosen from the probe's sweep on an H200 (README, "Tiling").
 _SMEM_BUDGET = 160 * 1024  # bytes of pipelined x/A tiles per program (H200: 227 KiB)
-_DOWN_PROGRAMS = 24  # programs along N x Din splits that `tiling` aims at (README)
-_UP_PROGRAMS = 20  # programs along N x Dout splits
+_DIN_SPLITS = 8  # Din splits (programs per row block in the down kernel)
+_F32_CHAIN = 1024  # fp32 operands: at most this many Din columns summed in one chain
+_DECODE_DOUT_SPLITS = 5  # Dout splits for one row block, and the floor otherwise
+_UP_PROGRAMS = 100  # row blocks x Dout splits to aim at when there are several row blocks
 _MAX_DIN_SPLITS = 32  # the up kernel sums the partials unrolled
 _SQUEEZED = getattr(pl, "squeezed", None)  # `None` meant a squeezed block dim before 0.10
 
@@ -229,20 +232,20 @@ class Tiling(NamedTuple):
 
 def tiling(n, d_in, d_out, rank, *, interpret=False, in_itemsize=2, num_stages=3,
            block_rows=None, block_in=None, block_out=None, din_splits=None, dout_splits=None):
-  """Pick tiles: given values win; None means the defaults measured in the README.
+  """Pick tiles: given values win; None means the defaults measured on an H200 (README).
 
-  Compiled (GPU): bn = 16 / 32 / 64 by N; bk the largest power of 2 <= 256 whose pipelined
-  x and A tiles fit `_SMEM_BUDGET` (num_stages deep); bo = 128; Din splits and Dout splits
-  aimed at `_DOWN_PROGRAMS` and `_UP_PROGRAMS` programs, so decode spreads over the GPU and
-  a long prefill does not re-read many partial sums. Interpret (CPU): few large steps, as
-  each interpreted grid step costs ~0.1 ms and splits only add steps.
+  Compiled (GPU): bn = 16 / 32 / 64 by N; bk the largest power of 2 <= 256 whose x and A
+  tiles, num_stages deep, fit `_SMEM_BUDGET`; bo = 128. Din splits: `_DIN_SPLITS` (fp32
+  operands: also at most `_F32_CHAIN` columns per split, which bounds the sequential fp32
+  accumulation). Dout splits: `_DECODE_DOUT_SPLITS` for a single row block, else about
+  `_UP_PROGRAMS` programs in all, at least `_DECODE_DOUT_SPLITS`. Interpret (CPU): few,
+  large steps, as each interpreted grid step costs ~0.1 ms and splits only add steps.
   """
   rp = _pow2_at_least(rank)
   if interpret:
     bn = block_rows or min(128, _pow2_at_least(n))
     bk = block_in or min(512, _pow2_at_least(d_in))
     bo = block_out or min(512, _pow2_at_least(d_out))
-    down = up = 1
   else:
     bn = block_rows or (16 if n <= 16 else 32 if n <= 64 else 64)
     bk = block_in or 256
@@ -251,11 +254,20 @@ def tiling(n, d_in, d_out, rank, *, interpret=False, in_itemsize=2, num_stages=3
       bk //= 2
     bk = min(bk, _pow2_at_least(d_in))
     bo = block_out or min(128, _pow2_at_least(d_out))
-    down, up = _DOWN_PROGRAMS, _UP_PROGRAMS
   row_blocks = pl.cdiv(n, bn)
   in_all, out_all = pl.cdiv(d_in, bk), pl.cdiv(d_out, bo)
-  s = min(din_splits or max(1, down // row_blocks), in_all, _MAX_DIN_SPLITS)
-  g = min(dout_splits or max(1, up // row_blocks), out_all)
+  if interpret:
+    din_splits, dout_splits = din_splits or 1, dout_splits or 1
+  if din_splits is None:
+    din_splits = _DIN_SPLITS
+    if in_itemsize == 4:
+      din_splits = max(din_splits, pl.cdiv(d_in, _F32_CHAIN))
+  if dout_splits is None:
+    dout_splits = _DECODE_DOUT_SPLITS
+    if row_blocks > 1:
+      dout_splits = max(dout_splits, _UP_PROGRAMS // row_blocks)
+  s = min(din_splits, in_all, _MAX_DIN_SPLITS)
+  g = min(dout_splits, out_all)
   in_tiles, out_tiles = pl.cdiv(in_all, s), pl.cdiv(out_all, g)
   return Tiling(n=n, d_in=d_in, d_out=d_out, rank=rank, rank_pad=rp, block_rows=bn,
                 block_in=bk, block_out=bo, din_splits=pl.cdiv(in_all, in_tiles),

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax import session as sess
 from strata_jax import steps
+from strata_jax.api import model_fingerprint
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
 from strata_jax.engine.sampling import sample
 from strata_jax.errors import RequestError
@@ -212,6 +214,10 @@ class Engine:
     hashes = block_hashes(toks, self.block_size, aid) if aligned else []
     logits_parts = []
     pos = start
+    if not aligned and len(toks) - start == 1 and not req.return_logits:
+      # One new token on a kept conversation (e.g. a resumed session): the decode step, so the
+      # continuation computes exactly what an uninterrupted run would have.
+      out, n, pos = self._decode_rows({slot: (toks[-1], switch)})[slot], 1, len(toks)
     while pos < len(toks):
       # Chunks end on block boundaries, so every full block can be snapshotted.
       n = min(self.block_size - pos % self.block_size, len(toks) - pos)
@@ -286,17 +292,21 @@ class Engine:
     return n
 
   # ----- decode ---------------------------------------------------------------------------
-  def _decode_step(self, running: dict):
+  def _decode_rows(self, rows: dict[int, tuple[int, int]]) -> np.ndarray:
+    """One decode step for {slot: (token, switch)}; the other rows stay as they are."""
     B = self.n_slots
     toks, sw, act = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-    for slot, (_, run) in running.items():
-      toks[slot], sw[slot], act[slot] = run.tokens[-1], run.switch, 1
+    for slot, (tok, switch) in rows.items():
+      toks[slot], sw[slot], act[slot] = tok, switch, 1
     x, sw_d, act_d = jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(act)
     for i, st in enumerate(self.stages):
       if st.device is not None:
         x, sw_d, act_d = jax.device_put((x, sw_d, act_d), st.device)
       x, self.states[i] = steps.decode(st.cfg, st.params, st.lora, self.states[i], x, sw_d, act_d)
-    logits = np.asarray(x)
+    return np.asarray(x)
+
+  def _decode_step(self, running: dict):
+    logits = self._decode_rows({s: (run.tokens[-1], run.switch) for s, (_, run) in running.items()})
     for slot, (_, run) in running.items():
       self.slot_tokens[slot].append(run.tokens[-1])
       self._emit(run, logits[slot])
@@ -330,3 +340,65 @@ class Engine:
         slot=slot, text=self.model.decode(run.tokens[:-1] if stopped else run.tokens),
         prompt_logits=run.prompt_logits,
         step_logits=np.stack(run.step_logits) if r.return_logits else None)
+
+  # ----- sessions -------------------------------------------------------------------------
+  def _read_limits(self, supported_versions=frozenset({1, 2})) -> sess.SessionReadLimits:
+    return sess.SessionReadLimits(
+        max_tokens=self.max_seq - 1, max_stages=len(self.stages),
+        stage_layers=tuple(st.layers for st in self.stages),
+        stage_shapes=tuple(sess.stage_shapes_for(st.cfg, self.model.dtype) for st in self.stages),
+        fingerprint=model_fingerprint(self.model, self.lora_set),
+        supported_versions=frozenset(supported_versions))
+
+  def save_session(self, slot: int, path) -> dict:
+    """Save a slot's conversation (token ids and every layer's state) to `path` (atomic).
+    Format v1 for one stage, v2 for a layer-split model. Returns size and timing."""
+    self._check_slot(slot)
+    toks = self.slot_tokens[slot]
+    n = len(toks)
+    stages = []
+    for state in self.states:
+      k, v = steps.read_kv(state, jnp.int32(slot), jnp.int32(0), length=self.max_seq)
+      conv, ssm = steps.read_recurrent(state, jnp.int32(slot))
+      stages.append({"k": np.asarray(k)[:, :n], "v": np.asarray(v)[:, :n],
+                     "conv": np.asarray(conv), "ssm": np.asarray(ssm)})
+    flags = sess.FLAG_LORA_ON if self.slot_key[slot][0] else 0
+    return sess.save_session(str(path), stages, np.asarray(toks, np.int32),
+                             fingerprint=model_fingerprint(self.model, self.lora_set), flags=flags,
+                             layer_ranges=[st.layers for st in self.stages])
+
+  def load_session(self, slot: int, path, *, supported_versions=frozenset({1, 2})) -> dict:
+    """Restore a session into `slot`; everything is checked against this engine's limits
+    before any array is read. The slot then holds the conversation under the switch it was
+    saved with. Returns {"n_tokens", "lora", "version"}."""
+    self._check_slot(slot)
+    meta, stages, tokens = sess.load_session(str(path), self._read_limits(supported_versions))
+    n = int(meta.n_tokens)
+    self._reset(slot)
+    switch = int(meta.lora_on)
+    for i, (st, arrays) in enumerate(zip(self.stages, stages)):
+      state = self.states[i]
+      La = arrays["k"].shape[0]
+      pad = lambda a: np.concatenate(
+          [a, np.zeros((La, self.max_seq - n) + a.shape[2:], a.dtype)], axis=1)
+      put = (lambda a: jax.device_put(a, st.device)) if st.device is not None else jnp.asarray
+      state = steps.write_kv(state, jnp.int32(slot), jnp.int32(0), put(pad(arrays["k"])),
+                             put(pad(arrays["v"])))
+      self.states[i] = steps.write_recurrent(state, jnp.int32(slot), put(arrays["conv"]),
+                                             put(arrays["ssm"]), jnp.int32(n), jnp.int32(switch))
+    self.slot_tokens[slot] = [int(t) for t in tokens]
+    self.slot_key[slot] = self._cache_key(switch)
+    return {"n_tokens": n, "lora": bool(switch), "version": meta.version}
+
+  @staticmethod
+  def erase_session(path) -> bool:
+    return sess.erase_session(str(path))
+
+  def slot_info(self, slot: int) -> dict:
+    self._check_slot(slot)
+    return {"id": slot, "n_tokens": len(self.slot_tokens[slot]), "lora": bool(self.slot_key[slot][0]),
+            "busy": slot in self._running}
+
+  def _check_slot(self, slot: int):
+    if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.n_slots):
+      raise RequestError(f"slot {slot!r} does not exist (this engine has {self.n_slots} slots)")
