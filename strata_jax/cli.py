@@ -86,9 +86,6 @@ def load_from_args(args):
                         split_devices=args.split_devices)
   paths, scales = parse_lora(args)
   lora = sj.load_lora(model, paths, scales) if paths else None
-  if lora is not None:
-    print(f"LoRA: {len(lora.files)} files, rank {lora.rank_total}, "
-          f"{lora.nbytes / 2**20:.2f} MiB", file=sys.stderr)
   return model, lora
 
 
@@ -143,6 +140,8 @@ def cmd_serve(args) -> int:
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  import logging  # noqa: PLC0415
+  logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
   from strata_jax.errors import StrataError  # noqa: PLC0415
   try:
     return {"generate": cmd_generate, "convert": cmd_convert, "serve": cmd_serve}[args.cmd](args)

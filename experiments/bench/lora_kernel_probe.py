@@ -27,9 +27,10 @@ from pallas_kernels.lora import lora_pallas, lora_xla, tiling
 
 BF16 = jnp.bfloat16
 
-# Pallas variants: name -> lora_pallas keyword arguments (None: the defaults).
+# Pallas variants: name -> lora_pallas keyword arguments. The defaults (`tiling`) were
+# chosen from the sweep of the others on an H200 (README, "Tiling").
 PALLAS_VARIANTS = {
-    "pallas_default": {},  # tiling() defaults, chosen from the sweep below (README)
+    "pallas_default": {},
     "pallas_s24_g20": dict(din_splits=24, dout_splits=20),
     "pallas_s8_g20": dict(din_splits=8, dout_splits=20),
     "pallas_s4_g20": dict(din_splits=4, dout_splits=20),
@@ -153,8 +154,9 @@ def main():
         else:
           row["us_per_layer_base_matmul"] = round(med["none:on"] / L * 1e6, 2)
         if name.startswith("pallas"):
-          t = tiling(n, d_in, d_out, r, interpret=interpret, **{k: v for k, v in PALLAS_VARIANTS[name].items()
-                                           if k in ("din_splits", "dout_splits")})
+          splits = {k: v for k, v in PALLAS_VARIANTS[name].items()
+                    if k in ("din_splits", "dout_splits")}
+          t = tiling(n, d_in, d_out, r, interpret=interpret, **splits)
           row["tiling"] = dict(block_rows=t.block_rows, block_in=t.block_in,
                                block_out=t.block_out, din_splits=t.din_splits,
                                dout_splits=t.dout_splits)

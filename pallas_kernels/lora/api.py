@@ -11,7 +11,7 @@ under jit, so still one program per shape): on GPU "xla" below `AUTO_PALLAS_MIN_
 where this launch-bound op is cheaper as XLA fusions, and "pallas" from there on, where the
 kernel is faster and a switched-off block costs next to nothing (README, measured numbers).
 
-Default: "pallas" on GPU, "pallas_interpret" on CPU, "xla" elsewhere. The environment
+Default: "auto" on GPU, "pallas_interpret" on CPU, "xla" elsewhere. The environment
 variable STRATA_LORA_IMPL (any of the four names) overrides the default; an explicit
 `implementation=` wins over both.
 """
@@ -53,7 +53,7 @@ def default_implementation():
     return env
   backend = jax.default_backend()
   if backend == "gpu":
-    return "pallas"
+    return "auto"   # decode-sized calls are launch-bound: XLA below 1024 rows (README)
   if backend == "cpu":
     return "pallas_interpret"
   return "xla"

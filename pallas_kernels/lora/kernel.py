@@ -156,7 +156,6 @@ def _up_store(h, b_ref, base_ref, o_ref, row_ok, on, out0, t):
   lax.fori_loop(0, t.out_tiles, body, 0)
 
 
-
 def _fused_kernel(on_ref, x_ref, a_ref, b_ref, base_ref, o_ref, *, t):
   """One program: a row block x a range of Dout tiles; h is recomputed per Dout range."""
   row_ok, on, any_on = _row_flags(on_ref, t.n, t.block_rows)
@@ -304,7 +303,7 @@ def _pow2_at_least(v, lo=_MIN_TILE):
 
 def _triton_params(num_warps, num_stages):
   # `CompilerParams` since JAX 0.6; the older name is kept for the odd older install.
-  cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
   return cls(num_warps=num_warps, num_stages=num_stages)
 
 

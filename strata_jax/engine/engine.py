@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Callable, Sequence
 
@@ -18,8 +19,11 @@ from strata_jax.api import model_fingerprint
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
 from strata_jax.engine.sampling import sample
 from strata_jax.errors import RequestError
+from strata_jax.parallel.plan import describe, plan_auto
 from strata_jax.parallel.split import make_stages
 from strata_jax.state import init_state
+
+log = logging.getLogger("strata_jax")
 
 
 @dataclasses.dataclass
@@ -98,7 +102,20 @@ class Engine:
     cap = max_seq or min(cfg.context_length, 4096)
     self.max_seq = -(-int(cap) // self.block_size) * self.block_size
     lora_params = lora.params if lora is not None else None
-    self.stages = make_stages(cfg, model.params, lora_params, model.layer_ranges, model.devices)
+    ranges = model.layer_ranges
+    if ranges == "auto":
+      ranges = plan_auto(model, model.devices, lora, self.n_slots, self.max_seq)
+      log.info("layer split (auto): %s", describe(ranges, model.devices[:len(ranges)]))
+    devices = model.devices[:len(ranges)] if model.devices else None
+    self.stages = make_stages(cfg, model.params, lora_params, ranges, devices)
+    if lora is not None:
+      lp = lora.params
+      n_adapted = int(sum(np.count_nonzero(np.abs(np.asarray(a, np.float32)).sum(axis=(1, 2)))
+                          for a in (lp.gdn_b, lp.attn_b)))
+      per_dev = ", ".join(
+          f"{sum(a.nbytes for a in jax.tree.leaves(st.lora)) / 2**20:.2f} MiB" for st in self.stages)
+      log.info("LoRA: %d files, %d layers adapted, %s per device", len(lora.files), n_adapted,
+               per_dev)
     self.states = []
     for st in self.stages:
       s = init_state(st.cfg, self.n_slots, self.max_seq, model.dtype)

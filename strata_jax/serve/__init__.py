@@ -1,0 +1,4 @@
+"""OpenAI- and Anthropic-compatible HTTP server over one Engine (`strata-jax serve`)."""
+from strata_jax.serve.app import create_app, load_config, serve_main
+
+__all__ = ["create_app", "load_config", "serve_main"]

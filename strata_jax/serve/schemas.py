@@ -1,0 +1,96 @@
+"""Request bodies of the HTTP API (pydantic), as the OpenAPI schema describes them.
+
+Field types are checked here (a wrong type is a 422); values that depend on the loaded model or
+engine (token ids, prompt length, the LoRA switch) are checked by the handlers (400 / 413).
+Unknown fields are accepted and ignored, as the OpenAI and Anthropic clients send optional
+parameters this server does not implement (logprobs, tools, metadata, ...).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+# Sampling values: finite floats, no NaN/inf (Python's json accepts them).
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=0)]
+MaxTokens = Annotated[int, Field(ge=1)]
+
+
+class _Body(BaseModel):
+  model_config = ConfigDict(extra="allow")
+
+
+class _Sampling(_Body):
+  """Fields every generation endpoint shares. `lora`: None = the server's default."""
+  temperature: Temperature | None = None
+  top_p: TopP | None = None
+  top_k: TopK | None = None
+  seed: int | None = None
+  stream: StrictBool | None = False
+  lora: StrictBool | None = Field(
+      default=None, description="LoRA switch for this request; absent: the server default "
+      "(on when an adapter is loaded)")
+
+
+# ----- OpenAI ------------------------------------------------------------------------------
+class TextPart(_Body):
+  type: str
+  text: str | None = None
+
+
+class ChatMessage(_Body):
+  role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+  content: str | list[TextPart] | None = None
+  name: str | None = None
+
+
+class StreamOptions(_Body):
+  include_usage: StrictBool | None = None
+
+
+class _OpenAISampling(_Sampling):
+  model: str | None = None
+  max_tokens: MaxTokens | None = None
+  stop: str | list[str] | None = None
+  n: int | None = None
+  stream_options: StreamOptions | None = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+  messages: list[ChatMessage] = Field(min_length=1)
+  max_completion_tokens: MaxTokens | None = None
+
+
+class CompletionRequest(_OpenAISampling):
+  prompt: str | list[int] | list[str] | list[list[int]] = Field(
+      description="text, a list of token ids, or a one-element list of either")
+  best_of: int | None = None
+  return_tokens: StrictBool = Field(
+      default=False, description="add the generated token ids to each choice (llama.cpp)")
+
+
+# ----- Anthropic ---------------------------------------------------------------------------
+class ContentBlock(_Body):
+  type: str
+  text: str | None = None
+
+
+class AnthropicMessage(_Body):
+  role: Literal["user", "assistant"]
+  content: str | list[ContentBlock]
+
+
+class MessagesRequest(_Sampling):
+  model: str | None = None
+  max_tokens: MaxTokens
+  messages: list[AnthropicMessage] = Field(min_length=1)
+  system: str | list[ContentBlock] | None = None
+  stop_sequences: list[str] | None = None
+
+
+# ----- slots (llama.cpp) -------------------------------------------------------------------
+class SlotRequest(_Body):
+  filename: str | None = Field(
+      default=None, description="session name inside --slot-save-path (one path component)")

@@ -1,0 +1,72 @@
+"""Run in its own process (fake CPU devices must be set before JAX starts):
+python tests/split_check.py N_DEVICES  -> prints one JSON line of results."""
+import json
+import os
+import sys
+
+n_dev = int(sys.argv[1])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_dev}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import dataclasses  # noqa: E402
+import logging  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import strata_jax as sj  # noqa: E402
+from strata_jax import steps  # noqa: E402
+from strata_jax.engine.engine import Request  # noqa: E402
+from strata_jax.parallel.plan import plan_layer_split  # noqa: E402
+from model_fixtures import TINY, random_lora, tiny_model  # noqa: E402
+
+cache = os.environ.get("STRATA_TEST_JAX_CACHE", "/tmp/strata-jax-test-cache")
+jax.config.update("jax_compilation_cache_dir", cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+logs = []
+logging.getLogger("strata_jax").addHandler(type("H", (logging.Handler,), {
+    "emit": lambda self, rec: logs.append(rec.getMessage())})())
+logging.getLogger("strata_jax").setLevel(logging.INFO)
+
+model = tiny_model()
+lora = random_lora(seed=2)
+prompts = [list(np.random.default_rng(i).integers(0, TINY.vocab_size, 20 + 7 * i)) for i in range(3)]
+switches = [True, False, True]
+
+
+def run(m, lora_set, sw):
+  eng = sj.Engine(m, lora=lora_set, slots=3, max_seq=96, block_size=32)
+  res = eng.run([Request(tokens=p, max_tokens=5, lora=s, return_logits=True)
+                 for p, s in zip(prompts, sw)])
+  return eng, res
+
+
+split_spec = "auto" if n_dev == 2 else "3,2,3"
+ranges, devs = plan_layer_split(model, split_spec)
+split_model = dataclasses.replace(model, layer_ranges=ranges, devices=devs)
+out = {"devices": n_dev}
+single_eng, single = run(model, lora, switches)
+eng, split = run(split_model, lora, switches)
+out["ranges"] = [list(st.layers) for st in eng.stages]
+out["stage_devices"] = [str(st.device) for st in eng.stages]
+out["same_tokens"] = all(a.tokens == b.tokens for a, b in zip(single, split))
+out["max_logit_err"] = max(float(np.abs(a.step_logits - b.step_logits).max()) for a, b in zip(single, split))
+out["max_prompt_logit_err"] = max(float(np.abs(a.prompt_logits - b.prompt_logits).max())
+                                  for a, b in zip(single, split))
+n_prog = (steps.prefill._cache_size(), steps.decode._cache_size())
+_, split_off = run(split_model, lora, [False] * 3)
+_, split_on = run(split_model, lora, [True] * 3)
+out["programs_stable"] = (steps.prefill._cache_size(), steps.decode._cache_size()) == n_prog
+_, split_none = run(split_model, None, [None] * 3)
+out["off_bit_identical"] = all(
+    np.array_equal(a.step_logits, b.step_logits) and np.array_equal(a.prompt_logits, b.prompt_logits)
+    for a, b in zip(split_off, split_none))
+out["mixed_rows_match"] = all(
+    np.array_equal(split[i].step_logits, (split_on if s else split_off)[i].step_logits)
+    for i, s in enumerate(switches))
+out["stage_params_on_device"] = all(
+    {d for a in jax.tree.leaves(st.params) for d in a.devices()} == {st.device} for st in eng.stages)
+out["logs"] = logs
+print(json.dumps(out))
