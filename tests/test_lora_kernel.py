@@ -200,7 +200,7 @@ def test_input_checks():
 
 def test_implementation_choice(monkeypatch):
   monkeypatch.delenv(ENV_VAR, raising=False)
-  assert default_implementation() == {"gpu": "pallas", "cpu": "pallas_interpret"}.get(
+  assert default_implementation() == {"gpu": "auto", "cpu": "pallas_interpret"}.get(
       jax.default_backend(), "xla")
   monkeypatch.setenv(ENV_VAR, "xla")
   assert default_implementation() == "xla"
