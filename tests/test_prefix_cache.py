@@ -367,3 +367,17 @@ def test_clear():
 def test_cache_config_validated(max_bytes, block_size):
   with pytest.raises(ValueError):
     PrefixCache(max_bytes, block_size)
+
+
+def test_replace_swaps_payload_and_respects_bound():
+  from strata_jax.engine.prefix_cache import PrefixCache
+  c = PrefixCache(max_bytes=3000, block_size=4)
+  a, b = bytes(16), bytes([1]) * 16
+  assert c.insert(a, {"k": np.zeros(100, np.float32)}, None)
+  assert c.insert(b, {"k": np.zeros(100, np.float32)}, a)
+  assert c.peek(b)["k"].nbytes == 400 and c.stats["hits"] == 0
+  assert c.replace(b, {"k": np.zeros(100, np.float32), "ssm": np.ones(300, np.float32)})
+  assert "ssm" in c.peek(b) and c.stats["bytes"] == 400 + 1600
+  assert not c.replace(b, {"x": np.zeros(1000, np.float32)})     # alone over the bound
+  assert c.replace(b, {"x": np.zeros(700, np.float32)}) is False   # evicts itself, parent stays
+  assert a in c and b not in c and c.stats["bytes"] <= 3000

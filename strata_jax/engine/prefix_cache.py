@@ -239,6 +239,28 @@ class PrefixCache:
   def __contains__(self, digest: bytes) -> bool:
     return digest in self._nodes
 
+  def peek(self, digest: bytes) -> Any:
+    """The stored payload (None if absent), without touching recency or counters."""
+    node = self._nodes.get(digest)
+    return node.payload if node is not None else None
+
+  def replace(self, digest: bytes, payload: Any) -> bool:
+    """Swap a cached block's payload (e.g. add the recurrent state to a K/V-only block).
+    Returns whether the block is still cached afterwards."""
+    node = self._nodes.get(digest)
+    if node is None:
+      return False
+    nbytes = _payload_nbytes(payload)
+    if nbytes > self.max_bytes:
+      return False
+    self._bytes += nbytes - node.nbytes
+    node.payload, node.nbytes = payload, nbytes
+    self._unlink(node)
+    self._place(node)
+    while self._bytes > self.max_bytes:   # least recent is always a leaf (possibly this one)
+      self._evict(self._head.next)
+    return digest in self._nodes
+
   def match(self, hashes: list[bytes]) -> list[Any]:
     """Payloads of the longest run of cached blocks from block 0.
 
