@@ -5,8 +5,10 @@ import os
 import sys
 
 n_dev = int(sys.argv[1])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_dev}"
-os.environ["JAX_PLATFORMS"] = "cpu"
+REAL = os.environ.get("STRATA_SPLIT_REAL") == "1"   # real accelerators (device machine)
+if not REAL:
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_dev}"
+  os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 
 import dataclasses  # noqa: E402
@@ -21,9 +23,12 @@ from strata_jax.engine.engine import Request  # noqa: E402
 from strata_jax.parallel.plan import plan_layer_split  # noqa: E402
 from model_fixtures import TINY, random_lora, tiny_model  # noqa: E402
 
-cache = os.environ.get("STRATA_TEST_JAX_CACHE", "/tmp/strata-jax-test-cache")
-jax.config.update("jax_compilation_cache_dir", cache)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+if REAL:
+  jax.config.update("jax_default_matmul_precision", "highest")
+else:
+  cache = os.environ.get("STRATA_TEST_JAX_CACHE", "/tmp/strata-jax-test-cache")
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 logs = []
 logging.getLogger("strata_jax").addHandler(type("H", (logging.Handler,), {
@@ -46,7 +51,7 @@ def run(m, lora_set, sw):
 split_spec = "auto" if n_dev == 2 else "3,2,3"
 ranges, devs = plan_layer_split(model, split_spec)
 split_model = dataclasses.replace(model, layer_ranges=ranges, devices=devs)
-out = {"devices": n_dev}
+out = {"devices": n_dev, "platform": jax.default_backend()}
 single_eng, single = run(model, lora, switches)
 eng, split = run(split_model, lora, switches)
 out["ranges"] = [list(st.layers) for st in eng.stages]

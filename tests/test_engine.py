@@ -138,3 +138,23 @@ def test_bad_requests(model):
     eng.generate(tokens=list(range(64)))
   with pytest.raises(sj.RequestError, match="none is loaded"):
     eng.generate(tokens=[1], lora=True)
+
+
+def test_cancel_and_erase_slot(model):
+  eng = sj.Engine(model, slots=1, max_seq=128, block_size=BS)
+  h = eng.submit(Request(tokens=[1, 2, 3], max_tokens=50))
+  eng.step()
+  eng.step()
+  h.cancel()
+  while eng.busy:
+    eng.step()
+  assert h.result.finish_reason == "cancelled" and len(h.result.tokens) < 50
+  eng.erase_slot(0)
+  assert eng.slot_info(0)["n_tokens"] == 0
+  assert eng.generate(tokens=[1, 2, 3, 4], max_tokens=2).cached_tokens == 0
+
+
+def test_tiny_temperature_is_greedy():
+  from strata_jax.engine.sampling import sample
+  logits = np.array([0.0, 3.0, 1.0], np.float32)
+  assert sample(logits, np.random.default_rng(0), temperature=1e-9) == 1

@@ -240,7 +240,10 @@ def main():
           flush=True)
 
   def save(final=False):
+    # The shipped config is for inference: no router logits (the balance loss is training-only).
+    model.config.output_router_logits = False
     model.save_pretrained(args.out)
+    model.config.output_router_logits = True
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                 "spent": spent, "log": log}, args.ckpt)
     summary = {"config": {k: getattr(args, k) for k in ("seq", "batch", "lr", "warmup", "wd",

@@ -37,7 +37,7 @@ def main():
   ap.add_argument("--alpha", type=float, default=16.0)
   ap.add_argument("--seq", type=int, default=256)
   ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--lr", type=float, default=3e-3)
+  ap.add_argument("--lr", type=float, default=5e-3)
   ap.add_argument("--warmup", type=int, default=20)
   ap.add_argument("--eval-every", type=int, default=50)
   ap.add_argument("--ckpt-minutes", type=float, default=3.0)

@@ -46,7 +46,7 @@ class Result:
   prompt_tokens: list[int]
   tokens: list[int]
   lora: bool
-  finish_reason: str            # "stop" | "length"
+  finish_reason: str            # "stop" | "length" | "cancelled"
   cached_tokens: int            # prompt tokens read from a cache
   prompt_tokens_computed: int
   ttft_s: float
@@ -61,7 +61,11 @@ class Handle:
   """A submitted request; `result` is None until it finishes."""
 
   def __init__(self, req: Request):
-    self.req, self.result = req, None
+    self.req, self.result, self.cancelled = req, None, False
+
+  def cancel(self):
+    """Stop generating at the next step (finish_reason "cancelled")."""
+    self.cancelled = True
 
   @property
   def done(self) -> bool:
@@ -169,12 +173,17 @@ class Engine:
     row decodes one token together. A finished slot takes the next request next round."""
     while self._pending and len(self._running) < self.n_slots:
       h = self._pending.popleft()
+      if h.cancelled:
+        continue
       slot = self._pick_slot(h.req, exclude=self._running.keys())
       run = self._start(slot, h.req)
       if self._finished(slot, run):
         h.result = self._finish(slot, run)
       else:
         self._running[slot] = (h, run)
+    for slot in [s for s, (h, _) in self._running.items() if h.cancelled]:
+      h, run = self._running.pop(slot)
+      h.result = self._finish(slot, run, reason="cancelled")
     if self._running:
       self._decode_step(self._running)
       for slot in list(self._running):
@@ -361,14 +370,14 @@ class Engine:
     return (run.tokens[-1] in r.stop or len(run.tokens) >= r.max_tokens
             or len(self.slot_tokens[slot]) + 1 >= self.max_seq)
 
-  def _finish(self, slot: int, run: _Running) -> Result:
+  def _finish(self, slot: int, run: _Running, reason: str | None = None) -> Result:
     r = run.req
     now = time.perf_counter()
     n_dec = len(run.tokens) - 1
     stopped = run.tokens[-1] in r.stop
     return Result(
         prompt_tokens=list(r.tokens), tokens=list(run.tokens), lora=bool(run.switch),
-        finish_reason="stop" if stopped else "length",
+        finish_reason=reason or ("stop" if stopped else "length"),
         cached_tokens=run.cached, prompt_tokens_computed=run.computed,
         ttft_s=run.t_first - run.t0,
         decode_tokens_per_s=n_dec / (now - run.t_first) if n_dec and now > run.t_first else 0.0,
@@ -423,7 +432,16 @@ class Engine:
                                              put(arrays["ssm"]), jnp.int32(n), jnp.int32(switch))
     self.slot_tokens[slot] = [int(t) for t in tokens]
     self.slot_key[slot] = self._cache_key(switch)
+    self._lru.move_to_end(slot)
     return {"n_tokens": n, "lora": bool(switch), "version": meta.version}
+
+  def erase_slot(self, slot: int):
+    """Forget a slot's conversation (its state is cleared; nothing is cached from it)."""
+    self._check_slot(slot)
+    if slot in self._running:
+      raise RequestError(f"slot {slot} is busy")
+    self._reset(slot)
+    self.slot_key[slot] = (0, 0)
 
   @staticmethod
   def erase_session(path) -> bool:

@@ -7,7 +7,7 @@ import numpy as np
 def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0) -> int:
   """Pick one token id from float logits [V]."""
-  if temperature <= 0.0:
+  if not temperature > 1e-5:          # 0, tiny (logits / T would overflow) or NaN: greedy
     return int(np.argmax(logits))
   z = logits.astype(np.float64) / temperature
   if 0 < top_k < z.size:

@@ -8,6 +8,10 @@ Endpoints:
 
 Every generation body takes `"lora": true|false` (absent: the config's default, else on when an
 adapter is loaded). Requests in both switch states share the slots and batch together.
+Beyond the two APIs: non-stream responses carry `"lora"` (the state that served them) and an
+`X-Slot-Id` header (the slot to save afterwards); `/v1/completions` takes a prompt of token ids
+and `"return_tokens": true` adds the sampled ids to the choice; `top_k` and `seed` are accepted
+by every endpoint. Stop strings: text-level, and a one-token string also stops the engine.
 
 Errors use each API's own shape: OpenAI `{"error": {"message", "type", "param", "code"}}`,
 Anthropic `{"type": "error", "error": {"type", "message"}}` (for /v1/messages). Statuses: 400

@@ -1,0 +1,224 @@
+"""Shared pieces of the benchmark scripts: the bench-a3b geometry, random weights made on the
+device, timing, and the byte / FLOP counts the rooflines are computed from.
+
+Kept free of torch so the JAX scripts import it; the torch peers import only the geometry
+constants (plain Python).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.normpath(os.path.join(HERE, "..", "results"))
+TMP = os.path.join(RESULTS, "tmp")   # gitignored: inputs saved for cross-checks, HLO dumps
+
+# bench-a3b (issue #7): 11.98 B params, ~7.0 GB of bf16 weights read per decoded token.
+BENCH_A3B = dict(vocab_size=151936, d_model=2048, n_layers=48, attn_interval=4, n_head=16,
+                 n_kv_head=2, head_dim=256, n_rot=64, rope_base=1e7, gdn_n_k_heads=16,
+                 gdn_n_v_heads=32, gdn_d_k=128, gdn_d_v=128, conv_kernel=4, n_experts=64,
+                 n_experts_used=10, d_ff_expert=512, d_ff_shared=512, rms_eps=1e-6)
+# The same layer kinds at toy sizes, for the CPU smoke test of every script (--tiny).
+TINY = dict(vocab_size=512, d_model=64, n_layers=8, attn_interval=4, n_head=4, n_kv_head=2,
+            head_dim=16, n_rot=8, rope_base=1e4, gdn_n_k_heads=2, gdn_n_v_heads=4, gdn_d_k=16,
+            gdn_d_v=16, conv_kernel=4, n_experts=8, n_experts_used=2, d_ff_expert=32,
+            d_ff_shared=32, rms_eps=1e-6)
+LORA_RANK = 50
+
+# Fallback ceilings (shared/peers, 2026-11-29, one H200) when this run has not measured them.
+COPY_TBPS = 4.13
+MATMUL_TFLOPS = 690.0
+
+
+def model_config(geom: dict):
+  from strata_jax.config import ModelConfig, layer_pattern_from_interval
+  g = dict(geom)
+  pattern = layer_pattern_from_interval(g.pop("n_layers"), g.pop("attn_interval"))
+  return ModelConfig(layer_types=pattern, context_length=32768, **g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights, made on the device (the host numpy init is far too slow for 12 B params).
+
+def device_params(cfg, dtype, seed: int = 0, std: float = 0.02):
+  """Params with init_params' recipe (norms ~1, a < 0, dt_bias, conv) drawn by jax.random on
+  the default device in one jitted program; layer-stacked leaves are drawn one layer at a time
+  (lax.map over keys), so no single draw exceeds 2^31 elements and the fp32 temporaries stay
+  one layer big."""
+  import jax
+  import jax.numpy as jnp
+
+  from strata_jax.params import leaf_dtype, param_shapes, params_from_flat
+
+  def draw(kind, key, shape, dt):
+    f32 = jnp.float32
+    if kind == "norm":
+      x = 1.0 + 0.1 * jax.random.normal(key, shape, f32)
+    elif kind == "a":
+      x = -jnp.exp(jax.random.uniform(key, shape, f32, -1.0, 1.0))
+    elif kind == "dt_bias":
+      x = jax.random.uniform(key, shape, f32, -0.5, 0.5)
+    elif kind == "conv":
+      x = 0.3 * jax.random.normal(key, shape, f32)
+    else:
+      x = std * jax.random.normal(key, shape, f32)
+    return x.astype(dt)
+
+  shapes = param_shapes(cfg)
+
+  @jax.jit
+  def make(root):
+    flat = {}
+    for i, (path, shape) in enumerate(shapes.items()):
+      name = path.split(".")[-1]
+      kind = ("norm" if name in ("attn_norm", "post_norm", "final_norm", "q_norm", "k_norm",
+                                 "norm")
+              else name if name in ("a", "dt_bias", "conv") else "w")
+      dt = leaf_dtype(path, dtype)
+      key = jax.random.fold_in(root, i)
+      if path.startswith("layers.") and len(shape) >= 2:
+        draw_layer = lambda k, kind=kind, s=shape[1:], dt=dt: draw(kind, k, s, dt)
+        flat[path] = jax.lax.map(draw_layer, jax.random.split(key, shape[0]))
+      else:
+        flat[path] = draw(kind, key, shape, dt)
+    return flat
+
+  flat = make(jax.random.key(seed))
+  params = params_from_flat(flat)
+  jax.block_until_ready(params)
+  return params
+
+
+def device_lora(cfg, rank: int, dtype, seed: int = 1, std: float = 0.02):
+  """A random rank-`rank` adapter on ssm_out and attn_output of every layer."""
+  import jax
+
+  from strata_jax.params import LoraParams
+  k = jax.random.split(jax.random.key(seed), 4)
+  D = cfg.d_model
+  mk = lambda key, s: (std * jax.random.normal(key, s)).astype(dtype)
+  lora = LoraParams(gdn_a=mk(k[0], (cfg.n_gdn, rank, cfg.gdn_value_dim)),
+                    gdn_b=mk(k[1], (cfg.n_gdn, D, rank)),
+                    attn_a=mk(k[2], (cfg.n_attn, rank, cfg.attn_out_dim)),
+                    attn_b=mk(k[3], (cfg.n_attn, D, rank)))
+  jax.block_until_ready(lora)
+  return lora
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte and FLOP counts (bf16 weights unless itemsize says otherwise).
+
+def weight_bytes(cfg, itemsize: int = 2) -> dict:
+  """Bytes of each weight group: per layer kind, and the experts split out."""
+  D, C, K = cfg.d_model, cfg.gdn_conv_dim, cfg.conv_kernel
+  Hv, Dv, H, G, Hd = cfg.gdn_n_v_heads, cfg.gdn_d_v, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+  E, F, Fs = cfg.n_experts, cfg.d_ff_expert, cfg.d_ff_shared
+  gdn = (C * D + Hv * Dv * D + 2 * Hv * D + D * Hv * Dv + Dv) * itemsize + (C * K + 2 * Hv) * 4
+  attn = (2 * H * Hd * D + 2 * G * Hd * D + D * H * Hd + 2 * Hd) * itemsize
+  dense_moe = (3 * Fs * D + 2 * D) * itemsize + (E * D + D) * 4   # shared expert, norms, router
+  expert = 3 * F * D * itemsize                                    # one routed expert
+  return dict(gdn_layer=gdn, attn_layer=attn, dense_moe_layer=dense_moe, expert=expert,
+              lm_head=cfg.vocab_size * D * itemsize, embed_row=D * itemsize,
+              final_norm=D * itemsize)
+
+
+def expected_distinct_experts(cfg, n_tokens: int) -> float:
+  """Expected experts touched by n tokens with uniform random top-k routing."""
+  E, k = cfg.n_experts, cfg.n_experts_used
+  return E * (1.0 - (1.0 - k / E) ** n_tokens)
+
+
+def decode_step_bytes(cfg, batch: int, context: int, itemsize: int = 2) -> dict:
+  """Fewest bytes one decode step must move: the weights it reads (experts: the expected
+  union over the batch), and per row the recurrent state read + written and the K/V read."""
+  w = weight_bytes(cfg, itemsize)
+  L = cfg.n_layers
+  weights = (cfg.n_gdn * w["gdn_layer"] + cfg.n_attn * w["attn_layer"] + L * w["dense_moe_layer"]
+             + L * expected_distinct_experts(cfg, batch) * w["expert"] + w["lm_head"]
+             + w["final_norm"] + batch * w["embed_row"])
+  ssm = cfg.n_gdn * cfg.gdn_n_v_heads * cfg.gdn_d_v * cfg.gdn_d_k * 4
+  conv = cfg.n_gdn * (cfg.conv_kernel - 1) * cfg.gdn_conv_dim * itemsize
+  kv = cfg.n_attn * 2 * cfg.n_kv_head * cfg.head_dim * itemsize * (context + 1)
+  state = batch * (2 * ssm + 2 * conv + kv)
+  return dict(weights=weights, state=state, total=weights + state)
+
+
+def gdn_chunk_flops(T: int, H: int, Dk: int, Dv: int, C: int = 64) -> float:
+  """Matrix FLOPs of the chunked delta rule (WY/UT form) for one sequence of T tokens."""
+  n = math.ceil(T / C)
+  per_chunk = (2 * C * C * Dk            # k kᵀ
+               + C * C * (Dk + Dv)       # unit lower-triangular solve, Dk + Dv right-hand sides
+               + 2 * C * Dk * Dv         # w s0ᵀ
+               + 2 * C * C * Dk          # q kᵀ
+               + 2 * C * Dk * Dv         # q s0ᵀ
+               + 2 * C * C * Dv          # (q kᵀ) u
+               + 2 * C * Dk * Dv)        # state update uᵀ k
+  return per_chunk * n * H
+
+
+def prefill_flops(cfg, T: int) -> dict:
+  """Matrix FLOPs of one T-token prefill with logits for the last token only."""
+  D, C = cfg.d_model, cfg.gdn_conv_dim
+  Hv, Dv, H, G, Hd = cfg.gdn_n_v_heads, cfg.gdn_d_v, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+  gdn_proj = 2 * T * D * (C + 2 * Hv * Dv + 2 * Hv)
+  attn_proj = 2 * T * D * (2 * H * Hd + 2 * G * Hd + H * Hd)
+  attn_core = 2 * 2 * H * Hd * T * (T + 1) / 2                    # causal QKᵀ and PV
+  moe_routed = 2 * T * cfg.n_experts_used * 3 * cfg.d_ff_expert * D
+  moe_dense = 2 * T * (3 * cfg.d_ff_shared * D + cfg.n_experts * D)
+  gdn_core = gdn_chunk_flops(T, Hv, cfg.gdn_d_k, Dv)
+  total = (cfg.n_gdn * (gdn_proj + gdn_core) + cfg.n_attn * (attn_proj + attn_core)
+           + cfg.n_layers * (moe_routed + moe_dense) + 2 * D * cfg.vocab_size)
+  return dict(total=total, moe_routed=cfg.n_layers * moe_routed,
+              moe_all_experts=cfg.n_layers * moe_routed * cfg.n_experts / cfg.n_experts_used)
+
+
+def param_count(cfg) -> int:
+  from strata_jax.params import param_shapes
+  return sum(math.prod(s) for s in param_shapes(cfg).values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and output.
+
+def block(x):
+  import jax
+  return jax.block_until_ready(x)
+
+
+def summarize(samples: list[float]) -> dict:
+  s = sorted(samples)
+  return dict(median=statistics.median(s), min=s[0], max=s[-1], n=len(s))
+
+
+def now() -> float:
+  return time.perf_counter()
+
+
+def read_json(path: str) -> dict | None:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def write_json(path: str, obj) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = path + ".part"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1, default=str)
+  os.replace(tmp, path)
+
+
+def ceilings(kernels_json: dict | None) -> dict:
+  """Copy bandwidth (bytes/s) and bf16 matmul rate (FLOP/s) measured in this run, else the
+  peers' figures."""
+  bw, fl, src = COPY_TBPS * 1e12, MATMUL_TFLOPS * 1e12, "fallback (shared/peers 2026-11-29)"
+  if kernels_json and "phys" in kernels_json and "copy_TBps" in kernels_json["phys"]:
+    bw = kernels_json["phys"]["copy_TBps"] * 1e12
+    fl = kernels_json["phys"]["matmul_TFLOPs"] * 1e12
+    src = "measured in this run (bench_kernels.py)"
+  return dict(bw=bw, flops=fl, source=src)

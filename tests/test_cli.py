@@ -1,0 +1,91 @@
+"""The public CLI contract (DESIGN.md): flags, --json, --dump-logits arrays, exit status 2."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from strata_jax.gguf.convert_hf import write_model_gguf
+from strata_jax.gguf.names import params_to_gguf_tensors
+from strata_jax.params import init_params, params_to_flat
+from adapter_fixtures import write_adapter
+from model_fixtures import TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  d = tmp_path_factory.mktemp("cli")
+  flat = {k: np.asarray(v, np.float32) for k, v in params_to_flat(init_params(TINY, 0, scale=0.1)).items()}
+  model = str(d / "tiny.gguf")
+  write_model_gguf(model, TINY, params_to_gguf_tensors(TINY, flat))
+  a, _ = write_adapter(d / "a.gguf", TINY, rank=4, alpha=8.0, seed=1)
+  b, _ = write_adapter(d / "b.gguf", TINY, rank=2, alpha=0.0, seed=2)
+  return d, model, a, b
+
+
+def cli(*args, check=True):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  p = subprocess.run([sys.executable, "-m", "strata_jax", *args], capture_output=True, text=True,
+                     env=env, timeout=600)
+  if check:
+    assert p.returncode == 0, p.stderr[-2000:]
+  return p
+
+
+def test_generate_json_and_dump_logits(files):
+  d, model, a, b = files
+  out = d / "on.npz"
+  p = cli("generate", "--model", model, "--lora", a, "--lora-scaled", f"{b}:0.5",
+          "--prompt-tokens", "5,6,7,8,9", "-n", "4", "--json", "--dump-logits", str(out))
+  res = json.loads(p.stdout.strip().splitlines()[-1])
+  assert res["prompt_tokens"] == [5, 6, 7, 8, 9] and len(res["tokens"]) == 4 and res["lora"] is True
+  z = np.load(out)
+  assert z["prompt"].shape == (5, TINY.vocab_size) and z["prompt"].dtype == np.float32
+  assert np.array_equal(z["prompt_last"], z["prompt"][-1])
+  assert z["steps"].shape == (4, TINY.vocab_size)
+  assert res["tokens"][0] == int(np.argmax(z["prompt_last"]))
+  assert [int(np.argmax(s)) for s in z["steps"]] == res["tokens"]
+  # --lora-off loads the adapters but is bit-identical to no adapter at all
+  cli("generate", "--model", model, "--lora", a, "--lora-off", "--prompt-tokens", "5,6,7,8,9",
+      "-n", "4", "--dump-logits", str(d / "off.npz"))
+  cli("generate", "--model", model, "--prompt-tokens", "5,6,7,8,9", "-n", "4",
+      "--dump-logits", str(d / "base.npz"))
+  off, base = np.load(d / "off.npz"), np.load(d / "base.npz")
+  for k in ("prompt", "prompt_last", "steps"):
+    assert np.array_equal(off[k], base[k]), k
+  assert not np.array_equal(z["prompt"], base["prompt"])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "/nonexistent.gguf", "--prompt-tokens", "1"], "no such model file"),
+    (["--prompt-tokens", "1,x"], "--prompt-tokens"),
+    (["--lora-scaled", "nocolon", "--prompt-tokens", "1"], "FILE:SCALE"),
+    (["--lora", "/nonexistent-adapter.gguf", "--prompt-tokens", "1"], "nonexistent-adapter"),
+    (["--prompt-tokens", "99999999"], "vocabulary"),
+    (["--layer-split", "1,x", "--prompt-tokens", "1"], "layer-split"),
+])
+def test_errors_exit_2_without_traceback(files, args, needle):
+  _, model, _, _ = files
+  if "--model" not in args:
+    args = ["--model", model, *args]
+  p = cli("generate", *args, check=False)
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert p.stderr.strip().splitlines()[-1].startswith("error: ") and needle in p.stderr
+  assert "Traceback" not in p.stderr
+
+
+def test_not_a_gguf_exits_2(tmp_path):
+  bad = tmp_path / "bad.gguf"
+  bad.write_bytes(b"not a gguf at all")
+  p = cli("generate", "--model", str(bad), "--prompt-tokens", "1", check=False)
+  assert p.returncode == 2 and "error: " in p.stderr and str(bad) in p.stderr
+
+
+def test_default_model_prints_text():
+  p = cli("generate", "--prompt", "The function returns", "-n", "8", "--json")
+  res = json.loads(p.stdout.strip().splitlines()[-1])
+  assert isinstance(res["text"], str) and res["tokens"] and res["lora"] is False
