@@ -141,7 +141,8 @@ def cmd_serve(args) -> int:
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   import logging  # noqa: PLC0415
-  logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+  logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+  logging.getLogger("strata_jax").setLevel(logging.INFO)
   from strata_jax.errors import StrataError  # noqa: PLC0415
   try:
     return {"generate": cmd_generate, "convert": cmd_convert, "serve": cmd_serve}[args.cmd](args)

@@ -63,7 +63,7 @@ def _sources(lib: str):
     if SKIP_DIRS & set(os.path.relpath(path, lib).split(os.sep)[:-1]):
       continue
     try:
-      tree = ast.parse(open(path, encoding="utf-8").read())
+      tree = ast.parse(_read(path))
     except (SyntaxError, UnicodeDecodeError, ValueError):
       continue
     for doc in _docstrings(tree):
@@ -73,11 +73,16 @@ def _sources(lib: str):
     yield f"pydoc_data.topics[{name!r}]", topics[name]
 
 
+def _read(path: str) -> str:
+  with open(path, encoding="utf-8") as f:
+    return f.read()
+
+
 def build_docs(cache: str = DEFAULT_CACHE) -> str:
   """Prose paragraphs of the stdlib's docstrings and help topics, one per line, de-duplicated."""
   out = os.path.join(cache, "stdlib_docstrings.txt")
   if os.path.exists(out):
-    return open(out, encoding="utf-8").read()
+    return _read(out)
   lib = sysconfig.get_paths()["stdlib"]
   seen, pars = set(), []
   for _, doc in _sources(lib):
@@ -98,7 +103,7 @@ def build_kjv(cache: str = DEFAULT_CACHE) -> str:
   """The KJV text, one verse per line with its reference stripped (31,102 verses)."""
   out = os.path.join(cache, "kjv.txt")
   if os.path.exists(out):
-    return open(out, encoding="utf-8").read()
+    return _read(out)
   with tempfile.TemporaryDirectory() as tmp:
     for pattern in KJV_DEBS:
       debs = sorted(glob.glob(os.path.join(APT_ARCHIVES, pattern)))

@@ -36,7 +36,8 @@ def main(argv=None):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  res = json.load(open(args.results))
+  with open(args.results) as f:
+    res = json.load(f)
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   if "base" in res:
     b = res["base"]

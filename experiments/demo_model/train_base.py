@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import data  # noqa: E402
+import data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "..", "results", "demo_training.json")
@@ -147,7 +147,8 @@ def greedy(model, tok, prompt: str, n: int = 48) -> str:
   model.eval()
   ids = torch.tensor([tok.encode(prompt).ids])
   out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                       do_sample=False, output_router_logits=False, pad_token_id=tok.token_to_id("<|endoftext|>"),
+                       do_sample=False, output_router_logits=False,
+                       pad_token_id=tok.token_to_id("<|endoftext|>"),
                        eos_token_id=[tok.token_to_id("<|endoftext|>"),
                                      tok.token_to_id("<|im_end|>")])
   model.train()
@@ -158,7 +159,10 @@ def update_results(key: str, value, path: str | None = None):
   """Read-modify-write of one top-level key of the shared results JSON."""
   path = path or RESULTS
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  res = json.load(open(path)) if os.path.exists(path) else {}
+  res = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      res = json.load(f)
   res[key] = value
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
@@ -192,8 +196,8 @@ def main():
   args = ap.parse_args()
   torch.set_num_threads(args.threads)
   torch.manual_seed(args.seed)
-  from transformers import Qwen3NextForCausalLM
   from tokenizers import Tokenizer
+  from transformers import Qwen3NextForCausalLM
 
   t_prep = time.time()
   docs_train, docs_val = data.split(data.build_docs(args.cache).splitlines())

@@ -20,9 +20,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import data  # noqa: E402
-import plot  # noqa: E402
-import train_base as tb  # noqa: E402
+import data
+import plot
+import train_base as tb
 
 TARGETS = ["o_proj", "out_proj"]
 
