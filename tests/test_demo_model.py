@@ -1,0 +1,50 @@
+"""The embedded demo model speaks, and its demo adapter changes the style."""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from strata_jax.api import asset_path
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROMPT = "The function returns"
+
+
+@pytest.fixture(scope="module")
+def english():
+  """Words of the Python standard library's own text (an offline English word list)."""
+  words = set()
+  for f in pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"):
+    words.update(w.lower() for w in re.findall(r"[A-Za-z]+", f.read_text(errors="ignore")))
+  return words
+
+
+def _generate(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  p = subprocess.run([sys.executable, "-m", "strata_jax", "generate", "--prompt", PROMPT, "-n", "24",
+                      "--json", *args], capture_output=True, text=True, env=env, timeout=600)
+  assert p.returncode == 0, p.stderr[-2000:]
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _in_vocab(text, english):
+  words = re.findall(r"[A-Za-z]+", text)
+  assert len(words) >= 8, text
+  return sum(w.lower() in english for w in words) / len(words)
+
+
+def test_default_model_and_adapter_style(english):
+  assert os.path.getsize(asset_path("demo-base.gguf")) + os.path.getsize(asset_path("demo-lora.gguf")) < 20e6
+  base = _generate()
+  on = _generate("--lora", asset_path("demo-lora.gguf"))
+  off = _generate("--lora", asset_path("demo-lora.gguf"), "--lora-off")
+  assert base["lora"] is False and on["lora"] is True and off["lora"] is False
+  assert off["tokens"] == base["tokens"], "switch off must equal the model without adapter"
+  assert on["text"] != off["text"]
+  for res in (base, on):
+    assert _in_vocab(res["text"], english) >= 0.8, res["text"]
