@@ -92,18 +92,21 @@ def plan_auto(model, devices, lora=None, slots: int = 1, max_seq: int = 4096):
   cap = np.array([f if f is not None else 1.0 for f in free], np.float64)
   if any(f is None for f in free):
     cap[:] = 1.0
-  head = sum(a.size * a.dtype.itemsize for a in (model.params.embed, model.params.lm_head))
-  total = cost.sum() + head
+  embed = model.params.embed.size * model.params.embed.dtype.itemsize
+  head = model.params.lm_head.size * model.params.lm_head.dtype.itemsize
+  total = embed + cost.sum() + head
   if all(f is not None for f in free) and total > cap.sum():
     raise StrataError(f"the model needs {total / 2**30:.1f} GiB but the {n} devices have "
                       f"{cap.sum() / 2**30:.1f} GiB free")
-  bounds = np.cumsum(cap)[:-1] / cap.sum() * cost.sum()
-  cum = np.cumsum(cost)
+  # Bytes held once layers [0, i] are placed, the embedding counted on the first device and
+  # the head on the last; each cut goes where that total is nearest the device's share.
+  held = embed + np.cumsum(cost)
+  held[-1] += head
+  targets = np.cumsum(cap)[:-1] / cap.sum() * total
   counts, lo = [], 0
-  for i, b in enumerate(bounds):
-    hi = int(np.searchsorted(cum, b, side="left")) + 1
-    hi = max(hi, lo + 1)
-    hi = min(hi, len(cost) - (n - 1 - i))      # leave >= 1 layer for every later stage
+  for i, t in enumerate(targets):
+    last_ok = len(cost) - (n - 1 - i)              # leave >= 1 layer for every later stage
+    hi = lo + 1 + int(np.argmin(np.abs(held[lo:last_ok] - t)))
     counts.append(hi - lo)
     lo = hi
   counts.append(len(cost) - lo)
