@@ -148,3 +148,33 @@ class LoraParams:
   gdn_b: jax.Array    # [Lg, D, R]
   attn_a: jax.Array   # [La, R, H*Hd]    for attn_output
   attn_b: jax.Array   # [La, D, R]
+
+
+LORA_RANK_BUCKET = 64
+
+
+def lora_rank_bucket(rank: int) -> int:
+  """Stacked ranks are zero-padded to a multiple of 64 (at least 64), so every adapter set up
+  to that rank, and the no-adapter model, run one compiled program (zero rows are exact)."""
+  return max(LORA_RANK_BUCKET, -(-int(rank) // LORA_RANK_BUCKET) * LORA_RANK_BUCKET)
+
+
+def pad_lora_rank(lora: LoraParams, rank: int) -> LoraParams:
+  """Zero-pad the stacked rank axis to `rank`."""
+  def pad(x, axis):
+    extra = rank - x.shape[axis]
+    if extra < 0:
+      raise ValueError(f"LoRA rank {x.shape[axis]} exceeds the padded rank {rank}")
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+  return LoraParams(gdn_a=pad(lora.gdn_a, 1), gdn_b=pad(lora.gdn_b, 2),
+                    attn_a=pad(lora.attn_a, 1), attn_b=pad(lora.attn_b, 2))
+
+
+def empty_lora(cfg: ModelConfig, rank: int = LORA_RANK_BUCKET, dtype=jnp.float32) -> LoraParams:
+  """An all-zero adapter: what a model with no adapter runs, with every switch off."""
+  D = cfg.d_model
+  z = lambda *s: jnp.zeros(s, dtype)
+  return LoraParams(gdn_a=z(cfg.n_gdn, rank, cfg.gdn_value_dim), gdn_b=z(cfg.n_gdn, D, rank),
+                    attn_a=z(cfg.n_attn, rank, cfg.attn_out_dim), attn_b=z(cfg.n_attn, D, rank))

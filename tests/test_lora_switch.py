@@ -1,11 +1,14 @@
 """The LoRA switch is data: one compiled program serves on, off and mixed rows; a row with the
-switch off is bit-identical to the model loaded with no adapter."""
+switch off is bit-identical to the model loaded with no adapter (which the engine runs as the
+same program with an all-zero adapter of the same padded rank)."""
 import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
 
+import strata_jax as sj
 from strata_jax import steps
+from strata_jax.params import empty_lora, lora_rank_bucket, pad_lora_rank
 from strata_jax.state import init_state
 from model_fixtures import TINY, random_lora, tiny_model
 
@@ -19,7 +22,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def lora():
-  return random_lora(rank=12)
+  ls = random_lora(rank=12)
+  return pad_lora_rank(ls.params, lora_rank_bucket(12))
+
+
+NO_ADAPTER = empty_lora(TINY)
 
 
 def _run(model, lora_params, tokens, switch, n_decode=4, batch=1, slot=0):
@@ -58,23 +65,23 @@ def _bits_equal(a, b):
 @pytest.mark.parametrize("T", [1, 8, 300])
 def test_off_is_bit_identical_to_no_adapter(model, lora, T):
   toks = np.random.default_rng(T).integers(0, TINY.vocab_size, T)
-  base_logits, base_state = _run(model, None, toks, 0)
+  base_logits, base_state = _run(model, NO_ADAPTER, toks, 0)
   # compiled and first run with the switch on, then off through the same program
-  on_logits, _ = _run(model, lora.params, toks, 1)
-  off_logits, off_state = _run(model, lora.params, toks, 0)
+  on_logits, _ = _run(model, lora, toks, 1)
+  off_logits, off_state = _run(model, lora, toks, 0)
   assert _bits_equal(off_logits, base_logits)
   assert _bits_equal(base_state.replace(lora=off_state.lora), off_state)
   assert not np.allclose(on_logits[-1], base_logits[-1]), "the adapter must change the output"
-  on_again, _ = _run(model, lora.params, toks, 1)
+  on_again, _ = _run(model, lora, toks, 1)
   assert _bits_equal(on_again, on_logits), "switching back on re-applies the adapter"
 
 
 def test_one_program_for_every_switch_state(model, lora):
   toks = np.arange(20) % TINY.vocab_size
-  _run(model, lora.params, toks, 1, batch=2)
+  _run(model, lora, toks, 1, batch=2)
   before = (steps.prefill._cache_size(), steps.decode._cache_size())
-  _run(model, lora.params, toks, 0, batch=2)
-  _run(model, lora.params, toks, 1, batch=2, slot=1)
+  _run(model, lora, toks, 0, batch=2)
+  _run(model, lora, toks, 1, batch=2, slot=1)
   assert (steps.prefill._cache_size(), steps.decode._cache_size()) == before
 
 
@@ -102,12 +109,24 @@ def test_mixed_batch_rows(model, lora):
       toks = jnp.argmax(lg, axis=-1).astype(jnp.int32)
     return np.stack(outs), jax.tree.map(np.asarray, state)
 
-  mixed, mixed_state = batch_run(lora.params, switches)
-  base, base_state = batch_run(None, np.zeros(B, np.int32))
-  all_on, on_state = batch_run(lora.params, np.ones(B, np.int32))
+  mixed, mixed_state = batch_run(lora, switches)
+  base, base_state = batch_run(NO_ADAPTER, np.zeros(B, np.int32))
+  all_on, on_state = batch_run(lora, np.ones(B, np.int32))
   off_rows, on_rows = switches == 0, switches == 1
   assert np.array_equal(mixed[:, off_rows], base[:, off_rows])
   assert np.array_equal(mixed[:, on_rows], all_on[:, on_rows])
   assert np.array_equal(mixed_state.ssm[:, off_rows], base_state.ssm[:, off_rows])
   assert np.array_equal(mixed_state.ssm[:, on_rows], on_state.ssm[:, on_rows])
   assert list(mixed_state.lora) == list(switches), "state remembers each row's switch"
+
+
+def test_engines_with_and_without_adapter_share_one_program(model):
+  prompt = list(range(1, 40))
+  with_adapter = sj.Engine(model, lora=random_lora(rank=12), slots=2, max_seq=128, block_size=32)
+  off = with_adapter.generate(tokens=prompt, max_tokens=3, lora=False, return_logits=True)
+  sizes = (steps.prefill._cache_size(), steps.decode._cache_size())
+  bare = sj.Engine(model, slots=2, max_seq=128, block_size=32)
+  none = bare.generate(tokens=prompt, max_tokens=3, return_logits=True)
+  assert (steps.prefill._cache_size(), steps.decode._cache_size()) == sizes
+  assert np.array_equal(off.prompt_logits, none.prompt_logits)
+  assert np.array_equal(off.step_logits, none.step_logits)

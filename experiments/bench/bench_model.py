@@ -44,10 +44,13 @@ flags.DEFINE_integer("prefill_reps", 5, "timed rounds per prefill variant")
 flags.DEFINE_integer("compile_threads", 6, "programs compiled at once")
 flags.DEFINE_bool("single_step", True, "also time decode stepped from Python (batch 1)")
 flags.DEFINE_string("lora_impl", "", "STRATA_LORA_IMPL for the adapter programs ('' = default)")
-flags.DEFINE_string("lora_alt_impl", "auto", "a second LoRA implementation timed beside the "
-                    "default at decode and at --lora_tokens (variants off@IMPL, on@IMPL; '' = none)")
+flags.DEFINE_string("lora_alt_impl", "pallas", "a second LoRA implementation timed beside "
+                    "the default at decode and at --lora_tokens (variants off@IMPL, on@IMPL; "
+                    "'' = none)")
 flags.DEFINE_string("alt_batches", "1,8", "decode batches timed with --lora_alt_impl too")
-flags.DEFINE_string("dump_hlo", "decode_b1_none,decode_b1_lora,prefill_none", "programs whose optimized HLO is "
+flags.DEFINE_string("sections", "decode,prefill,lora,single", "what to build and time")
+flags.DEFINE_string("dump_hlo", "decode_b1_none,decode_b1_lora,prefill_none",
+                    "programs whose optimized HLO is "
                     "saved (gzip) under experiments/results/tmp/")
 F = flags.FLAGS
 
@@ -72,7 +75,8 @@ class Bench:
     self.dtype = jnp.bfloat16
     self.L = cfg.n_layers
     self.ceil = common.ceilings(common.read_json(F.kernels_json))
-    res["ceilings"] = dict(copy_TBps=self.ceil["bw"] / 1e12, matmul_TFLOPs=self.ceil["flops"] / 1e12,
+    res["ceilings"] = dict(copy_TBps=self.ceil["bw"] / 1e12,
+                           matmul_TFLOPs=self.ceil["flops"] / 1e12,
                            source=self.ceil["source"])
     res["geometry"] = dict(geom, layer_types=cfg.layer_types, lora_rank=common.LORA_RANK,
                            dtype="bfloat16")
@@ -107,11 +111,13 @@ class Bench:
         out[f"decode_b{B}_{kind}{sfx}"] = (lambda B=B, lp=lp: steps.decode_greedy.lower(
             cfg, self.params, lp, self.state_abs(B, F.max_seq), i32(B), i32(B), i32(B),
             n_steps=F.n_steps))
-    if F.single_step and 1 in self.batches and not alt:
+    if not self.want("decode"):
+      out = {}
+    if F.single_step and self.want("single") and 1 in self.batches and not alt:
       out["decode_b1_single"] = lambda: steps.decode.lower(
           cfg, self.params, None, self.state_abs(1, F.max_seq), i32(1), i32(1), i32(1))
     for tag, T in (("prefill", self.T), ("lora", self.T_lora)):
-      if alt and tag == "prefill":
+      if (alt and tag == "prefill") or not self.want(tag):
         continue
       for kind in kinds:
         lp = self.lora if kind == "lora" else None
@@ -129,6 +135,9 @@ class Bench:
       except Exception as e:
         self.prog_info[name] = dict(error=f"lower: {type(e).__name__}: {str(e)[:1500]}")
         print("LOWER ERROR", name, traceback.format_exc()[-3000:], flush=True)
+
+  def want(self, section):
+    return section in F.sections.split(",")
 
   def seq_for(self, T):
     return -(-T // 256) * 256
@@ -359,19 +368,14 @@ class Bench:
           {v: round(r["tokens_per_s"], 1) for v, r in res.items()}, flush=True)
 
   def lora_roofline(self):
-    """Fewest-cost bound of the adapter per layer: read A and B once, or its FLOPs."""
-    cfg, R = self.cfg, common.LORA_RANK
-    din = (cfg.n_gdn * cfg.gdn_value_dim + cfg.n_attn * cfg.attn_out_dim) / cfg.n_layers
-    out = {}
-    for n in (1, 8, self.T_lora):
-      byt = R * (din + cfg.d_model) * 2
-      fl = 2 * n * R * (din + cfg.d_model)
-      out[str(n)] = max(byt / self.ceil["bw"], fl / self.ceil["flops"]) * 1e6
-    self.res["lora_roofline_us_per_layer"] = out
+    self.res["lora_roofline_us_per_layer"] = {
+        str(n): common.lora_roofline_us(self.cfg, n, self.ceil) for n in (1, 8, self.T_lora)}
 
   def run(self):
     if F.tiny:  # the smoke test checks the plumbing, not the numbers
       F.n_steps, F.decode_reps, F.prefill_reps = 4, 2, 2
+      if F.lora_alt_impl == "pallas":  # compiled Pallas needs a GPU
+        F.lora_alt_impl = "xla"
     self.batches = [int(b) for b in F.batches.split(",")]
     self.T = 100 if F.tiny else F.prefill_tokens
     self.T_lora = 30 if F.tiny else F.lora_tokens

@@ -13,8 +13,11 @@ import statistics
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.normpath(os.path.join(HERE, "..", "results"))
-TMP = os.path.join(RESULTS, "tmp")   # gitignored: inputs saved for cross-checks, HLO dumps
+# STRATA_BENCH_RESULTS redirects every script's output (run_all.sh --tiny uses a scratch folder,
+# so the smoke test never overwrites the committed results).
+RESULTS = os.path.abspath(os.environ.get("STRATA_BENCH_RESULTS")
+                          or os.path.join(HERE, "..", "results"))
+TMP = os.path.join(RESULTS, "tmp")   # inputs saved for cross-checks, HLO dumps (gitignored)
 
 # bench-a3b (issue #7): 11.98 B params, ~7.0 GB of bf16 weights read per decoded token.
 BENCH_A3B = dict(vocab_size=151936, d_model=2048, n_layers=48, attn_interval=4, n_head=16,
@@ -173,6 +176,15 @@ def prefill_flops(cfg, T: int) -> dict:
            + cfg.n_layers * (moe_routed + moe_dense) + 2 * D * cfg.vocab_size)
   return dict(total=total, moe_routed=cfg.n_layers * moe_routed,
               moe_all_experts=cfg.n_layers * moe_routed * cfg.n_experts / cfg.n_experts_used)
+
+
+def lora_roofline_us(cfg, n_tokens: int, ceil: dict, rank: int = LORA_RANK) -> float:
+  """Fewest-cost bound of a rank-`rank` adapter on one layer's mixer output projection:
+  read A and B once, or do its FLOPs (whichever is slower); average over the layer kinds."""
+  din = (cfg.n_gdn * cfg.gdn_value_dim + cfg.n_attn * cfg.attn_out_dim) / cfg.n_layers
+  byt = rank * (din + cfg.d_model) * 2
+  fl = 2 * n_tokens * rank * (din + cfg.d_model)
+  return max(byt / ceil["bw"], fl / ceil["flops"]) * 1e6
 
 
 def param_count(cfg) -> int:

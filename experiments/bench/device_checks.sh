@@ -10,8 +10,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 STRATA_SPLIT_REAL=1 python3 tests/split_check.py 2 > "$OUT/split_check.json" 2> "$OUT/split_check.err"
 tail -c 1500 "$OUT/split_check.json"
+python3 experiments/bench/split_bench.py --steps 64 2> "$OUT/split_bench.err" | tee "$OUT/split_bench.json"
+tail -5 "$OUT/split_bench.err"
 JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest tests/test_model_parity.py \
   tests/test_lora_switch.py tests/test_delta_rule.py -p no:cacheprovider -s -W ignore 2>&1 \
   | grep -vE "^\s*$" | tee "$OUT/gpu_tests.log" | tail -25
-python3 experiments/bench/split_bench.py --steps 64 2> "$OUT/split_bench.err" | tee "$OUT/split_bench.json"
-tail -5 "$OUT/split_bench.err"

@@ -7,7 +7,8 @@ fallbacks otherwise; which one it bound is recorded. Measures
           (n - 1) / (time(n new tokens) - time(1 new token)), best of --reps
   prefill one forward of --tokens tokens with the cache on and logits for the last token.
 
-  python experiments/bench/peer_transformers.py [--tiny]  # experiments/results/peer_transformers.json
+  python experiments/bench/peer_transformers.py [--tiny]
+  (writes experiments/results/peer_transformers.json)
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """summary.json and the figures, from the JSON files the benchmark scripts wrote.
 
-Reads experiments/results/{bench_kernels,bench_model,peer_fla_gdn,peer_transformers}.json and
-writes experiments/results/summary.json (one entry per target of issue #7) plus
-decode.png, prefill.png, lora.png and gdn.png, each with the roofline its figures are
-measured against (ceilings: the copy bandwidth and matmul rate measured in the same run).
+Reads {bench_kernels,bench_model,peer_fla_gdn,peer_transformers}.json from the results folder
+(experiments/results, or $STRATA_BENCH_RESULTS) and writes summary.json (one entry per target
+of issue #7) plus decode.png, prefill.png, lora.png and gdn.png, each with the roofline its
+figures are measured against (ceilings: the copy bandwidth and matmul rate measured in the
+same run, bench_kernels.json; bench_model.json's rooflines are redrawn from them).
 Runs on any machine with matplotlib (CPU is fine).
 
   python experiments/bench/report.py
@@ -15,9 +16,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import common
 
 COMMAND = "bash experiments/bench/run_all.sh"
+WORST = "% (worst of batch 1/8/32)"
 
 
 def _get(d, *path):
@@ -62,16 +65,18 @@ def summary(km, mm, fla, hf):
   div = lambda a, b: a / b if a is not None and b else None
 
   rows = [
-      ("lora_on_decode_slowdown", worst("lora_on_slowdown_pct"), 1.0, "% (worst of batch 1/8/32)", "le"),
-      ("lora_off_decode_slowdown", worst("lora_off_slowdown_pct"), 0.3, "% (worst of batch 1/8/32)", "le"),
+      ("lora_on_decode_slowdown", worst("lora_on_slowdown_pct"), 1.0, WORST, "le"),
+      ("lora_off_decode_slowdown", worst("lora_off_slowdown_pct"), 0.3, WORST, "le"),
       ("lora_us_per_layer_1tok", _get(dec, "1", "lora_on_us_per_layer"), 1.5, "us/layer", "le"),
       ("lora_us_per_layer_8tok", _get(dec, "8", "lora_on_us_per_layer"), 3.0, "us/layer", "le"),
       ("decode_b1_roofline_fraction", _get(dec, "1", "roofline_fraction"), 0.6,
        "fraction of the weight-read roofline", "ge"),
       ("gdn_prefill_vs_fla", gdn_prefill, 1.0, "x fla speed (fla time / ours), T=2500", "ge"),
       ("gdn_decode_vs_fla", gdn_decode, 1.0, "x fla speed (worst of batch 1/8/32)", "ge"),
-      ("decode_vs_transformers", div(ours_b1, hf_dec), 1.0, "x transformers+fla tokens/s, batch 1", "ge"),
-      ("prefill_vs_transformers", div(ours_pf, hf_pf), 2.0, "x transformers+fla tokens/s, 2500 tokens", "ge"),
+      ("decode_vs_transformers", div(ours_b1, hf_dec), 1.0,
+       "x transformers+fla tokens/s, batch 1", "ge"),
+      ("prefill_vs_transformers", div(ours_pf, hf_pf), 2.0,
+       "x transformers+fla tokens/s, 2500 tokens", "ge"),
   ]
   out = []
   for name, m, target, unit, sense in rows:
@@ -86,7 +91,8 @@ def plots(km, mm, fla, hf, outdir):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   ceil = common.ceilings(km)
-  ceil_txt = f"ceilings: copy {ceil['bw'] / 1e12:.2f} TB/s, bf16 matmul {ceil['flops'] / 1e12:.0f} TFLOP/s"
+  ceil_txt = (f"ceilings: copy {ceil['bw'] / 1e12:.2f} TB/s, "
+              f"bf16 matmul {ceil['flops'] / 1e12:.0f} TFLOP/s")
   colors = {"none": "#4c72b0", "off": "#55a868", "on": "#c44e52", "peer": "#8172b2",
             "fla_rep32": "#dd8452", "fla_gva16": "#937860"}
   written = []
@@ -101,10 +107,13 @@ def plots(km, mm, fla, hf, outdir):
       for j, v in enumerate(("none", "off", "on")):
         t = _get(dec, b, "variants", v, "tokens_per_s")
         if t:
-          ax.bar(i + (j - 1) * w, t, w, color=colors[v], label=f"strata-jax, adapter {v}" if i == 0 else None)
+          ax.bar(i + (j - 1) * w, t, w, color=colors[v],
+                 label=f"strata-jax, adapter {v}" if i == 0 else None)
           ax.text(i + (j - 1) * w, t, f"{t:.0f}", ha="center", va="bottom", fontsize=7)
-      rw, rs = dec[b].get("roofline_tokens_per_s_weights"), dec[b].get("roofline_tokens_per_s_with_state")
-      ax.hlines(rw, i - 1.5 * w, i + 1.5 * w, colors="k", label="roofline: weights read once" if i == 0 else None)
+      rw = dec[b].get("roofline_tokens_per_s_weights")
+      rs = dec[b].get("roofline_tokens_per_s_with_state")
+      ax.hlines(rw, i - 1.5 * w, i + 1.5 * w, colors="k",
+                label="roofline: weights read once" if i == 0 else None)
       ax.hlines(rs, i - 1.5 * w, i + 1.5 * w, colors="k", linestyles="dashed",
                 label="roofline: weights + recurrent state / K/V" if i == 0 else None)
     hf_t = _get(hf, "decode", "tokens_per_s")
@@ -147,7 +156,8 @@ def plots(km, mm, fla, hf, outdir):
     for i, t in enumerate(vals):
       ax.text(i, t, f"{t / 1e3:.1f}k", ha="center", va="bottom", fontsize=8)
     ax.axhline(e["roofline_tokens_per_s"], color="k",
-               label=f"roofline {e['roofline_tokens_per_s'] / 1e3:.0f}k tok/s (matmul FLOPs, top-10 experts)")
+               label=f"roofline {e['roofline_tokens_per_s'] / 1e3:.0f}k tok/s "
+                     "(matmul FLOPs, top-10 experts)")
     if hf_t:
       ax.axhline(2 * hf_t, color="k", ls=":", label="target: 2x transformers + fla")
     ax.set_xticks(range(len(names)), names)
@@ -189,7 +199,8 @@ def plots(km, mm, fla, hf, outdir):
         ax.bar(x, val, w, color=shades[k], label=lab if i == 0 else None)
         ax.text(x, val, f"{val:.2f}", ha="center", va="bottom" if val >= 0 else "top", fontsize=7)
       if n in roof:
-        ax.hlines(roof[n], i - 0.4, i + 0.4, colors="k", label="roofline: read A, B once" if i == 0 else None)
+        ax.hlines(roof[n], i - 0.4, i + 0.4, colors="k",
+                  label="roofline: read A, B once" if i == 0 else None)
       if n in targets:
         ax.hlines(targets[n], i - 0.4, i + 0.4, colors="r", linestyles=":",
                   label="target" if i == 0 else None)
@@ -259,6 +270,42 @@ def plots(km, mm, fla, hf, outdir):
   return written
 
 
+def recompute_rooflines(mm, km):
+  """Redraw bench_model's rooflines from bench_kernels' ceilings (a no-op when both come from
+  one run_all; needed when the two files come from different runs)."""
+  if not mm or not km or "copy_TBps" not in (km.get("phys") or {}):
+    return False
+  ceil = common.ceilings(km)
+  for b, e in (mm.get("decode") or {}).items():
+    byt, none = e.get("step_bytes"), _get(e, "variants", "none")
+    if not byt:
+      continue
+    e["roofline_tokens_per_s_weights"] = int(b) / (byt["weights"] / ceil["bw"])
+    e["roofline_tokens_per_s_with_state"] = int(b) / (byt["total"] / ceil["bw"])
+    if none:
+      e["roofline_fraction"] = none["tokens_per_s"] / e["roofline_tokens_per_s_weights"]
+      e["roofline_fraction_with_state"] = (none["tokens_per_s"]
+                                           / e["roofline_tokens_per_s_with_state"])
+  for sec in ("prefill", "lora_prefill"):
+    for T, e in (mm.get(sec) or {}).items():
+      if "flops" not in e:
+        continue
+      e["roofline_s"] = max(e["flops"]["total"] / ceil["flops"], e["weight_bytes"] / ceil["bw"])
+      e["roofline_tokens_per_s"] = int(T) / e["roofline_s"]
+      none = _get(e, "variants", "none")
+      if none:
+        e["roofline_fraction"] = none["tokens_per_s"] / e["roofline_tokens_per_s"]
+  try:
+    cfg = common.model_config(common.TINY if mm.get("tiny") else common.BENCH_A3B)
+    ns = mm.get("lora_roofline_us_per_layer") or {}
+    mm["lora_roofline_us_per_layer"] = {n: common.lora_roofline_us(cfg, int(n), ceil) for n in ns}
+  except ImportError:  # strata_jax not on the path: keep the recorded figures
+    pass
+  mm["ceilings"] = dict(copy_TBps=ceil["bw"] / 1e12, matmul_TFLOPs=ceil["flops"] / 1e12,
+                        source="bench_kernels.json (rooflines redrawn by report.py)")
+  return True
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--results", default=common.RESULTS)
@@ -266,11 +313,14 @@ def main():
   rd = lambda n: common.read_json(os.path.join(args.results, n))
   km, mm = rd("bench_kernels.json"), rd("bench_model.json")
   fla, hf = rd("peer_fla_gdn.json"), rd("peer_transformers.json")
+  if recompute_rooflines(mm, km):
+    common.write_json(os.path.join(args.results, "bench_model.json"), mm)
   rows = summary(km, mm, fla, hf)
   common.write_json(os.path.join(args.results, "summary.json"), rows)
   for r in rows:
     m = "-" if r["measured"] is None else f"{r['measured']:.4g}"
-    print(f"{r['name']:30s} {m:>10s}  target {r['target']:<5g} {'MET' if r['met'] else 'missed'}  ({r['unit']})")
+    met = "MET" if r["met"] else "missed"
+    print(f"{r['name']:30s} {m:>10s}  target {r['target']:<5g} {met}  ({r['unit']})")
   try:
     for p in plots(km, mm, fla, hf, args.results):
       print("wrote", p)

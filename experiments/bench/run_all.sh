@@ -8,7 +8,8 @@
 #                           none / off / on, LoRA cost per layer at 1, 8 and 300 tokens
 #   4. peer_transformers.py the same model in transformers (bf16, with fla when importable)
 #   5. report.py            summary.json + decode/prefill/lora/gdn PNGs
-# Results: experiments/results/*.json, *.png (intermediates in experiments/results/tmp/).
+# Results: experiments/results/*.json, *.png (intermediates in experiments/results/tmp/;
+# STRATA_BENCH_RESULTS=DIR writes elsewhere; --tiny defaults to experiments/results/tmp/tiny).
 #
 #   bash experiments/bench/run_all.sh           # on the GPU machine, from anywhere
 #   bash experiments/bench/run_all.sh --tiny    # CPU smoke test of every step (toy sizes)
@@ -17,8 +18,6 @@
 # folder exists (python3 -m pip download --no-deps ... -d .whl fla-core==0.6.0 gguf==0.19.0).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
-R=experiments/results
-mkdir -p "$R/tmp"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 TINY=""
@@ -27,7 +26,12 @@ if [ "${1:-}" = "--tiny" ]; then
   TINY="--tiny"
   CAP=0  # no time caps on the (slow) CPU smoke test
   export JAX_PLATFORMS=cpu
+  # never overwrite the committed results with toy numbers
+  export STRATA_BENCH_RESULTS=${STRATA_BENCH_RESULTS:-experiments/results/tmp/tiny}
 fi
+R=${STRATA_BENCH_RESULTS:-experiments/results}
+export STRATA_BENCH_RESULTS=$R
+mkdir -p "$R/tmp"
 SITE=${STRATA_BENCH_SITE:-/tmp/strata-bench-site}
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -49,9 +53,9 @@ step() {  # step SECONDS NAME COMMAND...
 }
 
 START=$SECONDS
-step 60 peer_fla_gdn $PY experiments/bench/peer_fla_gdn.py $TINY
-step 50 bench_kernels $PY experiments/bench/bench_kernels.py $TINY
-step 260 bench_model $PY experiments/bench/bench_model.py $TINY
-step 90 peer_transformers $PY experiments/bench/peer_transformers.py $TINY
+step 130 peer_fla_gdn $PY experiments/bench/peer_fla_gdn.py $TINY
+step 40 bench_kernels $PY experiments/bench/bench_kernels.py $TINY
+step 210 bench_model $PY experiments/bench/bench_model.py $TINY
+step 80 peer_transformers $PY experiments/bench/peer_transformers.py $TINY
 step 20 report $PY experiments/bench/report.py
 echo "=== run_all: $((SECONDS - START)) s"

@@ -21,6 +21,7 @@ from strata_jax.engine.sampling import sample
 from strata_jax.errors import RequestError
 from strata_jax.parallel.plan import describe, plan_auto
 from strata_jax.parallel.split import make_stages
+from strata_jax.params import LORA_RANK_BUCKET, empty_lora, lora_rank_bucket, pad_lora_rank
 from strata_jax.state import init_state
 
 log = logging.getLogger("strata_jax")
@@ -109,7 +110,12 @@ class Engine:
     self.state_every = max(1, int(state_every))
     cap = max_seq or min(cfg.context_length, 4096)
     self.max_seq = -(-int(cap) // self.block_size) * self.block_size
-    lora_params = lora.params if lora is not None else None
+    # Without an adapter the engine runs the very same program with an all-zero adapter and
+    # every switch off: "off" is then bit-identical to "no adapter" by construction, on any
+    # backend (GPU autotuning may otherwise pick different GEMM code for two programs).
+    rank = lora_rank_bucket(lora.params.gdn_a.shape[1]) if lora is not None else LORA_RANK_BUCKET
+    lora_params = (pad_lora_rank(lora.params, rank) if lora is not None
+                   else empty_lora(cfg, rank, model.dtype))
     ranges = model.layer_ranges
     if ranges == "auto":
       ranges = plan_auto(model, model.devices, lora, self.n_slots, self.max_seq)
