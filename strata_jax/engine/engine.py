@@ -382,7 +382,7 @@ class Engine:
     n_dec = len(run.tokens) - 1
     stopped = run.tokens[-1] in r.stop
     return Result(
-        prompt_tokens=list(r.tokens), tokens=list(run.tokens), lora=bool(run.switch),
+        prompt_tokens=[int(t) for t in r.tokens], tokens=list(run.tokens), lora=bool(run.switch),
         finish_reason=reason or ("stop" if stopped else "length"),
         cached_tokens=run.cached, prompt_tokens_computed=run.computed,
         ttft_s=run.t_first - run.t0,
