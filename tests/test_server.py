@@ -182,6 +182,8 @@ def test_stop_strings(srv):
   cut = text[:text.find(stop)]
   r = oai.completions.create(**kw, stop=[stop])
   assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+  full_tokens = oai.completions.create(**kw).usage.completion_tokens
+  assert r.usage.completion_tokens < full_tokens, "a matched stop string ends generation early"
   streamed = "".join(c.choices[0].text for c in oai.completions.create(**kw, stop=[stop],
                                                                        stream=True))
   assert streamed == cut

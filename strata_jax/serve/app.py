@@ -406,20 +406,37 @@ class _Server:
 
   async def run(self, spec: _Gen) -> _Outcome:
     events = await self.start(spec)
-    while True:
-      kind, payload = await events.get()
-      if kind == "done":
-        return self.outcome(spec, payload)
-      if kind == "error":
-        raise _event_error(payload)
+    ts = _TextStream(self.model, spec) if spec.stops else None
+    try:
+      while True:
+        kind, payload = await events.get()
+        if kind == "token" and ts is not None:
+          ts.push(payload)
+          if ts.matched is not None:
+            events.cancel.set()     # the text has its stop string: no need to go on
+        elif kind == "done":
+          return self.outcome(spec, payload)
+        elif kind == "error":
+          raise _event_error(payload)
+    finally:
+      events.cancel.set()         # a no-op once done; ends the generation if the client left
 
   async def stream(self, spec: _Gen, events):
     """Yields ("text", delta) ... then ("done", _Outcome) or ("error", ApiError)."""
     ts = _TextStream(self.model, spec)
+    try:
+      async for item in self._stream(spec, events, ts):
+        yield item
+    finally:
+      events.cancel.set()         # a no-op once done; ends the generation if the client left
+
+  async def _stream(self, spec: _Gen, events, ts):
     while True:
       kind, payload = await events.get()
       if kind == "token":
         delta = ts.push(payload)
+        if ts.matched is not None:
+          events.cancel.set()
         if delta:
           yield "text", delta
       elif kind == "done":

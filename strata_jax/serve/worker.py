@@ -37,6 +37,7 @@ class _Gen:
   req: Request
   loop: asyncio.AbstractEventLoop
   events: asyncio.Queue
+  cancel: threading.Event
 
 
 @dataclasses.dataclass
@@ -124,7 +125,9 @@ class EngineWorker:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     req.on_token = lambda tok: _post(loop, events.put_nowait, ("token", int(tok)))
-    self._q.put(_Gen(req=req, loop=loop, events=events))
+    # Setting this (a stop string matched, the client went away) ends the generation early.
+    events.cancel = threading.Event()
+    self._q.put(_Gen(req=req, loop=loop, events=events, cancel=events.cancel))
     return events
 
   async def call(self, fn: Callable[[Any], Any]):
@@ -186,6 +189,8 @@ class EngineWorker:
             if handle.done:
               self._done(job, "done", handle.result)
             else:
+              if job.cancel.is_set():
+                handle.cancel()
               still.append((handle, job))
           running = still
         elif barrier is not None:
