@@ -39,36 +39,41 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
   return o, state
 
 
-def _chunk(q, k, v, g, beta, s0):
-  """One chunk for one head. q, k [C, Dk]; v [C, Dv]; g, beta [C]; s0 [Dv, Dk]."""
-  C = q.shape[0]
-  G = jnp.cumsum(g)                                             # cumulative log decay
-  diff = G[:, None] - G[None, :]                                # [C, C]  G_t - G_s
+def _intra_chunk(q, k, v, g, beta):
+  """Everything that does not depend on the carried state, for every chunk and head at once.
+
+  q, k [..., C, Dk]; v [..., C, Dv]; g, beta [..., C] (leading dims: chunks, heads).
+  With G the in-chunk cumulative log decay and T = (I + strictly_lower(β_t e^{G_t-G_s} k_t·k_s))⁻¹
+  (the UT transform), the chunk's updates are u = ū - w S₀ᵀ with ū = T(β v), w = T(β e^G k).
+  Returns ū, w, the decayed causal q·k matrix, q e^G, k e^{G_last-G} and G_last.
+  """
+  C = q.shape[-2]
+  G = jnp.cumsum(g, axis=-1)                                    # [..., C]
+  diff = G[..., :, None] - G[..., None, :]                      # G_t - G_s
   strict = jnp.tril(jnp.ones((C, C), bool), -1)
   causal = jnp.tril(jnp.ones((C, C), bool))
   # exp only where used: above the diagonal G_t - G_s > 0 can overflow.
   decay_strict = jnp.where(strict, jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
   decay_causal = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
-  kk = jnp.dot(k, k.T, precision=_HI)
-  m = beta[:, None] * decay_strict * kk                         # strictly lower
-  # T = (I + M)^-1 applied by forward substitution (unit lower-triangular solve).
+  kk = jnp.einsum("...id,...jd->...ij", k, k, precision=_HI)
+  m = beta[..., :, None] * decay_strict * kk                    # strictly lower
   eye = jnp.eye(C, dtype=q.dtype)
-  rhs_u = beta[:, None] * v                                     # [C, Dv]
-  rhs_w = (beta * jnp.exp(G))[:, None] * k                      # [C, Dk]
-  sol = jax.scipy.linalg.solve_triangular(
-      eye + m, jnp.concatenate([rhs_u, rhs_w], axis=1), lower=True, unit_diagonal=True)
-  u_bar, w = sol[:, :v.shape[1]], sol[:, v.shape[1]:]
-  u = u_bar - jnp.dot(w, s0.T, precision=_HI)                   # [C, Dv]
-  qk = jnp.dot(q, k.T, precision=_HI) * decay_causal            # [C, C]
-  o = jnp.exp(G)[:, None] * jnp.dot(q, s0.T, precision=_HI) + jnp.dot(qk, u, precision=_HI)
-  g_last = G[-1]
-  s1 = jnp.exp(g_last) * s0 + jnp.dot((u * jnp.exp(g_last - G)[:, None]).T, k, precision=_HI)
-  return o, s1
+  rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(G))[..., None] * k], axis=-1)
+  sol = lax.linalg.triangular_solve(eye + m, rhs, left_side=True, lower=True,
+                                    unit_diagonal=True)
+  Dv = v.shape[-1]
+  u_bar, w = sol[..., :Dv], sol[..., Dv:]
+  qk = jnp.einsum("...id,...jd->...ij", q, k, precision=_HI) * decay_causal
+  g_last = G[..., -1]
+  q_dec = q * jnp.exp(G)[..., None]
+  k_dec = k * jnp.exp(g_last[..., None] - G)[..., None]
+  return u_bar, w, qk, q_dec, k_dec, g_last
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
   """Chunked (WY/UT) form of `delta_rule_recurrent`. T is padded to a multiple of `chunk`
-  with g = 0, beta = 0 rows, which leave the state unchanged."""
+  with g = 0, beta = 0 rows, which leave the state unchanged. The intra-chunk work runs for
+  all chunks at once; only the state's pass from chunk to chunk is sequential."""
   f32 = jnp.float32
   q, k, v, g, beta = (t.astype(f32) for t in (q, k, v, g, beta))
   T, H, Dk = q.shape
@@ -79,13 +84,17 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
   if pad:
     q, k, v = (jnp.pad(t, ((0, pad), (0, 0), (0, 0))) for t in (q, k, v))
     g, beta = (jnp.pad(t, ((0, pad), (0, 0))) for t in (g, beta))
-  # [n, H, c, ...]: chunks outer, heads batched inside each chunk.
+  # [n, H, c, ...]: chunks outer, heads inside.
   split = lambda t: jnp.moveaxis(t.reshape(n, c, H, *t.shape[2:]), 2, 1)
-  per_head = jax.vmap(_chunk)
+  u_bar, w, qk, q_dec, k_dec, g_last = _intra_chunk(*(split(t) for t in (q, k, v, g, beta)))
 
-  def body(s, xs):
-    o, s = per_head(*xs, s)
+  def body(s, xs):                                              # s [H, Dv, Dk]
+    u_bar, w, qk, q_dec, k_dec, g_last = xs
+    u = u_bar - jnp.einsum("hck,hvk->hcv", w, s, precision=_HI)
+    o = (jnp.einsum("hck,hvk->hcv", q_dec, s, precision=_HI)
+         + jnp.einsum("hcs,hsv->hcv", qk, u, precision=_HI))
+    s = jnp.exp(g_last)[:, None, None] * s + jnp.einsum("hcv,hck->hvk", u, k_dec, precision=_HI)
     return s, o
-  state, o = lax.scan(body, state.astype(f32), tuple(split(t) for t in (q, k, v, g, beta)))
+  state, o = lax.scan(body, state.astype(f32), (u_bar, w, qk, q_dec, k_dec, g_last))
   o = jnp.moveaxis(o, 1, 2).reshape(n * c, H, Dv)[:T]
   return o, state
