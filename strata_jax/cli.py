@@ -104,7 +104,9 @@ def cmd_generate(args) -> int:
   if args.n < 1:
     raise RequestError(f"-n must be >= 1, got {args.n}")
   use_lora = lora is not None and not args.lora_off
-  engine = sj.Engine(model, lora=lora, slots=1, max_seq=len(ids) + args.n + 1)
+  # A power-of-two capacity: repeat runs with other prompt lengths reuse the compiled program.
+  need = len(ids) + args.n + 1
+  engine = sj.Engine(model, lora=lora, slots=1, max_seq=max(256, 1 << (need - 1).bit_length()))
   stop = model.stop_ids() if args.prompt is not None else []
   res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
