@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
 from strata_jax.errors import AdapterError, GGUFError
-from strata_jax.params import LoraParams, Params
+from strata_jax.params import LoraSet, Params
 
 DEFAULT_MODEL = "demo-base.gguf"
 DEFAULT_ADAPTER = "demo-lora.gguf"
@@ -47,17 +47,6 @@ class Model:
 
   def decode(self, ids) -> str | None:
     return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else None
-
-
-@dataclasses.dataclass
-class LoraSet:
-  """Loaded adapters: stacked params, per-file info, and the identity that keys the caches."""
-  params: LoraParams
-  files: list
-  adapter_id: int
-  rank_total: int
-  ignored: list[str] = dataclasses.field(default_factory=list)
-  nbytes: int = 0
 
 
 def asset_path(name: str) -> str:
@@ -106,7 +95,7 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
 def load_lora(model: Model, paths, scales=None) -> LoraSet:
   """Load llama.cpp LoRA adapter GGUF(s) for `model`; several files stack their ranks."""
   from strata_jax.engine.prefix_cache import adapter_identity  # noqa: PLC0415
-  from strata_jax.gguf.adapter import read_adapters  # noqa: PLC0415
+  from strata_jax.gguf.adapter import read_adapters  # noqa: PLC0415 (keeps import light)
 
   paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
   if not paths:
@@ -118,8 +107,7 @@ def load_lora(model: Model, paths, scales=None) -> LoraSet:
     warnings.simplefilter("always")
     ls = read_adapters(model.cfg, [str(p) for p in paths], scales, dtype=model.dtype)
   aid = adapter_identity([(str(p), float(s)) for p, s in zip(paths, scales)])
-  return LoraSet(params=ls.params, files=ls.files, adapter_id=aid, rank_total=ls.rank_total,
-                 ignored=list(getattr(ls, "ignored", [])), nbytes=int(getattr(ls, "nbytes", 0)))
+  return dataclasses.replace(ls, adapter_id=aid)
 
 
 def model_fingerprint(model: Model, lora: LoraSet | None) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import jax
 import jax.numpy as jnp
+import dataclasses
+
 from flax import struct
 
 from strata_jax.config import ModelConfig
@@ -178,3 +180,27 @@ def empty_lora(cfg: ModelConfig, rank: int = LORA_RANK_BUCKET, dtype=jnp.float32
   z = lambda *s: jnp.zeros(s, dtype)
   return LoraParams(gdn_a=z(cfg.n_gdn, rank, cfg.gdn_value_dim), gdn_b=z(cfg.n_gdn, D, rank),
                     attn_a=z(cfg.n_attn, rank, cfg.attn_out_dim), attn_b=z(cfg.n_attn, D, rank))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSet:
+  """Every loaded adapter, stacked along the rank axis R, scales folded into B.
+
+  Attributes:
+    params: `LoraParams` (gdn_a [Lg, R, Hv*Dv], gdn_b [Lg, D, R], attn_a [La, R, H*Hd],
+      attn_b [La, D, R]).
+    files: one `AdapterFileInfo` per file, in the order given.
+    ignored: base tensors present in some file but not applied (each once, first seen first).
+    rank_total: R, the sum of the files' slot widths.
+    adapter_id: non-zero 64-bit identity of the files' contents and scales (keys the caches;
+      set by `strata_jax.load_lora`), 0 when unset.
+  """
+  params: LoraParams
+  files: tuple  # of strata_jax.gguf.adapter.AdapterFileInfo
+  ignored: tuple[str, ...]
+  rank_total: int
+  adapter_id: int = 0
+
+  @property
+  def nbytes(self) -> int:
+    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.params))

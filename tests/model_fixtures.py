@@ -27,5 +27,5 @@ def random_lora(cfg: ModelConfig = TINY, rank: int = 8, seed: int = 1, scale: fl
   D = cfg.d_model
   p = LoraParams(gdn_a=mk(cfg.n_gdn, rank, cfg.gdn_value_dim), gdn_b=mk(cfg.n_gdn, D, rank),
                  attn_a=mk(cfg.n_attn, rank, cfg.attn_out_dim), attn_b=mk(cfg.n_attn, D, rank))
-  return LoraSet(params=p, files=[f"<random seed={seed}>"], rank_total=rank,
+  return LoraSet(params=p, files=(f"<random seed={seed}>",), ignored=(), rank_total=rank,
                  adapter_id=adapter_id if adapter_id is not None else 0x1000 + seed)

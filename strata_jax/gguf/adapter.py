@@ -39,7 +39,7 @@ import numpy as np
 from strata_jax.config import ATTN, GDN, ModelConfig
 from strata_jax.errors import AdapterError
 from strata_jax.gguf.names import gguf_tensor_shapes
-from strata_jax.params import LoraParams
+from strata_jax.params import LoraParams, LoraSet  # noqa: F401 (LoraSet re-exported)
 
 ARCH = "qwen3next"
 SUFFIX_A = ".lora_a"
@@ -86,27 +86,6 @@ class AdapterFileInfo:
   @property
   def n_applied(self) -> int:
     return len(self.ranks)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraSet:
-  """Every loaded adapter, stacked along the rank axis R, scales folded into B.
-
-  Attributes:
-    params: `LoraParams` (gdn_a [Lg, R, Hv*Dv], gdn_b [Lg, D, R], attn_a [La, R, H*Hd],
-      attn_b [La, D, R]).
-    files: one `AdapterFileInfo` per file, in the order given.
-    ignored: base tensors present in some file but not applied (each once, first seen first).
-    rank_total: R, the sum of the files' slot widths.
-  """
-  params: LoraParams
-  files: tuple[AdapterFileInfo, ...]
-  ignored: tuple[str, ...]
-  rank_total: int
-
-  @property
-  def nbytes(self) -> int:
-    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.params))
 
 
 def read_adapters(cfg: ModelConfig, paths: Sequence[str | os.PathLike],
