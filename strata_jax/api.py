@@ -6,7 +6,6 @@ import importlib.resources
 import os
 import warnings
 
-import jax
 import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig

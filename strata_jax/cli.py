@@ -10,7 +10,8 @@ import sys
 def _lora_args(p):
   p.add_argument("--lora", default=None, help="adapter GGUF file(s), comma-separated")
   p.add_argument("--lora-scaled", default=None, help="F:S[,F:S...] adapter files with scales")
-  p.add_argument("--lora-off", action="store_true", help="load the adapters, run with the switch off")
+  p.add_argument("--lora-off", action="store_true",
+                 help="load the adapters, run with the switch off")
 
 
 def _model_args(p):
@@ -91,6 +92,7 @@ def load_from_args(args):
 
 def cmd_generate(args) -> int:
   import numpy as np  # noqa: PLC0415
+
   import strata_jax as sj  # noqa: PLC0415
   from strata_jax.errors import RequestError  # noqa: PLC0415
   model, lora = load_from_args(args)
@@ -98,7 +100,8 @@ def cmd_generate(args) -> int:
     try:
       ids = [int(t) for t in args.prompt_tokens.split(",") if t.strip()]
     except ValueError:
-      raise RequestError(f"--prompt-tokens {args.prompt_tokens!r}: expected ids like 1,2,3") from None
+      raise RequestError(
+          f"--prompt-tokens {args.prompt_tokens!r}: expected ids like 1,2,3") from None
   else:
     ids = model.encode(args.prompt if args.prompt is not None else "Hello")
   if args.n < 1:

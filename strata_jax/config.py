@@ -78,12 +78,14 @@ class ModelConfig:
     if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
       bad.append(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_kv_head}")
     if self.n_rot > self.head_dim or self.n_rot % 2:
-      bad.append(f"rope.dimension_count {self.n_rot} must be even and <= key_length {self.head_dim}")
+      bad.append(f"rope.dimension_count {self.n_rot} must be even and <= key_length "
+                 f"{self.head_dim}")
     if self.gdn_n_k_heads <= 0 or self.gdn_n_v_heads % self.gdn_n_k_heads:
       bad.append(f"ssm.time_step_rank {self.gdn_n_v_heads} is not a multiple of "
                  f"ssm.group_count {self.gdn_n_k_heads}")
     if not 0 < self.n_experts_used <= self.n_experts:
-      bad.append(f"expert_used_count {self.n_experts_used} must be in 1..expert_count {self.n_experts}")
+      bad.append(f"expert_used_count {self.n_experts_used} must be in "
+                 f"1..expert_count {self.n_experts}")
     if self.conv_kernel < 1:
       bad.append(f"ssm.conv_kernel {self.conv_kernel} must be >= 1")
     return bad

@@ -7,11 +7,11 @@ or over all layers ([L]) for norms and the MoE.
 """
 from __future__ import annotations
 
-import numpy as np
-import jax
-import jax.numpy as jnp
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from strata_jax.config import ModelConfig

@@ -6,9 +6,9 @@ anything, for the malformed cases.
 """
 from __future__ import annotations
 
+import gguf
 import ml_dtypes
 import numpy as np
-import gguf
 
 from strata_jax.config import GDN, ModelConfig
 

@@ -1,8 +1,8 @@
 """Tiny models and adapters built in-process (no files) for engine and switch tests."""
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 from strata_jax.api import LoraSet, Model
 from strata_jax.config import ModelConfig

@@ -16,12 +16,12 @@ import logging  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from model_fixtures import TINY, random_lora, tiny_model  # noqa: E402
 
 import strata_jax as sj  # noqa: E402
 from strata_jax import steps  # noqa: E402
 from strata_jax.engine.engine import Request  # noqa: E402
 from strata_jax.parallel.plan import plan_layer_split  # noqa: E402
-from model_fixtures import TINY, random_lora, tiny_model  # noqa: E402
 
 if REAL:
   jax.config.update("jax_default_matmul_precision", "highest")
@@ -37,7 +37,8 @@ logging.getLogger("strata_jax").setLevel(logging.INFO)
 
 model = tiny_model()
 lora = random_lora(seed=2)
-prompts = [list(np.random.default_rng(i).integers(0, TINY.vocab_size, 20 + 7 * i)) for i in range(3)]
+prompts = [list(np.random.default_rng(i).integers(0, TINY.vocab_size, 20 + 7 * i))
+           for i in range(3)]
 switches = [True, False, True]
 
 
@@ -57,7 +58,8 @@ eng, split = run(split_model, lora, switches)
 out["ranges"] = [list(st.layers) for st in eng.stages]
 out["stage_devices"] = [str(st.device) for st in eng.stages]
 out["same_tokens"] = all(a.tokens == b.tokens for a, b in zip(single, split))
-out["max_logit_err"] = max(float(np.abs(a.step_logits - b.step_logits).max()) for a, b in zip(single, split))
+out["max_logit_err"] = max(float(np.abs(a.step_logits - b.step_logits).max())
+                           for a, b in zip(single, split))
 out["max_prompt_logit_err"] = max(float(np.abs(a.prompt_logits - b.prompt_logits).max())
                                   for a, b in zip(single, split))
 n_prog = (steps.prefill._cache_size(), steps.decode._cache_size())
@@ -66,12 +68,14 @@ _, split_on = run(split_model, lora, [True] * 3)
 out["programs_stable"] = (steps.prefill._cache_size(), steps.decode._cache_size()) == n_prog
 _, split_none = run(split_model, None, [None] * 3)
 out["off_bit_identical"] = all(
-    np.array_equal(a.step_logits, b.step_logits) and np.array_equal(a.prompt_logits, b.prompt_logits)
+    np.array_equal(a.step_logits, b.step_logits)
+    and np.array_equal(a.prompt_logits, b.prompt_logits)
     for a, b in zip(split_off, split_none))
 out["mixed_rows_match"] = all(
     np.array_equal(split[i].step_logits, (split_on if s else split_off)[i].step_logits)
     for i, s in enumerate(switches))
 out["stage_params_on_device"] = all(
-    {d for a in jax.tree.leaves(st.params) for d in a.devices()} == {st.device} for st in eng.stages)
+    {d for a in jax.tree.leaves(st.params) for d in a.devices()} == {st.device}
+    for st in eng.stages)
 out["logs"] = logs
 print(json.dumps(out))

@@ -4,17 +4,17 @@ import math
 import shutil
 import warnings
 
+import adapter_fixtures as af
 import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerances import KERNEL_REL, assert_close
 
-import adapter_fixtures as af
 from strata_jax.config import ModelConfig
 from strata_jax.errors import AdapterError
 from strata_jax.gguf.adapter import AdapterWarning, read_adapters
 from strata_jax.gguf.convert_peft import convert_peft
-from tolerances import KERNEL_REL, assert_close
 
 CFG = af.tiny_config()  # "GGGA"
 SSM0, SSM1 = "blk.0.ssm_out.weight", "blk.1.ssm_out.weight"
@@ -377,7 +377,7 @@ def test_convert_peft_writes_llama_cpp_layout(peft_adapter, tmp_path):
   tensors = {t.name: t for t in r.tensors}
   assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in tensors.values())
   state = peft_adapter["state"]
-  for i, module, base in [(0, "0.linear_attn.out_proj", "blk.0.ssm_out.weight"),
+  for _i, module, base in [(0, "0.linear_attn.out_proj", "blk.0.ssm_out.weight"),
                           (2, "2.linear_attn.out_proj", "blk.2.ssm_out.weight"),
                           (3, "3.self_attn.o_proj", ATT3)]:
     a, b = _peft_ab(state, module)

@@ -6,12 +6,12 @@ import sys
 
 import numpy as np
 import pytest
+from adapter_fixtures import write_adapter
+from model_fixtures import TINY
 
 from strata_jax.gguf.convert_hf import write_model_gguf
 from strata_jax.gguf.names import params_to_gguf_tensors
 from strata_jax.params import init_params, params_to_flat
-from adapter_fixtures import write_adapter
-from model_fixtures import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
   d = tmp_path_factory.mktemp("cli")
-  flat = {k: np.asarray(v, np.float32) for k, v in params_to_flat(init_params(TINY, 0, scale=0.1)).items()}
+  params = init_params(TINY, 0, scale=0.1)
+  flat = {k: np.asarray(v, np.float32) for k, v in params_to_flat(params).items()}
   model = str(d / "tiny.gguf")
   write_model_gguf(model, TINY, params_to_gguf_tensors(TINY, flat))
   a, _ = write_adapter(d / "a.gguf", TINY, rank=4, alpha=8.0, seed=1)
@@ -106,7 +107,8 @@ def test_layer_split_flags_match_single_device(files):
     return json.loads(p.stdout.strip().splitlines()[-1]), np.load(out), p.stderr
 
   single, zs, _ = run([], d / "single.npz")
-  split, zp, err = run(["--layer-split", "3,5", "--split-devices", "0,1"], d / "split.npz", env_split)
+  split, zp, err = run(["--layer-split", "3,5", "--split-devices", "0,1"], d / "split.npz",
+                       env_split)
   assert "layers 0-2 (dev0), 3-7 (dev1)" in err
   assert split["tokens"] == single["tokens"]
   for k in ("prompt", "steps"):

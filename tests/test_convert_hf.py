@@ -4,12 +4,12 @@ import json
 import pathlib
 
 import gguf
+import gguf_fixtures as F
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
-import gguf_fixtures as F
 from strata_jax.errors import StrataError
 from strata_jax.gguf import names, read_model_gguf
 from strata_jax.gguf.convert_hf import convert_hf

@@ -1,13 +1,13 @@
 """`steps.decode_greedy` (n decode steps + on-device argmax in one program) equals `decode`
 stepped from Python with a host argmax, tokens and state, with the adapter off and on."""
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from model_fixtures import random_lora, tiny_model
 
 from strata_jax import steps
 from strata_jax.state import init_state
-from model_fixtures import random_lora, tiny_model
 
 
 @pytest.mark.parametrize("with_lora", [False, True], ids=["no-adapter", "adapter"])

@@ -1,10 +1,10 @@
 """The chunked (WY/UT) delta rule equals the token-by-token recurrence (fp32 oracles)."""
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from tolerances import DELTA_RULE_FP32, assert_close
 
 from pallas_kernels.gdn import reference
-from tolerances import DELTA_RULE_FP32, assert_close
 
 
 def _inputs(T, H, Dk, Dv, seed=0):

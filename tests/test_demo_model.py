@@ -26,8 +26,9 @@ def english():
 
 def _generate(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  p = subprocess.run([sys.executable, "-m", "strata_jax", "generate", "--prompt", PROMPT, "-n", "24",
-                      "--json", *args], capture_output=True, text=True, env=env, timeout=600)
+  p = subprocess.run([sys.executable, "-m", "strata_jax", "generate", "--prompt", PROMPT,
+                      "-n", "24", "--json", *args],
+                     capture_output=True, text=True, env=env, timeout=600)
   assert p.returncode == 0, p.stderr[-2000:]
   return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -39,7 +40,8 @@ def _in_vocab(text, english):
 
 
 def test_default_model_and_adapter_style(english):
-  assert os.path.getsize(asset_path("demo-base.gguf")) + os.path.getsize(asset_path("demo-lora.gguf")) < 20e6
+  sizes = [os.path.getsize(asset_path(f)) for f in ("demo-base.gguf", "demo-lora.gguf")]
+  assert sum(sizes) < 20e6
   base = _generate()
   on = _generate("--lora", asset_path("demo-lora.gguf"))
   off = _generate("--lora", asset_path("demo-lora.gguf"), "--lora-off")

@@ -3,10 +3,10 @@ import hashlib
 
 import numpy as np
 import pytest
+from model_fixtures import TINY, random_lora, tiny_model
 
 import strata_jax as sj
 from strata_jax.engine.engine import Request
-from model_fixtures import TINY, random_lora, tiny_model
 
 BS = 32
 

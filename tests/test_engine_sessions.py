@@ -3,10 +3,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from model_fixtures import TINY, random_lora, tiny_model
 
 import strata_jax as sj
 from strata_jax.engine.engine import Request
-from model_fixtures import TINY, random_lora, tiny_model
 
 N, M = 6, 5
 
@@ -49,6 +49,7 @@ def test_save_restore_continue_bit_identical(model, tmp_path, adapter, switch):
 
 def _row_state(eng, slot):
   import jax.numpy as jnp
+
   from strata_jax import steps
   n = len(eng.slot_tokens[slot])
   k, v = steps.read_kv(eng.states[0], jnp.int32(slot), jnp.int32(0), length=eng.max_seq)

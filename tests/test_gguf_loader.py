@@ -5,12 +5,12 @@ import os
 import shutil
 
 import gguf
+import gguf_fixtures as F
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
 
-import gguf_fixtures as F
 from strata_jax.config import layer_pattern_from_interval
 from strata_jax.errors import GGUFError, RequestError
 from strata_jax.gguf import names, reader

@@ -1,16 +1,16 @@
 """The LoRA switch is data: one compiled program serves on, off and mixed rows; a row with the
 switch off is bit-identical to the model loaded with no adapter (which the engine runs as the
 same program with an all-zero adapter of the same padded rank)."""
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from model_fixtures import TINY, random_lora, tiny_model
 
 import strata_jax as sj
 from strata_jax import steps
 from strata_jax.params import empty_lora, lora_rank_bucket, pad_lora_rank
 from strata_jax.state import init_state
-from model_fixtures import TINY, random_lora, tiny_model
 
 CHUNK = 64
 

@@ -3,11 +3,11 @@ and with transformers + PEFT for adapters through `strata-jax convert peft`."""
 import numpy as np
 import pytest
 import torch
+from gguf_fixtures import save_tiny_hf
+from tolerances import MODEL_LOGITS_ABS_FP32, assert_close
 
 import strata_jax as sj
 from strata_jax.cli import main as cli_main
-from gguf_fixtures import save_tiny_hf
-from tolerances import MODEL_LOGITS_ABS_FP32, assert_close
 
 pytestmark = pytest.mark.parity
 LENGTHS = [1, 63, 257]

@@ -11,24 +11,24 @@ import sys
 import tempfile
 import time
 
+import make_session_fixture as fixture
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import session_kill_helper as kill_helper
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import make_session_fixture as fixture
-import session_kill_helper as kill_helper
 from strata_jax.errors import SessionError
 from strata_jax.session import (
-    KNOWN_FLAGS,
-    SessionMeta,
-    SessionReadLimits,
-    erase_session,
-    load_session,
-    read_session_meta,
-    save_session,
+  KNOWN_FLAGS,
+  SessionMeta,
+  SessionReadLimits,
+  erase_session,
+  load_session,
+  read_session_meta,
+  save_session,
 )
 from strata_jax.session import format as F
 

@@ -17,8 +17,10 @@ def assert_close(got, want, *, rel=None, abs_=None, what=""):
   err = np.abs(got - want)
   max_abs = float(err.max()) if err.size else 0.0
   scale = float(np.abs(want).max()) if want.size else 0.0
-  rel_rms = float(np.sqrt((err ** 2).mean()) / (np.sqrt((want ** 2).mean()) + 1e-30)) if err.size else 0.0
-  msg = f"{what}: max_abs={max_abs:.3e} rel_rms={rel_rms:.3e} max_rel={max_abs / (scale + 1e-30):.3e}"
+  rms = lambda a: float(np.sqrt((a ** 2).mean())) if a.size else 0.0
+  rel_rms = rms(err) / (rms(want) + 1e-30)
+  max_rel = max_abs / (scale + 1e-30)
+  msg = f"{what}: max_abs={max_abs:.3e} rel_rms={rel_rms:.3e} max_rel={max_rel:.3e}"
   if abs_ is not None:
     assert max_abs <= abs_, msg + f" > abs {abs_:g}"
   if rel is not None:

@@ -79,7 +79,8 @@ def main():
         ts.append(time.perf_counter() - t)
       ts.sort()
       res[f"{name}_N{N}_us_per_layer"] = ts[len(ts) // 2] / L * 1e6
-    res[f"max_abs_diff_N{N}"] = float(jnp.abs(outs["gather"].astype(f32) - outs["in_place"].astype(f32)).max())
+    diff = outs["gather"].astype(f32) - outs["in_place"].astype(f32)
+    res[f"max_abs_diff_N{N}"] = float(jnp.abs(diff).max())
   active = K * 3 * F * D * 2
   res["roofline_us_per_layer_N1"] = active / (common.COPY_TBPS * 1e12 / 2) * 1e6
   os.makedirs(common.RESULTS, exist_ok=True)

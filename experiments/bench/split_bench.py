@@ -16,11 +16,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-import common  # noqa: E402
 from strata_jax import steps  # noqa: E402
 from strata_jax.parallel.split import make_stages  # noqa: E402
 from strata_jax.state import init_state  # noqa: E402

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 import strata_jax as sj
-from strata_jax.config import layer_pattern_from_interval, ModelConfig
+from strata_jax.config import ModelConfig, layer_pattern_from_interval
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 A3B = ModelConfig(vocab_size=151936, d_model=2048, layer_types=layer_pattern_from_interval(48, 4),

@@ -11,7 +11,6 @@ Shapes (one sequence; vmap for a batch):
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

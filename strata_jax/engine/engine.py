@@ -127,7 +127,8 @@ class Engine:
       n_adapted = int(sum(np.count_nonzero(np.abs(np.asarray(a, np.float32)).sum(axis=(1, 2)))
                           for a in (lp.gdn_b, lp.attn_b)))
       per_dev = ", ".join(
-          f"{sum(a.nbytes for a in jax.tree.leaves(st.lora)) / 2**20:.2f} MiB" for st in self.stages)
+          f"{sum(a.nbytes for a in jax.tree.leaves(st.lora)) / 2**20:.2f} MiB"
+          for st in self.stages)
       log.info("LoRA: %d files, %d layers adapted, %s per device", len(lora.files), n_adapted,
                per_dev)
     self.states = []
@@ -329,7 +330,7 @@ class Engine:
     if not entries:
       return 0
     n = len(entries) * self.block_size
-    for i, st in enumerate(self.stages):
+    for i in range(len(self.stages)):
       state = self.states[i]
       for b, entry in enumerate(entries):
         e = entry[i]
@@ -455,7 +456,8 @@ class Engine:
 
   def slot_info(self, slot: int) -> dict:
     self._check_slot(slot)
-    return {"id": slot, "n_tokens": len(self.slot_tokens[slot]), "lora": bool(self.slot_key[slot][0]),
+    return {"id": slot, "n_tokens": len(self.slot_tokens[slot]),
+            "lora": bool(self.slot_key[slot][0]),
             "busy": slot in self._running}
 
   def _check_slot(self, slot: int):

@@ -31,7 +31,6 @@ import warnings
 from collections.abc import Sequence
 
 import gguf
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

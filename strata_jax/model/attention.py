@@ -28,7 +28,7 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, lora_a, lora_b, sw
   rows = jnp.arange(B)[:, None]
   k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
   v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-  qh = q.reshape(B, T, G, H // G, Hd).astype(jnp.float32)                   # q-head h <- kv h//(H/G)
+  qh = q.reshape(B, T, G, H // G, Hd).astype(jnp.float32)   # q-head h <- kv-head h//(H/G)
   scores = jnp.einsum("btgrd,bsgd->bgrts", qh, k_cache.astype(jnp.float32)) * (Hd ** -0.5)
   mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]              # [B, T, S]
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)

@@ -1,10 +1,8 @@
 """Small building blocks shared by the layers: projections, RMSNorm, RoPE, the LoRA hook."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
-
 
 
 def linear(x, w):

@@ -71,7 +71,8 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
       x = x + moe(cfg, jax.tree.map(lambda a: a[li], moe_p), h).reshape(B, T, D)
     stack = lambda xs_, like: jnp.stack(xs_) if xs_ else like
-    return x, ((stack(kc, xs[5][0]), stack(vc, xs[5][1])), (stack(conv, xs[6][0]), stack(ssm, xs[6][1])))
+    kv_out = (stack(kc, xs[5][0]), stack(vc, xs[5][1]))
+    return x, (kv_out, (stack(conv, xs[6][0]), stack(ssm, xs[6][1])))
 
   x, (kv_b, gdn_b) = lax.scan(body, x, (norms, gdn_p, attn_p, lora_g, lora_a, kv_b, gdn_b))
   return x, _unblocks(kv_b), _unblocks(gdn_b)

@@ -44,7 +44,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
   q = l2_norm(qkv[..., :kd].reshape(B, T, Hk, Dk)) * (Dk ** -0.5)
   k = l2_norm(qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk))
   v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
-  q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)                  # v-head h <- k-head h//r
+  q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)   # v-head h <- k-head h//r
   beta = jax.nn.sigmoid(b)
   g = p.a.astype(jnp.float32) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
   valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]             # [B, T, 1]

@@ -42,7 +42,8 @@ def parse_split(layer_split, n_layers: int, n_devices: int):
   try:
     counts = [int(c) for c in raw]
   except (TypeError, ValueError):
-    raise StrataError(f"--layer-split {layer_split!r}: expected 'auto' or counts like 24,24") from None
+    raise StrataError(
+        f"--layer-split {layer_split!r}: expected 'auto' or counts like 24,24") from None
   if len(counts) > n_devices:
     raise StrataError(f"layer split into {len(counts)} stages needs {len(counts)} devices, "
                       f"but {n_devices} are available")
@@ -56,16 +57,16 @@ def layer_bytes(model, lora=None, slots: int = 1, max_seq: int = 4096) -> np.nda
   """Device bytes each layer needs: weights + LoRA + per-slot state."""
   cfg = model.cfg
   item = np.dtype(model.dtype).itemsize
-  L = cfg.n_layers
   layers = model.params.layers
   every = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
               for a in jax.tree.leaves((layers.attn_norm, layers.post_norm, layers.moe)))
   per_kind = {}
-  for kind, sub, lora_ab in (("G", layers.gdn, ("gdn_a", "gdn_b")), ("A", layers.attn, ("attn_a", "attn_b"))):
+  kinds = (("G", layers.gdn, ("gdn_a", "gdn_b")), ("A", layers.attn, ("attn_a", "attn_b")))
+  for kind, sub, lora_ab in kinds:
     w = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize for a in jax.tree.leaves(sub))
     if lora is not None:
-      w += sum(int(np.prod(getattr(lora.params, n).shape[1:])) * getattr(lora.params, n).dtype.itemsize
-               for n in lora_ab)
+      w += sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
+               for a in (getattr(lora.params, n) for n in lora_ab))
     per_kind[kind] = w
   kv = 2 * max_seq * cfg.n_kv_head * cfg.head_dim * item * slots
   rec = ((cfg.conv_kernel - 1) * cfg.gdn_conv_dim * item

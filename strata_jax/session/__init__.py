@@ -4,8 +4,8 @@ The format knows nothing of slots or engines: the engine converts a slot's state
 the per-stage dicts of numpy arrays these functions take and return.
 """
 from strata_jax.session.format import (
-    KNOWN_FLAGS,
     FLAG_LORA_ON,
+    KNOWN_FLAGS,
     MAGIC,
     SUPPORTED_VERSIONS,
     SessionMeta,

@@ -810,7 +810,7 @@ def _step(name: str):
 # orbax plumbing
 
 def _ocp():
-  import orbax.checkpoint as ocp   # lazy: importing orbax costs ~0.4 s on top of jax
+  import orbax.checkpoint as ocp  # lazy: importing orbax costs ~0.4 s on top of jax
 
   return ocp
 
