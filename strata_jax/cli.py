@@ -110,7 +110,7 @@ def cmd_generate(args) -> int:
   # A power-of-two capacity: repeat runs with other prompt lengths reuse the compiled program.
   need = len(ids) + args.n + 1
   engine = sj.Engine(model, lora=lora, slots=1, max_seq=max(256, 1 << (need - 1).bit_length()))
-  stop = model.stop_ids() if args.prompt is not None else []
+  stop = model.stop_ids()   # end-of-generation tokens end the run, as in llama.cpp and transformers
   res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
                         lora=use_lora, return_logits=bool(args.dump_logits))
