@@ -243,12 +243,12 @@ class Engine:
     toks = list(map(int, req.tokens))
     start = self._conv_match(slot, req)
     aligned = start == 0
-    if start == 0:
+    # the chain of the prompt's full blocks, under the adapter id its switch state uses
+    hashes = block_hashes(toks, self.block_size, self._cache_key(switch)[1]) if aligned else []
+    if aligned:
       self._reset(slot)
-      start = self._restore_prefix(slot, toks, switch) if not req.return_logits else 0
+      start = self._restore_prefix(slot, toks, hashes, switch) if not req.return_logits else 0
     run.cached = start
-    aid = self.adapter_id if switch else 0
-    hashes = block_hashes(toks, self.block_size, aid) if aligned else []
     logits_parts = []
     pos = start
     if not aligned and len(toks) - start == 1 and not req.return_logits:
@@ -315,15 +315,14 @@ class Engine:
     else:
       self.prefix_cache.insert(hashes[blk], tuple(payload), hashes[blk - 1] if blk else None)
 
-  def _restore_prefix(self, slot: int, toks: list[int], switch: int) -> int:
+  def _restore_prefix(self, slot: int, toks: list[int], hashes: list[bytes], switch: int) -> int:
     """Load the longest cached block prefix (leaving >= 1 token to compute); returns its length."""
     if self.prefix_cache.max_bytes <= 0:
       return 0
     usable = (len(toks) - 1) // self.block_size
     if usable == 0:
       return 0
-    hashes = block_hashes(toks, self.block_size, self.adapter_id if switch else 0)[:usable]
-    entries = self.prefix_cache.match(hashes)
+    entries = self.prefix_cache.match(hashes[:usable])
     # resume at the deepest matched block that carries the recurrent state
     while entries and "ssm" not in entries[-1][0]:
       entries.pop()

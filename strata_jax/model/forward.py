@@ -52,8 +52,8 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
   B, T, D = x.shape
 
   def body(x, xs):
-    (attn_norm, post_norm, moe_p), gp, ap, lg, la, (kc, vc), (conv, ssm) = xs
-    kc, vc, conv, ssm = list(kc), list(vc), list(conv), list(ssm)
+    (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in = xs
+    (kc, vc), (conv, ssm) = map(list, kv_in), map(list, gdn_in)
     gi = ai = 0
     for li, kind in enumerate(block_types):
       h = rms_norm(x, attn_norm[li], cfg.rms_eps)
@@ -70,9 +70,9 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
       x = x + moe(cfg, jax.tree.map(lambda a: a[li], moe_p), h).reshape(B, T, D)
-    stack = lambda xs_, like: jnp.stack(xs_) if xs_ else like
-    kv_out = (stack(kc, xs[5][0]), stack(vc, xs[5][1]))
-    return x, (kv_out, (stack(conv, xs[6][0]), stack(ssm, xs[6][1])))
+    restack = lambda new, old: jnp.stack(new) if new else old   # a kind may be absent
+    return x, ((restack(kc, kv_in[0]), restack(vc, kv_in[1])),
+               (restack(conv, gdn_in[0]), restack(ssm, gdn_in[1])))
 
   x, (kv_b, gdn_b) = lax.scan(body, x, (norms, gdn_p, attn_p, lora_g, lora_a, kv_b, gdn_b))
   return x, _unblocks(kv_b), _unblocks(gdn_b)
