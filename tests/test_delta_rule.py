@@ -1,10 +1,12 @@
-"""The chunked (WY/UT) delta rule equals the token-by-token recurrence (fp32 oracles)."""
+"""The chunked (WY/UT) delta rule equals the token-by-token recurrence (fp32 oracles), and the
+model's chunked form (`chunked.py`, UT inverse by products) equals them."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from tolerances import DELTA_RULE_FP32, assert_close
 
-from pallas_kernels.gdn import reference
+from pallas_kernels.gdn import chunked, reference
 
 
 def _inputs(T, H, Dk, Dv, seed=0):
@@ -27,13 +29,27 @@ def test_chunked_equals_recurrent(T, H, Dk, Dv):
   o_c, s_c = reference.delta_rule_chunked(*args, chunk=64)
   assert_close(o_c, o_r, abs_=DELTA_RULE_FP32, what="o")
   assert_close(s_c, s_r, abs_=DELTA_RULE_FP32, what="state")
+  o_f, s_f = jax.jit(chunked.delta_rule_chunked)(*args)
+  assert_close(o_f, o_r, abs_=DELTA_RULE_FP32, what="o (model's chunked form)")
+  assert_close(s_f, s_r, abs_=DELTA_RULE_FP32, what="state (model's chunked form)")
+
+
+@pytest.mark.parametrize("C", [2, 8, 64])
+def test_unit_lower_inverse(C):
+  """(I + M)⁻¹ by the product of (I + N^(2^j)) factors equals the solve, M strictly lower."""
+  rng = np.random.default_rng(C)
+  m = np.tril(rng.uniform(-1, 1, (3, C, C)), -1).astype(np.float32)
+  inv = np.asarray(chunked.unit_lower_inverse(jnp.asarray(m)))
+  want = np.linalg.inv(np.eye(C) + m.astype(np.float64))
+  np.testing.assert_allclose(inv, want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
 def test_zero_gates_leave_state_unchanged():
   """Padding rows (g = 0, beta = 0) must not move the state: prefill chunks rely on it."""
   q, k, v, g, beta, s0 = _inputs(16, 2, 16, 8)
-  _, s = reference.delta_rule_chunked(q, k, v, jnp.zeros_like(g), jnp.zeros_like(beta), s0)
-  np.testing.assert_array_equal(np.asarray(s), np.asarray(s0))
+  for fn in (reference.delta_rule_chunked, chunked.delta_rule_chunked):
+    _, s = fn(q, k, v, jnp.zeros_like(g), jnp.zeros_like(beta), s0)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s0))
 
 
 def test_matches_float64_loop():
@@ -47,7 +63,8 @@ def test_matches_float64_loop():
     s = s + u[:, :, None] * k[t][:, None, :]
     outs.append(np.einsum("hvk,hk->hv", s, q[t]))
   args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, s0)]
-  for fn in (reference.delta_rule_recurrent, reference.delta_rule_chunked):
+  for fn in (reference.delta_rule_recurrent, reference.delta_rule_chunked,
+             chunked.delta_rule_chunked):
     o, st = fn(*args)
     assert_close(o, np.stack(outs), abs_=DELTA_RULE_FP32, what=fn.__name__)
     assert_close(st, s, abs_=DELTA_RULE_FP32, what=fn.__name__ + " state")

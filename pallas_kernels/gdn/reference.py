@@ -11,6 +11,7 @@ Shapes (one sequence; vmap for a batch):
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -27,6 +28,27 @@ def delta_rule_step(q, k, v, g, beta, state):
   s = s + u[:, :, None] * k[:, None, :]
   o = jnp.einsum("hvk,hk->hv", s, q, precision=_HI)
   return o, s
+
+
+def l2norm(x, eps=1e-6):
+  """x * rsqrt(sum(x^2) + eps) over the last axis in float32: strata_jax.model.common.l2_norm,
+  restated here so pallas_kernels does not import the model."""
+  xf = x.astype(jnp.float32)
+  return xf * lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def delta_rule_step_raw(q, k, v, g, beta, state):
+  """One decode step for a batch from raw q/k: the contract of `decode_kernel`.
+
+  q, k [B, Hk, Dk] raw post-conv rows (normalised here: q to l2norm * Dk**-0.5, k to l2norm);
+  v [B, Hv, Dv]; g, beta [B, Hv]; state [B, Hv, Dv, Dk]. v-head h reads k-head h // (Hv // Hk).
+  Returns o [B, Hv, Dv] float32 and the new state [B, Hv, Dv, Dk] float32.
+  """
+  r = v.shape[1] // q.shape[1]
+  q = l2norm(q) * (q.shape[-1] ** -0.5)
+  k = l2norm(k)
+  q, k = jnp.repeat(q, r, axis=1), jnp.repeat(k, r, axis=1)
+  return jax.vmap(delta_rule_step)(q, k, v, g, beta, state.astype(jnp.float32))
 
 
 def delta_rule_recurrent(q, k, v, g, beta, state):

@@ -6,10 +6,15 @@ from jax import lax
 
 
 def linear(x, w):
-  """x [..., in] @ w[out, in]ᵀ with float32 accumulation, result in x's dtype."""
-  y = lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                      preferred_element_type=jnp.float32)
-  return y.astype(x.dtype)
+  """x [..., in] @ w[out, in]ᵀ with float32 accumulation, result in x's dtype.
+
+  The dot returns x's dtype itself (the GEMM accumulates in fp32 and rounds once, the same
+  numbers as an fp32 result cast down): asked for an fp32 result at decode, XLA rewrote some
+  bf16 GEMVs to read fp32 copies of their weights (H200: 7.30 -> 6.56 ms a token,
+  experiments/bench/README.md).
+  """
+  return lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                         preferred_element_type=x.dtype)
 
 
 def rms_norm(x, w, eps):

@@ -1,6 +1,8 @@
 """The layer stack: embedding -> layers (a lax.scan over repeats of the layer pattern) -> logits."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -30,7 +32,25 @@ def _unblocks(tree):
   return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
+# How an adapter program skips the adapter when every row's switch is off: "select" (the
+# delta is computed and a select keeps the base rows) or "cond" (a lax.cond on "any switch
+# on" runs the layers without the adapter hook). Environment variable overrides; trace time.
+LORA_BRANCH = "select"
+LORA_BRANCH_ENV_VAR = "STRATA_LORA_BRANCH"
+
+
 def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
+  """`layers_scan` with the adapter, or, under LORA_BRANCH "cond", a branch on the switch."""
+  branch = os.environ.get(LORA_BRANCH_ENV_VAR, "").strip() or LORA_BRANCH
+  if branch not in ("select", "cond"):
+    raise ValueError(f"{LORA_BRANCH_ENV_VAR}={branch!r}: expected 'select' or 'cond'")
+  if lora is None or branch == "select":
+    return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch)
+  run = lambda lp: layers_scan(cfg, layers, lp, kv, gdn_state, x, pos, n_valid, switch)
+  return lax.cond(jnp.any(switch != 0), lambda: run(lora), lambda: run(None))
+
+
+def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
   """Apply every layer of `cfg.layer_types`.
 
   layers: LayerParams; lora: LoraParams or None; kv: (k, v) [La, B, S, G, Hd];
@@ -50,9 +70,11 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
   kv_b, gdn_b = _blocks(kv, n_blocks), _blocks(gdn_state, n_blocks)
   B, T, D = x.shape
+  # The expert stacks whole, for the few-token MoE kernel (reads layer `blk * period + li`).
+  stacks = (layers.moe.gate_exps, layers.moe.up_exps, layers.moe.down_exps)
 
   def body(x, xs):
-    (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in = xs
+    blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in = xs
     (kc, vc), (conv, ssm) = map(list, kv_in), map(list, gdn_in)
     gi = ai = 0
     for li, kind in enumerate(block_types):
@@ -69,12 +91,14 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
         gi += 1
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
-      x = x + moe(cfg, jax.tree.map(lambda a: a[li], moe_p), h).reshape(B, T, D)
+      x = x + moe(cfg, jax.tree.map(lambda a: a[li], moe_p), h, stacks,
+                  blk * period + li).reshape(B, T, D)
     restack = lambda new, old: jnp.stack(new) if new else old   # a kind may be absent
     return x, ((restack(kc, kv_in[0]), restack(vc, kv_in[1])),
                (restack(conv, gdn_in[0]), restack(ssm, gdn_in[1])))
 
-  x, (kv_b, gdn_b) = lax.scan(body, x, (norms, gdn_p, attn_p, lora_g, lora_a, kv_b, gdn_b))
+  x, (kv_b, gdn_b) = lax.scan(body, x, (jnp.arange(n_blocks, dtype=jnp.int32), norms, gdn_p,
+                                         attn_p, lora_g, lora_a, kv_b, gdn_b))
   return x, _unblocks(kv_b), _unblocks(gdn_b)
 
 

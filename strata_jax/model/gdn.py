@@ -41,18 +41,20 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
   b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)
   qkv, conv_state = causal_conv(qkv, conv_state, p.conv, n_valid)
   kd = cfg.gdn_key_dim
-  q = l2_norm(qkv[..., :kd].reshape(B, T, Hk, Dk)) * (Dk ** -0.5)
-  k = l2_norm(qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk))
+  q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
+  k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
   v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
-  q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)   # v-head h <- k-head h//r
   beta = jax.nn.sigmoid(b)
   g = p.a.astype(jnp.float32) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
   valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]             # [B, T, 1]
   beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
   if T == 1:
-    o, ssm = jax.vmap(gdn_api.step)(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm)
+    # One fused step (L2 norms, head expansion, the delta rule) on the GPU.
+    o, ssm = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm)
     o = o[:, None]
   else:
+    q = jnp.repeat(l2_norm(q_raw) * (Dk ** -0.5), r, axis=2)   # v-head h <- k-head h//r
+    k = jnp.repeat(l2_norm(k_raw), r, axis=2)
     o, ssm = jax.vmap(gdn_api.chunked)(q, k, v, g, beta, ssm)
   o = rms_norm(o, p.norm, cfg.rms_eps).astype(jnp.float32)                   # [B, T, Hv, Dv]
   o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, Hv * Dv)

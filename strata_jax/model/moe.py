@@ -1,9 +1,12 @@
 """Mixture of experts with a shared expert (softmax router, top-k renormalised, SiLU-GLU)."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
 from strata_jax.model.common import linear
 
@@ -12,8 +15,49 @@ def _glu(x, wg, wu, wd):
   return linear(jax.nn.silu(linear(x, wg).astype(jnp.float32)).astype(x.dtype) * linear(x, wu), wd)
 
 
-def moe(cfg: ModelConfig, p, x):
-  """x [N, D] -> [N, D]; p one layer's MoEParams."""
+def _grouped_dot(xs, w, group_sizes):
+  """Rows xs [M, in] sorted by expert, w [E, out, in] -> [M, out] fp32, each row times its
+  group's matrix (group_sizes [E] rows per expert, in order)."""
+  dn = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[0])
+  return jax.lax.ragged_dot_general(xs, w.astype(xs.dtype), group_sizes, dn,
+                                    preferred_element_type=jnp.float32)
+
+
+def routed_grouped(x, wg, wu, wd, idx, w):
+  """The routed experts for many tokens: the N·k (token, expert) pairs sorted by expert, one
+  grouped matrix product per weight (each expert's rows times its matrix only). Same
+  numerics as the gather form: fp32 accumulation, h in x's dtype."""
+  N, k = idx.shape
+  E = wg.shape[0]
+  flat = idx.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  xs = x[order // k]                                                          # [N*k, D]
+  sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+  h = (jax.nn.silu(_grouped_dot(xs, wg, sizes)).astype(x.dtype)
+       * _grouped_dot(xs, wu, sizes).astype(x.dtype))
+  y = _grouped_dot(h, wd, sizes) * w.reshape(-1)[order][:, None]               # [N*k, D]
+  return jnp.zeros((N, wd.shape[1]), jnp.float32).at[order // k].add(y)
+
+
+# Many-token MoE form: "grouped" (sorted pairs, grouped products) or "dense" (every expert on
+# every token); the environment variable overrides it. Read at trace time.
+MANY_TOKENS = "dense"
+MANY_TOKENS_ENV_VAR = "STRATA_MOE_MANY"
+
+
+def many_tokens_form():
+  form = os.environ.get(MANY_TOKENS_ENV_VAR, "").strip() or MANY_TOKENS
+  if form not in ("dense", "grouped"):
+    raise ValueError(f"{MANY_TOKENS_ENV_VAR}={form!r}: expected 'dense' or 'grouped'")
+  return form
+
+
+def moe(cfg: ModelConfig, p, x, stacks=None, layer=None):
+  """x [N, D] -> [N, D]; p one layer's MoEParams. `stacks` (the whole [L, ...] expert weight
+  stacks) and `layer` (this layer's index in them, may be traced) let the few-token kernel read
+  the experts where they lie: a layer slice made by the scan would be copied for it first."""
   N, D = x.shape
   k = cfg.n_experts_used
   logits = linear(x.astype(jnp.float32), p.router)                          # [N, E] f32
@@ -21,14 +65,13 @@ def moe(cfg: ModelConfig, p, x):
   w, idx = jax.lax.top_k(probs, k)
   w = w / jnp.sum(w, axis=-1, keepdims=True)                                # [N, k]
   if N * k <= cfg.n_experts:
-    # Few tokens: read only the chosen experts' weights.
-    wg, wu, wd = p.gate_exps[idx], p.up_exps[idx], p.down_exps[idx]          # [N, k, F, D] ...
-    f32 = jnp.float32
-    h_g = jnp.einsum("nd,nkfd->nkf", x, wg.astype(x.dtype), preferred_element_type=f32)
-    h_u = jnp.einsum("nd,nkfd->nkf", x, wu.astype(x.dtype), preferred_element_type=f32)
-    h = (jax.nn.silu(h_g).astype(x.dtype) * h_u.astype(x.dtype))
-    y = jnp.einsum("nkf,nkdf->nkd", h, wd.astype(x.dtype), preferred_element_type=f32)
-    routed = jnp.sum(y * w[..., None], axis=1)
+    # Few tokens: read only the chosen experts' weights, in place on the GPU (Pallas kernel).
+    if stacks is not None:
+      routed = moe_api.routed_experts(x, *stacks, idx, w, layer=layer)
+    else:
+      routed = moe_api.routed_experts(x, p.gate_exps, p.up_exps, p.down_exps, idx, w)
+  elif many_tokens_form() == "grouped":
+    routed = routed_grouped(x, p.gate_exps, p.up_exps, p.down_exps, idx, w)
   else:
     # Many tokens: every expert over every token, weighted by the (sparse) routing weights.
     dense_w = jnp.zeros((N, cfg.n_experts), jnp.float32).at[jnp.arange(N)[:, None], idx].set(w)

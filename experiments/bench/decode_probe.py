@@ -1,0 +1,292 @@
+"""Where does batch-1 decode time go? bench-a3b through `steps.decode_greedy`, one variant of
+the model code at a time (each traced and compiled afresh), timed side by side in one process:
+
+  base      the model as committed
+  bf16dot   projections return their 16-bit dtype from the dot (no fp32 result + convert)
+  unroll    the layer scan fully unrolled at decode (one straight program per step)
+  moe/nomoe the Pallas in-place expert kernel, or the gather form (STRATA_MOE_IMPL=pallas/xla)
+  gdn/nogdn the Pallas fused GDN decode kernel, or jnp (STRATA_GDN_IMPL=pallas/xla)
+  grouped   many-token MoE as sorted (token, expert) pairs and grouped products
+  cond      adapter programs branch (lax.cond) to the no-adapter layers when every switch is off
+  fastgdn   prefill's chunked delta rule from `chunked.py` (products, default precision)
+  With --prefill T the variants time `steps.prefill` of a T-token chunk instead.
+  Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
+  name ends in '@on' / '@off', with the adapter loaded and switched on / off.
+
+  python experiments/bench/decode_probe.py --variants base,bf16dot --out probe.json
+
+XLA flags (e.g. command buffers around the while loop) are per process: run the script again
+with XLA_FLAGS set and a --tag.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+
+def patch(variant: str):
+  """Apply a variant's switches to the model modules; returns an undo function."""
+  import functools
+
+  from jax import lax
+
+  from strata_jax.model import attention, forward, gdn, moe
+  from strata_jax.model import common as mc
+  undo = []
+
+  def setattr_undo(mod, name, value):
+    old = getattr(mod, name)
+    setattr(mod, name, value)
+    undo.append(lambda: setattr(mod, name, old))
+
+  def setenv_undo(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    undo.append(lambda: os.environ.pop(name) if old is None else os.environ.__setitem__(name,
+                                                                                       old))
+
+  for part in variant.split("+"):
+    if part in ("base", ""):
+      continue
+    if part == "bf16dot":
+      def linear(x, w):
+        return lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=x.dtype)
+      for mod in (mc, gdn, attention, moe, forward):
+        if hasattr(mod, "linear"):
+          setattr_undo(mod, "linear", linear)
+    elif part == "unroll":
+      class _Lax:
+        def __getattr__(self, name):
+          return getattr(lax, name)
+        scan = staticmethod(functools.partial(lax.scan, unroll=True))
+      setattr_undo(forward, "lax", _Lax())
+    elif part == "grouped":
+      setenv_undo("STRATA_MOE_MANY", "grouped")
+    elif part == "fastgdn":
+      setenv_undo("STRATA_GDN_CHUNKED", "products")
+    elif part == "cond":
+      setenv_undo("STRATA_LORA_BRANCH", "cond")
+    elif part == "moe":
+      setenv_undo("STRATA_MOE_IMPL", "pallas")
+    elif part == "gdn":
+      setenv_undo("STRATA_GDN_IMPL", "pallas")
+    elif part == "nomoe":
+      setenv_undo("STRATA_MOE_IMPL", "xla")
+    elif part == "nogdn":
+      setenv_undo("STRATA_GDN_IMPL", "xla")
+    else:
+      raise SystemExit(f"unknown variant part {part!r}")
+  return lambda: [u() for u in reversed(undo)]
+
+
+def hlo_kernels(text: str) -> dict:
+  return {k: text.count(k) for k in ("fusion(", "custom-call(", "copy(", "while(", "gather(",
+                                     "command_buffer", "conditional(")}
+
+
+def main():
+  import argparse
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--variants", default="base,bf16dot,unroll")
+  ap.add_argument("--batches", default="1")
+  ap.add_argument("--n_steps", type=int, default=32)
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--tag", default="")
+  ap.add_argument("--tiny", action="store_true")
+  ap.add_argument("--prefill", type=int, default=0)
+  ap.add_argument("--profile", default="", help="variant whose decode call is traced")
+  ap.add_argument("--gdn_op", type=int, default=0, help="also time the chunked ops at this T")
+  ap.add_argument("--out", default=os.path.join(common.TMP, "decode_probe.json"))
+  args = ap.parse_args()
+
+  import jax
+  import jax.numpy as jnp
+
+  from strata_jax import steps
+  from strata_jax.state import init_state
+  geom = common.TINY if args.tiny else common.BENCH_A3B
+  cfg = common.model_config(geom)
+  dtype = jnp.bfloat16
+  t0 = time.perf_counter()
+  params = common.device_params(cfg, dtype)
+  lora = common.device_lora(cfg, common.LORA_RANK, dtype)
+  print(f"params {time.perf_counter() - t0:.1f}s", flush=True)
+  res = dict(tag=args.tag, xla_flags=os.environ.get("XLA_FLAGS", ""), device=str(jax.devices()[0]),
+             jax=jax.__version__, results=[])
+  if args.gdn_op:
+    res["gdn_op"] = time_gdn_ops(cfg, args.gdn_op)
+    print(json.dumps(res["gdn_op"]), flush=True)
+  if args.prefill:
+    time_prefill(args, cfg, params, lora, dtype, res)
+    return
+  for B in (int(b) for b in args.batches.split(",")):
+    for variant in args.variants.split(","):
+      name, _, lstate = variant.partition("@")   # "@on" / "@off": adapter loaded
+      on = lstate == "on"
+      undo = patch(name)
+      jax.clear_caches()
+      try:
+        state = init_state(cfg, B, 512, dtype)
+        toks = jnp.zeros((B,), jnp.int32)
+        sw = jnp.full((B,), 1 if on else 0, jnp.int32)
+        act = jnp.ones((B,), jnp.int32)
+        lp = lora if lstate else None
+        t = time.perf_counter()
+        lowered = steps.decode_greedy.lower(cfg, params, lp, state, toks, sw, act,
+                                            n_steps=args.n_steps)
+        compiled = lowered.compile()
+        t_compile = time.perf_counter() - t
+        counts = hlo_kernels(compiled.as_text())
+        out, state = compiled(params, lp, state, toks, sw, act)
+        out.block_until_ready()
+        times = []
+        for _ in range(args.reps):
+          t = time.perf_counter()
+          out, state = compiled(params, lp, state, toks, sw, act)
+          out.block_until_ready()
+          times.append(time.perf_counter() - t)
+        med = statistics.median(times)
+        if variant == args.profile:
+          res["profile_" + variant] = profile(lambda: compiled(params, lp, state, toks, sw, act),
+                                              args.n_steps)
+        row = dict(variant=variant, batch=B, ms_per_step=med / args.n_steps * 1e3,
+                   tok_s=B * args.n_steps / med, spread=(max(times) - min(times)) / med,
+                   compile_s=t_compile, hlo=counts, tokens=out[:4, 0].tolist())
+      except Exception as e:  # keep going: one broken variant must not cost the run
+        row = dict(variant=variant, batch=B, error=f"{type(e).__name__}: {e}"[:2000])
+      finally:
+        undo()
+      print(json.dumps(row), flush=True)
+      res["results"].append(row)
+      os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+      with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def profile(call, n_steps):
+  """Trace one call; GPU time per kernel name (summed, per decode step), busiest first."""
+  import collections
+  import glob
+  import gzip
+  import tempfile
+
+  import jax
+  d = tempfile.mkdtemp()
+  with jax.profiler.trace(d, create_perfetto_trace=True):
+    out = call()
+    jax.block_until_ready(out)
+  path = glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True)
+  if not path:
+    return dict(error="no perfetto trace written")
+  ev = json.load(gzip.open(path[0]))
+  ev = ev.get("traceEvents", ev) if isinstance(ev, dict) else ev
+  pname = {e["pid"]: e["args"]["name"] for e in ev
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  by = collections.defaultdict(lambda: [0.0, 0])
+  per_proc = collections.defaultdict(float)
+  for e in ev:
+    if e.get("ph") != "X":
+      continue
+    proc = pname.get(e.get("pid"), "?")
+    per_proc[proc] += e.get("dur", 0.0)
+    if "GPU" in proc or "gpu" in proc:
+      b = by[e.get("name", "?")[:120]]
+      b[0] += e.get("dur", 0.0)
+      b[1] += 1
+  top = sorted(by.items(), key=lambda kv: -kv[1][0])[:60]
+  return dict(process_us=dict(per_proc),
+              gpu_kernels=sum(c for _, c in by.values()) / n_steps,
+              gpu_busy_us_per_step=sum(t for t, _ in by.values()) / n_steps,
+              top=[dict(name=n, us_per_step=t / n_steps, count_per_step=c / n_steps)
+                   for n, (t, c) in top])
+
+
+def time_gdn_ops(cfg, T):
+  """The chunked delta rule alone, 32 heads, one sequence: reference vs chunked.py."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+
+  from pallas_kernels.gdn import chunked, reference
+  H, Dk, Dv = cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
+  ks = jax.random.split(jax.random.key(0), 6)
+  l2 = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+  q = l2(jax.random.normal(ks[0], (T, H, Dk))) * Dk ** -0.5
+  k = l2(jax.random.normal(ks[1], (T, H, Dk)))
+  v = jax.random.normal(ks[2], (T, H, Dv))
+  g = -jnp.exp(jax.random.uniform(ks[3], (T, H), minval=-4, maxval=0))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (T, H)))
+  s0 = jnp.zeros((H, Dv, Dk))
+  out = {}
+  ref = None
+  for name, fn in (("reference", reference.delta_rule_chunked),
+                   ("products_default", chunked.delta_rule_chunked),
+                   ("products_highest", lambda *a: chunked.delta_rule_chunked(
+                       *a, precision=lax.Precision.HIGHEST))):
+    loop = jax.jit(lambda s, fn=fn: lax.fori_loop(
+        0, 5, lambda i, c: (c[0] + fn(q, k, v, g, beta, c[1])[0][0, 0, 0], c[1]), (0.0, s))[0])
+    o = jax.jit(fn)(q, k, v, g, beta, s0)[0]
+    ref = o if ref is None else ref
+    loop(s0).block_until_ready()
+    ts = []
+    for _ in range(5):
+      t = time.perf_counter()
+      loop(s0).block_until_ready()
+      ts.append((time.perf_counter() - t) / 5)
+    out[name] = dict(us=statistics.median(ts) * 1e6,
+                     max_abs_vs_reference=float(jnp.abs(o - ref).max()))
+  return out
+
+
+def time_prefill(args, cfg, params, lora, dtype, res):
+  import jax
+  import jax.numpy as jnp
+
+  from strata_jax import steps
+  from strata_jax.state import init_state
+  T = args.prefill
+  for variant in args.variants.split(","):
+    name, _, lstate = variant.partition("@")
+    undo = patch(name)
+    jax.clear_caches()
+    try:
+      state = init_state(cfg, 1, T + 64, dtype)
+      toks = jax.random.randint(jax.random.key(3), (T,), 0, cfg.vocab_size, jnp.int32)
+      lp = lora if lstate else None
+      args_ = (params, lp, state, jnp.int32(0), toks, jnp.int32(T),
+               jnp.int32(1 if lstate == "on" else 0))
+      t = time.perf_counter()
+      compiled = steps.prefill.lower(cfg, *args_).compile()
+      t_compile = time.perf_counter() - t
+      reset = jax.jit(lambda s: s.replace(pos=jnp.zeros_like(s.pos)), donate_argnums=0)
+      logits, state = compiled(*args_)
+      times = []
+      for _ in range(args.reps):
+        state = reset(state)
+        state.pos.block_until_ready()
+        t = time.perf_counter()
+        logits, state = compiled(params, lp, state, *args_[3:])
+        logits.block_until_ready()
+        times.append(time.perf_counter() - t)
+      med = statistics.median(times)
+      row = dict(variant=variant, prefill=T, ms=med * 1e3, tok_s=T / med, compile_s=t_compile,
+                 argmax=int(jnp.argmax(logits)), hlo=hlo_kernels(compiled.as_text()))
+    except Exception as e:
+      row = dict(variant=variant, prefill=T, error=f"{type(e).__name__}: {e}"[:2000])
+    finally:
+      undo()
+    print(json.dumps(row), flush=True)
+    res["results"].append(row)
+    with open(args.out, "w") as f:
+      json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

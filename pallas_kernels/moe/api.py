@@ -1,0 +1,75 @@
+"""Backend choice for the routed experts: the one entry point model code calls.
+
+Implementations (one contract, one parametrized test suite):
+  "pallas"            the Pallas kernel compiled for the GPU (Triton lowering; README).
+  "pallas_interpret"  the same kernel under the Pallas interpreter (CPU tests).
+  "xla"               `moe_reference`: the model's gather form in plain jnp.
+
+And "auto": "pallas" on GPU, "xla" elsewhere (the interpreter is for tests, not serving).
+
+Default: "auto". The environment variable STRATA_MOE_IMPL (any of the four names) overrides
+the default; an explicit `implementation=` wins over both.
+"""
+import os
+
+import jax
+
+from pallas_kernels.moe.kernel import moe_pallas
+from pallas_kernels.moe.reference import moe_reference
+
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
+CHOICES = (*IMPLEMENTATIONS, "auto")
+ENV_VAR = "STRATA_MOE_IMPL"
+
+moe_xla = jax.jit(moe_reference, static_argnames=("precision",))
+
+
+def default_implementation():
+  """STRATA_MOE_IMPL if set, else "auto"."""
+  env = os.environ.get(ENV_VAR, "").strip()
+  if env:
+    if env not in CHOICES:
+      raise ValueError(f"{ENV_VAR}={env!r}: expected one of {CHOICES}")
+    return env
+  return "auto"
+
+
+def resolve(implementation=None):
+  """The concrete implementation `routed_experts` runs for this choice."""
+  impl = implementation or default_implementation()
+  if impl == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"moe: unknown implementation {impl!r}; expected one of {CHOICES}")
+  return impl
+
+
+def routed_experts(x, wg, wu, wd, idx, w, *, layer=None, implementation=None):
+  """routed[n] = sum_j w[n, j] * wd[e] @ (silu(wg[e] @ x[n]) * (wu[e] @ x[n])), e = idx[n, j].
+
+  Args:
+    x: [N, D] activations (float32/bfloat16/float16).
+    wg, wu: [E, F, D] expert gate / up weights.
+    wd: [E, D, F] expert down weights.
+    idx: [N, k] int32 chosen expert ids.
+    w: [N, k] float32 routing weights.
+    layer: optional integer scalar (may be traced): wg / wu / wd are then whole layer stacks
+      [L, E, F, D] / [L, E, D, F] and layer `layer` is used. Inside a `lax.scan` over layers
+      pass the stacks (closed over) and the index: the kernel then reads them in place,
+      while a slice made by the scan is copied for the kernel (~200 µs a layer, README).
+    implementation: one of CHOICES, or None for `default_implementation()`.
+
+  Returns:
+    [N, D] float32.
+  """
+  impl = resolve(implementation)
+  if impl == "pallas":
+    if jax.default_backend() != "gpu":
+      raise ValueError(f"moe: implementation 'pallas' needs a GPU backend, not "
+                       f"{jax.default_backend()!r}; use 'pallas_interpret' or 'xla'")
+    return moe_pallas(x, wg, wu, wd, idx, w, layer)
+  if impl == "pallas_interpret":
+    return moe_pallas(x, wg, wu, wd, idx, w, layer, interpret=True)
+  if layer is not None:  # jnp indexing clamps a traced index, as the kernel does
+    wg, wu, wd = wg[layer], wu[layer], wd[layer]
+  return moe_xla(x, wg, wu, wd, idx, w)
