@@ -114,6 +114,8 @@ def cmd_generate(args) -> int:
   res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
                         lora=use_lora, return_logits=bool(args.dump_logits))
+  if not _is_output_process():
+    return 0
   if args.dump_logits:
     np.savez(args.dump_logits, prompt=res.prompt_logits.astype(np.float32),
              prompt_last=res.prompt_logits[-1].astype(np.float32),
@@ -154,13 +156,41 @@ def _compilation_cache():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+def _distributed():
+  """Several hosts: with STRATA_COORDINATOR=host:port, STRATA_NUM_PROCESSES and
+  STRATA_PROCESS_ID (and optionally STRATA_TRANSFER_ADDRESS) set, join the jax.distributed
+  cluster before anything else; every process then runs the same command, `--split-devices`
+  indexes the global device list, and only process 0 writes output."""
+  coord = os.environ.get("STRATA_COORDINATOR")
+  if not coord:
+    return
+  from strata_jax.errors import StrataError  # noqa: PLC0415
+  from strata_jax.parallel import distributed  # noqa: PLC0415
+  try:
+    n, pid = int(os.environ["STRATA_NUM_PROCESSES"]), int(os.environ["STRATA_PROCESS_ID"])
+  except (KeyError, ValueError):
+    raise StrataError("STRATA_COORDINATOR is set: STRATA_NUM_PROCESSES and STRATA_PROCESS_ID "
+                      "must be integers too") from None
+  distributed.initialize(coord, n, pid, os.environ.get("STRATA_TRANSFER_ADDRESS"))
+
+
+def _is_output_process() -> bool:
+  import jax  # noqa: PLC0415
+  return jax.process_index() == 0
+
+
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  from strata_jax.errors import StrataError  # noqa: PLC0415
+  try:
+    _distributed()
+  except StrataError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   _compilation_cache()
   import logging  # noqa: PLC0415
   logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
   logging.getLogger("strata_jax").setLevel(logging.INFO)
-  from strata_jax.errors import StrataError  # noqa: PLC0415
   try:
     return {"generate": cmd_generate, "convert": cmd_convert, "serve": cmd_serve}[args.cmd](args)
   except (StrataError, FileNotFoundError, IsADirectoryError, PermissionError) as e:

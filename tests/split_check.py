@@ -1,12 +1,19 @@
 """Run in its own process (fake CPU devices must be set before JAX starts):
-python tests/split_check.py N_DEVICES  -> prints one JSON line of results."""
+python tests/split_check.py N_DEVICES  -> prints one JSON line of results.
+python tests/split_check.py mp PROCESS_ID PORT  -> one of two processes under jax.distributed
+  (one CPU device each, coordinator on 127.0.0.1:PORT); the split puts a stage on each
+  process's device; the unsplit reference runs locally in each process."""
 import json
 import os
 import sys
 
-n_dev = int(sys.argv[1])
+MP = sys.argv[1] == "mp"
+n_dev = 2 if MP else int(sys.argv[1])
 REAL = os.environ.get("STRATA_SPLIT_REAL") == "1"   # real accelerators (device machine)
-if not REAL:
+if MP:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ.pop("XLA_FLAGS", None)
+elif not REAL:
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_dev}"
   os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
@@ -15,6 +22,11 @@ import dataclasses  # noqa: E402
 import logging  # noqa: E402
 
 import jax  # noqa: E402
+
+if MP:  # before anything else touches JAX
+  from strata_jax.parallel import distributed  # noqa: E402
+  distributed.initialize(f"127.0.0.1:{sys.argv[3]}", 2, int(sys.argv[2]))
+
 import numpy as np  # noqa: E402
 from model_fixtures import TINY, random_lora, tiny_model  # noqa: E402
 
@@ -25,7 +37,7 @@ from strata_jax.parallel.plan import plan_layer_split  # noqa: E402
 
 if REAL:
   jax.config.update("jax_default_matmul_precision", "highest")
-else:
+elif not MP:
   cache = os.environ.get("STRATA_TEST_JAX_CACHE", "/tmp/strata-jax-test-cache")
   jax.config.update("jax_compilation_cache_dir", cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -49,10 +61,11 @@ def run(m, lora_set, sw):
   return eng, res
 
 
-split_spec = "auto" if n_dev == 2 else "3,2,3"
+split_spec = "4,4" if MP else "auto" if n_dev == 2 else "3,2,3"
 ranges, devs = plan_layer_split(model, split_spec)
 split_model = dataclasses.replace(model, layer_ranges=ranges, devices=devs)
-out = {"devices": n_dev, "platform": jax.default_backend()}
+out = {"devices": n_dev, "platform": jax.default_backend(), "processes": jax.process_count(),
+       "stage_processes": [d.process_index for d in devs]}
 single_eng, single = run(model, lora, switches)
 eng, split = run(split_model, lora, switches)
 out["ranges"] = [list(st.layers) for st in eng.stages]
@@ -75,7 +88,7 @@ out["mixed_rows_match"] = all(
     np.array_equal(split[i].step_logits, (split_on if s else split_off)[i].step_logits)
     for i, s in enumerate(switches))
 out["stage_params_on_device"] = all(
-    {d for a in jax.tree.leaves(st.params) for d in a.devices()} == {st.device}
+    {d for a in jax.tree.leaves(st.params) for d in a.sharding.device_set} == {st.device}
     for st in eng.stages)
 out["logs"] = logs
 print(json.dumps(out))

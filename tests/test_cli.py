@@ -1,6 +1,7 @@
 """The public CLI contract (DESIGN.md): flags, --json, --dump-logits arrays, exit status 2."""
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -111,5 +112,38 @@ def test_layer_split_flags_match_single_device(files):
                        env_split)
   assert "layers 0-2 (dev0), 3-7 (dev1)" in err
   assert split["tokens"] == single["tokens"]
+  for k in ("prompt", "steps"):
+    assert np.abs(zp[k] - zs[k]).max() <= 1e-6, k
+
+
+def test_layer_split_across_two_processes(files):
+  """The same command on two processes (STRATA_COORDINATOR, ...): a stage per process gives the
+  single-process tokens and logits; only process 0 prints and writes."""
+  d, model, a, _ = files
+  common = ["--model", model, "--lora", a, "--prompt-tokens", "3,1,4,1,5,9", "-n", "4", "--json"]
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  e.pop("XLA_FLAGS", None)
+  p = subprocess.run([sys.executable, "-m", "strata_jax", "generate", *common, "--dump-logits",
+                      str(d / "one.npz")], capture_output=True, text=True, env=e, timeout=600)
+  assert p.returncode == 0, p.stderr[-2000:]
+  single, zs = json.loads(p.stdout.strip().splitlines()[-1]), np.load(d / "one.npz")
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "strata_jax", "generate", *common, "--layer-split", "3,5",
+       "--dump-logits", str(d / f"mp{i}.npz")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=dict(e, STRATA_COORDINATOR=f"127.0.0.1:{port}", STRATA_NUM_PROCESSES="2",
+                          STRATA_PROCESS_ID=str(i)))
+      for i in range(2)]
+  outs = [q.communicate(timeout=600) for q in procs]
+  for q, (_, err) in zip(procs, outs):
+    assert q.returncode == 0, err[-2000:]
+  split = json.loads(outs[0][0].strip().splitlines()[-1])
+  # (gloo logs a connection line on stdout; the result is the only JSON line)
+  assert not [ln for ln in outs[1][0].splitlines() if ln.startswith("{")]
+  assert not (d / "mp1.npz").exists()
+  assert split["tokens"] == single["tokens"]
+  zp = np.load(d / "mp0.npz")
   for k in ("prompt", "steps"):
     assert np.abs(zp[k] - zs[k]).max() <= 1e-6, k

@@ -3,6 +3,7 @@ set before JAX starts)."""
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -28,3 +29,54 @@ def test_split_matches_single_device(n_dev):
   assert any(m.startswith("LoRA: 1 files, 8 layers adapted") for m in out["logs"]), out["logs"]
   if n_dev == 2:
     assert any("layers 0-3 (dev0), 4-7 (dev1)" in m for m in out["logs"]), out["logs"]
+
+
+def _free_port_block(n=3):
+  """A base port with `n` consecutive free ports (coordinator, then one transfer port each)."""
+  for _ in range(50):
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      base = s.getsockname()[1]
+    if base + n >= 65535:
+      continue
+    try:
+      socks = []
+      for p in range(base, base + n):
+        s = socket.socket()
+        socks.append(s)
+        s.bind(("127.0.0.1", p))
+    except OSError:
+      continue
+    finally:
+      for s in socks:
+        s.close()
+    return base
+  raise RuntimeError("no free port block")
+
+
+def test_split_across_two_processes():
+  """Two processes under jax.distributed (one CPU device each, gloo collectives, JAX's cross-
+  host transfers): a stage on each process gives the tokens and logits of the unsplit model
+  run in one process, with the switch on, off and mixed, and off still equals no adapter."""
+  port = _free_port_block()
+  env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+  procs = [subprocess.Popen([sys.executable, str(HERE / "split_check.py"), "mp", str(i), str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+           for i in range(2)]
+  outs = []
+  for p in procs:
+    try:
+      stdout, stderr = p.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+    assert p.returncode == 0, stderr[-3000:]
+    outs.append(json.loads(stdout.strip().splitlines()[-1]))
+  for out in outs:
+    assert out["processes"] == 2 and out["stage_processes"] == [0, 1], out
+    assert out["ranges"] == [[0, 4], [4, 8]]
+    assert out["same_tokens"]
+    assert out["max_logit_err"] <= 1e-6 and out["max_prompt_logit_err"] <= 1e-6, out
+    assert out["off_bit_identical"] and out["mixed_rows_match"] and out["programs_stable"]
+    assert out["stage_params_on_device"]

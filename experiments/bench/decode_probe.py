@@ -230,15 +230,16 @@ def time_gdn_ops(cfg, T):
                    ("products_default", chunked.delta_rule_chunked),
                    ("products_highest", lambda *a: chunked.delta_rule_chunked(
                        *a, precision=lax.Precision.HIGHEST))):
-    loop = jax.jit(lambda s, fn=fn: lax.fori_loop(
-        0, 5, lambda i, c: (c[0] + fn(q, k, v, g, beta, c[1])[0][0, 0, 0], c[1]), (0.0, s))[0])
+    # inputs are arguments, not closed-over constants (XLA would constant-fold the products)
+    loop = jax.jit(lambda s, *a, fn=fn: lax.fori_loop(
+        0, 5, lambda i, c: (c[0] + fn(*a, c[1])[0][0, 0, 0], c[1]), (0.0, s))[0])
     o = jax.jit(fn)(q, k, v, g, beta, s0)[0]
     ref = o if ref is None else ref
-    loop(s0).block_until_ready()
+    loop(s0, q, k, v, g, beta).block_until_ready()
     ts = []
     for _ in range(5):
       t = time.perf_counter()
-      loop(s0).block_until_ready()
+      loop(s0, q, k, v, g, beta).block_until_ready()
       ts.append((time.perf_counter() - t) / 5)
     out[name] = dict(us=statistics.median(ts) * 1e6,
                      max_abs_vs_reference=float(jnp.abs(o - ref).max()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Sequence
@@ -19,6 +20,7 @@ from strata_jax.api import model_fingerprint
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
 from strata_jax.engine.sampling import sample
 from strata_jax.errors import RequestError
+from strata_jax.parallel import distributed
 from strata_jax.parallel.plan import describe, plan_auto
 from strata_jax.parallel.split import make_stages
 from strata_jax.params import LORA_RANK_BUCKET, empty_lora, lora_rank_bucket, pad_lora_rank
@@ -122,6 +124,9 @@ class Engine:
       log.info("layer split (auto): %s", describe(ranges, model.devices[:len(ranges)]))
     devices = model.devices[:len(ranges)] if model.devices else None
     self.stages = make_stages(cfg, model.params, lora_params, ranges, devices)
+    # Stages on devices of several processes (jax.distributed): host reads are broadcasts.
+    self._shared = devices is not None and distributed.multi_process()
+    self._host = lambda x: distributed.to_host(x, self._shared)
     if lora is not None:
       lp = lora.params
       n_adapted = int(sum(np.count_nonzero(np.abs(np.asarray(a, np.float32)).sum(axis=(1, 2)))
@@ -261,7 +266,7 @@ class Engine:
       chunk = np.zeros(self.block_size, np.int32)
       chunk[:n] = toks[pos:pos + n]
       out = self._prefill_chunk(slot, chunk, n, switch, all_logits=req.return_logits)
-      logits_parts.append(np.asarray(out)[:n] if req.return_logits else None)
+      logits_parts.append(self._host(out)[:n] if req.return_logits else None)
       pos += n
       blk = pos // self.block_size - 1
       if aligned and pos % self.block_size == 0 and blk < len(hashes):
@@ -270,7 +275,7 @@ class Engine:
         with_state = (blk + 1) % self.state_every == 0 or blk == len(hashes) - 1
         self._snapshot(slot, hashes, blk, with_state)
     run.computed = len(toks) - start
-    last = np.asarray(out)[n - 1] if req.return_logits else np.asarray(out)
+    last = self._host(out)[n - 1] if req.return_logits else self._host(out)
     if req.return_logits:
       run.prompt_logits = np.concatenate(logits_parts, axis=0)
     self.slot_tokens[slot] = toks
@@ -283,16 +288,16 @@ class Engine:
     for i, st in enumerate(self.stages):
       if st.device is not None:
         x = jax.device_put(x, st.device)
-      x, self.states[i] = steps.prefill(
-          st.cfg, st.params, st.lora, self.states[i], jnp.int32(slot), x, jnp.int32(n),
-          jnp.int32(switch), all_logits=all_logits)
+      x, self.states[i] = distributed.call_on_stage(
+          steps.prefill, st.device, st.cfg, st.params, st.lora, self.states[i],
+          jnp.int32(slot), x, jnp.int32(n), jnp.int32(switch), all_logits=all_logits)
     return x
 
   def _reset(self, slot: int):
     rows = jnp.asarray(np.arange(self.n_slots) == slot, jnp.int32)
     for i, st in enumerate(self.stages):
       r = jax.device_put(rows, st.device) if st.device is not None else rows
-      self.states[i] = steps.reset_rows(self.states[i], r)
+      self.states[i] = distributed.call_on_stage(steps.reset_rows, st.device, self.states[i], r)
     self.slot_tokens[slot] = []
 
   def _snapshot(self, slot: int, hashes: list[bytes], blk: int, with_state: bool):
@@ -302,13 +307,14 @@ class Engine:
       if not with_state or "ssm" in self.prefix_cache.peek(hashes[blk])[0]:
         return
     payload = []
-    for state in self.states:
-      k, v = steps.read_kv(state, jnp.int32(slot), jnp.int32(blk * self.block_size),
-                           length=self.block_size)
-      entry = {"k": np.asarray(k), "v": np.asarray(v)}
+    for st, state in zip(self.stages, self.states):
+      k, v = distributed.call_on_stage(steps.read_kv, st.device, state, jnp.int32(slot),
+                                       jnp.int32(blk * self.block_size), length=self.block_size)
+      entry = {"k": self._host(k), "v": self._host(v)}
       if with_state:
-        conv, ssm = steps.read_recurrent(state, jnp.int32(slot))
-        entry.update(conv=np.asarray(conv), ssm=np.asarray(ssm))
+        conv, ssm = distributed.call_on_stage(steps.read_recurrent, st.device, state,
+                                              jnp.int32(slot))
+        entry.update(conv=self._host(conv), ssm=self._host(ssm))
       payload.append(entry)
     if hashes[blk] in self.prefix_cache:
       self.prefix_cache.replace(hashes[blk], tuple(payload))
@@ -329,15 +335,18 @@ class Engine:
     if not entries:
       return 0
     n = len(entries) * self.block_size
-    for i in range(len(self.stages)):
+    for i, st in enumerate(self.stages):
       state = self.states[i]
+      write_kv = functools.partial(distributed.call_on_stage, steps.write_kv, st.device)
+      write_recurrent = functools.partial(distributed.call_on_stage, steps.write_recurrent,
+                                          st.device)
       for b, entry in enumerate(entries):
         e = entry[i]
-        state = steps.write_kv(state, jnp.int32(slot), jnp.int32(b * self.block_size),
-                               jnp.asarray(e["k"]), jnp.asarray(e["v"]))
+        state = write_kv(state, jnp.int32(slot), jnp.int32(b * self.block_size),
+                         jnp.asarray(e["k"]), jnp.asarray(e["v"]))
       last = entries[-1][i]
-      state = steps.write_recurrent(state, jnp.int32(slot), jnp.asarray(last["conv"]),
-                                    jnp.asarray(last["ssm"]), jnp.int32(n), jnp.int32(switch))
+      state = write_recurrent(state, jnp.int32(slot), jnp.asarray(last["conv"]),
+                              jnp.asarray(last["ssm"]), jnp.int32(n), jnp.int32(switch))
       self.states[i] = state
     return n
 
@@ -352,8 +361,9 @@ class Engine:
     for i, st in enumerate(self.stages):
       if st.device is not None:
         x, sw_d, act_d = jax.device_put((x, sw_d, act_d), st.device)
-      x, self.states[i] = steps.decode(st.cfg, st.params, st.lora, self.states[i], x, sw_d, act_d)
-    return np.asarray(x)
+      x, self.states[i] = distributed.call_on_stage(
+          steps.decode, st.device, st.cfg, st.params, st.lora, self.states[i], x, sw_d, act_d)
+    return self._host(x)
 
   def _decode_step(self, running: dict):
     logits = self._decode_rows({s: (run.tokens[-1], run.switch) for s, (_, run) in running.items()})
@@ -404,6 +414,7 @@ class Engine:
     """Save a slot's conversation (token ids and every layer's state) to `path` (atomic).
     Format v1 for one stage, v2 for a layer-split model. Returns size and timing."""
     self._check_slot(slot)
+    self._check_single_process("save_session")
     toks = self.slot_tokens[slot]
     n = len(toks)
     stages = []
@@ -422,6 +433,7 @@ class Engine:
     before any array is read. The slot then holds the conversation under the switch it was
     saved with. Returns {"n_tokens", "lora", "version"}."""
     self._check_slot(slot)
+    self._check_single_process("load_session")
     meta, stages, tokens = sess.load_session(str(path), self._read_limits(supported_versions))
     n = int(meta.n_tokens)
     self._reset(slot)
@@ -458,6 +470,11 @@ class Engine:
     return {"id": slot, "n_tokens": len(self.slot_tokens[slot]),
             "lora": bool(self.slot_key[slot][0]),
             "busy": slot in self._running}
+
+  def _check_single_process(self, what: str):
+    if self._shared:
+      raise ValueError(f"{what}: sessions of a model split across processes (jax.distributed) "
+                       f"are not supported; save from a single-process engine")
 
   def _check_slot(self, slot: int):
     if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.n_slots):

@@ -35,7 +35,7 @@ def _unblocks(tree):
 # How an adapter program skips the adapter when every row's switch is off: "select" (the
 # delta is computed and a select keeps the base rows) or "cond" (a lax.cond on "any switch
 # on" runs the layers without the adapter hook). Environment variable overrides; trace time.
-LORA_BRANCH = "select"
+LORA_BRANCH = "cond"
 LORA_BRANCH_ENV_VAR = "STRATA_LORA_BRANCH"
 
 

@@ -5,9 +5,10 @@ program per stage and hands the activation [T, D] (or [B, D] in decode) to the n
 device with `jax.device_put`, one transfer per boundary per step. `auto` sizes the ranges from
 each device's free memory (`plan.py`).
 
-Scope: one process driving every device it can address (one host with many GPUs, or fake CPU
-devices in tests). Several hosts under `jax.distributed.initialize()` are not supported yet:
-in multi-controller JAX a process cannot `device_put` onto another host's device, so that
-needs the single-program form (a `stage` mesh axis, `shard_map` and `ppermute` between
-stages), which this package does not implement.
+The same code runs on one host with many devices and on several hosts under
+`jax.distributed` (`distributed.py`): every process makes the same calls, the process that
+owns a stage's device runs its step, the activation crosses hosts through JAX's cross-host
+device transfer, and what the host reads (logits, cached K/V) is broadcast from the owning
+process. Across processes `auto` splits equally (other hosts' free memory is not visible)
+and sessions are refused (save and restore from a single-process engine).
 """
