@@ -1,8 +1,9 @@
 """Run in its own process (fake CPU devices must be set before JAX starts):
 python tests/split_check.py N_DEVICES  -> prints one JSON line of results.
 python tests/split_check.py mp PROCESS_ID PORT  -> one of two processes under jax.distributed
-  (one CPU device each, coordinator on 127.0.0.1:PORT); the split puts a stage on each
-  process's device; the unsplit reference runs locally in each process."""
+  (one CPU device each, coordinator on 127.0.0.1:PORT; with STRATA_SPLIT_REAL=1 and
+  CUDA_VISIBLE_DEVICES=i, one GPU each); the split puts a stage on each process's device;
+  the unsplit reference runs locally in each process."""
 import json
 import os
 import sys
@@ -10,7 +11,7 @@ import sys
 MP = sys.argv[1] == "mp"
 n_dev = 2 if MP else int(sys.argv[1])
 REAL = os.environ.get("STRATA_SPLIT_REAL") == "1"   # real accelerators (device machine)
-if MP:
+if MP and not REAL:
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ.pop("XLA_FLAGS", None)
 elif not REAL:

@@ -15,3 +15,12 @@ tail -5 "$OUT/split_bench.err"
 JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest tests/test_model_parity.py \
   tests/test_lora_switch.py tests/test_delta_rule.py -p no:cacheprovider -s -W ignore 2>&1 \
   | grep -vE "^\s*$" | tee "$OUT/gpu_tests.log" | tail -25
+# The layer split across two processes (jax.distributed, one GPU each, NCCL + JAX's cross-host
+# device transfer over loopback): same checks as split_check.py, from process 0 and 1.
+PORT=$((20000 + RANDOM % 20000))
+for i in 0 1; do
+  CUDA_VISIBLE_DEVICES=$i STRATA_SPLIT_REAL=1 python3 tests/split_check.py mp $i $PORT \
+    > "$OUT/split_mp$i.json" 2> "$OUT/split_mp$i.err" &
+done
+wait
+tail -c 800 "$OUT/split_mp0.json"; tail -3 "$OUT/split_mp0.err"
