@@ -1,5 +1,6 @@
 """Parity with transformers' Qwen3NextForCausalLM (fp32, CPU), through `strata-jax convert hf`,
 and with transformers + PEFT for adapters through `strata-jax convert peft`."""
+import jax
 import numpy as np
 import pytest
 import torch
@@ -41,6 +42,26 @@ def test_all_position_logits(hf, T):
   err = assert_close(res.prompt_logits, want, abs_=MODEL_LOGITS_ABS_FP32, what=f"T={T}")
   assert_close(res.prompt_logits[-1], want[-1], abs_=MODEL_LOGITS_ABS_FP32, what="last")
   print(f"parity T={T}: max abs error {err:.2e}")
+
+
+@pytest.mark.parametrize("env", [{"STRATA_GDN_CHUNKED": "pallas_interpret"},
+                                 {"STRATA_GDN_CHUNKED": "products"},
+                                 {"STRATA_MOE_MANY": "pallas"}], ids=lambda e: str(e))
+def test_prefill_kernel_forms_match_transformers(hf, env, monkeypatch):
+  """The opt-in prefill forms (the chunked GDN kernel or the products form, the grouped MoE
+  kernel; interpreted on CPU) through the model give transformers' logits too."""
+  _, hf_model, model = hf
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  jax.clear_caches()   # the forms are chosen at trace time: no traced program may be reused
+  try:
+    ids = _prompt(63, model.cfg.vocab_size)
+    eng = sj.Engine(model, slots=1, max_seq=128, block_size=64)
+    res = eng.generate(tokens=ids, max_tokens=1, return_logits=True)
+  finally:
+    jax.clear_caches()
+  assert_close(res.prompt_logits, _hf_logits(hf_model, ids), abs_=MODEL_LOGITS_ABS_FP32,
+               what=str(env))
 
 
 def test_greedy_32_tokens(hf):

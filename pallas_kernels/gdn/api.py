@@ -1,5 +1,9 @@
 """Entry points the model calls for the gated delta rule; picks the implementation.
 
+`chunked` (prefill, one sequence; the model vmaps it) and `chunked_batched` (the same for a
+batch) run "reference" (the default), "products", "pallas" or "pallas_interpret": see
+`chunked`. The rest of this docstring is about the decode step.
+
 `step_raw` (one decode step for a batch, from raw q/k) has three implementations:
   "pallas"            the fused decode kernel compiled for the GPU (Triton lowering; README).
   "pallas_interpret"  the same kernel under the Pallas interpreter (CPU tests).
@@ -19,6 +23,7 @@ import jax
 
 from pallas_kernels.gdn import chunked as chunked_form
 from pallas_kernels.gdn import reference
+from pallas_kernels.gdn.chunked_kernel import gdn_chunked_pallas
 from pallas_kernels.gdn.decode_kernel import gdn_decode_pallas
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
@@ -27,23 +32,58 @@ ENV_VAR = "STRATA_GDN_IMPL"
 AUTO_PALLAS_MIN_BATCH = 24  # H200, 32 heads of 128: tie at B = 16, Pallas 24% less time at 24
 
 
-CHUNKED_CHOICES = ("reference", "products")
+CHUNKED_CHOICES = ("reference", "products", "pallas", "pallas_interpret")
 CHUNKED_ENV_VAR = "STRATA_GDN_CHUNKED"
 
 
-def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None):
-  """Prefill form. Shapes as in `reference` (one sequence).
-
-  "reference": the oracle (triangular solve, HIGHEST precision everywhere); "products":
-  `chunked.py` (UT inverse by matrix products, JAX's default matmul precision). Default
-  "reference"; STRATA_GDN_CHUNKED overrides it, `implementation=` wins over both."""
+def chunked_implementation(implementation=None):
+  """The chunked implementation to run: `implementation`, else STRATA_GDN_CHUNKED, else
+  "reference"; a ValueError for any other name."""
   impl = implementation or os.environ.get(CHUNKED_ENV_VAR, "").strip() or "reference"
-  if impl == "products":
-    return chunked_form.delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
-  if impl != "reference":
+  if impl not in CHUNKED_CHOICES:
     raise ValueError(f"gdn: unknown chunked implementation {impl!r}; expected one of "
                      f"{CHUNKED_CHOICES}")
+  if impl == "pallas" and jax.default_backend() != "gpu":
+    raise ValueError(f"gdn: chunked implementation 'pallas' needs a GPU backend, not "
+                     f"{jax.default_backend()!r}; use 'pallas_interpret' or 'reference'")
+  return impl
+
+
+def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None):
+  """Prefill form for one sequence. Shapes as in `reference` (no batch dim):
+  q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H]; state [H, Dv, Dk] -> (o [T, H, Dv], state).
+
+  "reference": the oracle (triangular solve, HIGHEST precision everywhere); "products":
+  `chunked.py` (UT inverse by matrix products, JAX's default matmul precision); "pallas" /
+  "pallas_interpret": `chunked_kernel.py` compiled for the GPU / under the interpreter (CPU).
+  Default "reference"; STRATA_GDN_CHUNKED overrides it, `implementation=` wins over both.
+
+  The Pallas forms add a batch dim of 1 and launch the batched kernel. Under `jax.vmap` (how
+  the model calls this) Pallas's batching rule folds the vmapped axis into the kernel's grid,
+  so `jax.vmap(chunked)` is still one launch over the whole batch; `chunked_batched` is the
+  same launch without the vmap."""
+  impl = chunked_implementation(implementation)
+  if impl in ("pallas", "pallas_interpret"):
+    o, s = gdn_chunked_pallas(q[None], k[None], v[None], g[None], beta[None], state[None],
+                              chunk=chunk, interpret=impl == "pallas_interpret")
+    return o[0], s[0]
+  if impl == "products":
+    return chunked_form.delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
   return reference.delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
+
+
+def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None):
+  """Prefill form for a batch: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H];
+  state [B, H, Dv, Dk] -> (o [B, T, H, Dv] float32, state [B, H, Dv, Dk] float32).
+
+  Implementations as `chunked`: the Pallas forms call the batched kernel directly (grid
+  B x H x Dv tiles), the jnp forms are vmapped over B."""
+  impl = chunked_implementation(implementation)
+  if impl in ("pallas", "pallas_interpret"):
+    return gdn_chunked_pallas(q, k, v, g, beta, state, chunk=chunk,
+                              interpret=impl == "pallas_interpret")
+  one = lambda *a: chunked(*a, chunk=chunk, implementation=impl)
+  return jax.vmap(one)(q, k, v, g, beta, state)
 
 
 def step(q, k, v, g, beta, state):

@@ -9,17 +9,27 @@ And "auto": "pallas" on GPU, "xla" elsewhere (the interpreter is for tests, not 
 
 Default: "auto". The environment variable STRATA_MOE_IMPL (any of the four names) overrides
 the default; an explicit `implementation=` wins over both.
+
+Many tokens (prefill): `routed_experts_many`, the same contract, runs the grouped-GEMM kernel
+(`grouped.py`) for "pallas" / "pallas_interpret" and `moe_reference` for "xla". Default "xla"
+on every backend (the grouped kernel has not been compiled or timed on a GPU yet; README);
+STRATA_MOE_MANY_IMPL (one of the three names) overrides it, `implementation=` wins over both.
+"xla" gathers [N, k, F, D] per weight matrix: the oracle, not a prefill serving path (at
+N = 2500, k = 10, F = 512, D = 2048 that is 52 GB per matrix in bf16).
 """
 import os
 
 import jax
 
+from pallas_kernels.moe.grouped import routed_experts_grouped
 from pallas_kernels.moe.kernel import moe_pallas
 from pallas_kernels.moe.reference import moe_reference
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
 ENV_VAR = "STRATA_MOE_IMPL"
+MANY_ENV_VAR = "STRATA_MOE_MANY_IMPL"
+MANY_DEFAULT = "xla"  # until the grouped kernel is measured on a GPU (README)
 
 moe_xla = jax.jit(moe_reference, static_argnames=("precision",))
 
@@ -70,6 +80,60 @@ def routed_experts(x, wg, wu, wd, idx, w, *, layer=None, implementation=None):
     return moe_pallas(x, wg, wu, wd, idx, w, layer)
   if impl == "pallas_interpret":
     return moe_pallas(x, wg, wu, wd, idx, w, layer, interpret=True)
+  if layer is not None:  # jnp indexing clamps a traced index, as the kernel does
+    wg, wu, wd = wg[layer], wu[layer], wd[layer]
+  return moe_xla(x, wg, wu, wd, idx, w)
+
+
+def default_many_implementation():
+  """STRATA_MOE_MANY_IMPL if set, else MANY_DEFAULT ("xla")."""
+  env = os.environ.get(MANY_ENV_VAR, "").strip()
+  if env:
+    if env not in IMPLEMENTATIONS:
+      raise ValueError(f"{MANY_ENV_VAR}={env!r}: expected one of {IMPLEMENTATIONS}")
+    return env
+  return MANY_DEFAULT
+
+
+def resolve_many(implementation=None):
+  """The concrete implementation `routed_experts_many` runs for this choice."""
+  impl = implementation or default_many_implementation()
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"moe: unknown implementation {impl!r} for many tokens; expected one "
+                     f"of {IMPLEMENTATIONS}")
+  return impl
+
+
+def routed_experts_many(x, wg, wu, wd, idx, w, *, layer=None, implementation=None):
+  """The routed experts for many tokens (prefill): `routed_experts`' contract and numerics.
+
+  "pallas" / "pallas_interpret" run the grouped-GEMM kernel (`routed_experts_grouped`):
+  the (token, expert) pairs sorted by expert and padded to row tiles of one expert each, so
+  only the chosen experts are computed, with weights read in place. "xla" runs
+  `moe_reference` (a gather of [N, k, F, D] per matrix: fine for tests, far too large for
+  a long prefill; the model's dense form stays the serving path until "pallas" is timed).
+
+  Args:
+    x: [N, D] activations (float32/bfloat16/float16).
+    wg, wu: [E, F, D] expert gate / up weights.
+    wd: [E, D, F] expert down weights.
+    idx: [N, k] int32 chosen expert ids.
+    w: [N, k] float32 routing weights.
+    layer: optional integer scalar (may be traced): wg / wu / wd are then whole layer stacks
+      [L, E, F, D] / [L, E, D, F] and layer `layer` is used (read in place by the kernel).
+    implementation: one of IMPLEMENTATIONS, or None for `default_many_implementation()`.
+
+  Returns:
+    [N, D] float32.
+  """
+  impl = resolve_many(implementation)
+  if impl == "pallas":
+    if jax.default_backend() != "gpu":
+      raise ValueError(f"moe: implementation 'pallas' needs a GPU backend, not "
+                       f"{jax.default_backend()!r}; use 'pallas_interpret' or 'xla'")
+    return routed_experts_grouped(x, wg, wu, wd, idx, w, layer=layer)
+  if impl == "pallas_interpret":
+    return routed_experts_grouped(x, wg, wu, wd, idx, w, layer=layer, interpret=True)
   if layer is not None:  # jnp indexing clamps a traced index, as the kernel does
     wg, wu, wd = wg[layer], wu[layer], wd[layer]
   return moe_xla(x, wg, wu, wd, idx, w)
