@@ -9,6 +9,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
   cond      adapter programs branch (lax.cond) to the no-adapter layers when every switch is off
   fastgdn   prefill's chunked delta rule from `chunked.py` (products, default precision)
+  gdnkernel prefill's chunked delta rule by the Pallas kernel (STRATA_GDN_CHUNKED=pallas)
+  moekernel many-token MoE by the grouped Pallas kernel (STRATA_MOE_MANY=pallas)
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead.
   Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
   name ends in '@on' / '@off', with the adapter loaded and switched on / off.
@@ -71,6 +73,10 @@ def patch(variant: str):
       setenv_undo("STRATA_MOE_MANY", "grouped")
     elif part == "fastgdn":
       setenv_undo("STRATA_GDN_CHUNKED", "products")
+    elif part == "gdnkernel":
+      setenv_undo("STRATA_GDN_CHUNKED", "pallas")
+    elif part == "moekernel":
+      setenv_undo("STRATA_MOE_MANY", "pallas")
     elif part == "cond":
       setenv_undo("STRATA_LORA_BRANCH", "cond")
     elif part == "moe":
