@@ -72,14 +72,18 @@ def routed_experts(x, wg, wu, wd, idx, w, *, layer=None, implementation=None):
   Returns:
     [N, D] float32.
   """
-  impl = resolve(implementation)
+  return _run(resolve(implementation), moe_pallas, x, wg, wu, wd, idx, w, layer)
+
+
+def _run(impl, kernel, x, wg, wu, wd, idx, w, layer):
+  """`kernel` compiled ("pallas") or interpreted, or the jnp reference ("xla")."""
   if impl == "pallas":
     if jax.default_backend() != "gpu":
       raise ValueError(f"moe: implementation 'pallas' needs a GPU backend, not "
                        f"{jax.default_backend()!r}; use 'pallas_interpret' or 'xla'")
-    return moe_pallas(x, wg, wu, wd, idx, w, layer)
+    return kernel(x, wg, wu, wd, idx, w, layer=layer)
   if impl == "pallas_interpret":
-    return moe_pallas(x, wg, wu, wd, idx, w, layer, interpret=True)
+    return kernel(x, wg, wu, wd, idx, w, layer=layer, interpret=True)
   if layer is not None:  # jnp indexing clamps a traced index, as the kernel does
     wg, wu, wd = wg[layer], wu[layer], wd[layer]
   return moe_xla(x, wg, wu, wd, idx, w)
@@ -126,14 +130,5 @@ def routed_experts_many(x, wg, wu, wd, idx, w, *, layer=None, implementation=Non
   Returns:
     [N, D] float32.
   """
-  impl = resolve_many(implementation)
-  if impl == "pallas":
-    if jax.default_backend() != "gpu":
-      raise ValueError(f"moe: implementation 'pallas' needs a GPU backend, not "
-                       f"{jax.default_backend()!r}; use 'pallas_interpret' or 'xla'")
-    return routed_experts_grouped(x, wg, wu, wd, idx, w, layer=layer)
-  if impl == "pallas_interpret":
-    return routed_experts_grouped(x, wg, wu, wd, idx, w, layer=layer, interpret=True)
-  if layer is not None:  # jnp indexing clamps a traced index, as the kernel does
-    wg, wu, wd = wg[layer], wu[layer], wd[layer]
-  return moe_xla(x, wg, wu, wd, idx, w)
+  return _run(resolve_many(implementation), routed_experts_grouped, x, wg, wu, wd, idx, w,
+              layer)

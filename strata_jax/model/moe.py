@@ -66,21 +66,19 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None):
   probs = jax.nn.softmax(logits, axis=-1)
   w, idx = jax.lax.top_k(probs, k)
   w = w / jnp.sum(w, axis=-1, keepdims=True)                                # [N, k]
-  if N * k <= cfg.n_experts:
+  # The expert weights as the kernels read them: whole stacks plus the layer index, or this
+  # layer's arrays.
+  ew, at = (stacks, layer) if stacks is not None else (
+      (p.gate_exps, p.up_exps, p.down_exps), None)
+  form = "few" if N * k <= cfg.n_experts else many_tokens_form()
+  if form == "few":
     # Few tokens: read only the chosen experts' weights, in place on the GPU (Pallas kernel).
-    if stacks is not None:
-      routed = moe_api.routed_experts(x, *stacks, idx, w, layer=layer)
-    else:
-      routed = moe_api.routed_experts(x, p.gate_exps, p.up_exps, p.down_exps, idx, w)
-  elif many_tokens_form() == "grouped":
+    routed = moe_api.routed_experts(x, *ew, idx, w, layer=at)
+  elif form == "grouped":
     routed = routed_grouped(x, p.gate_exps, p.up_exps, p.down_exps, idx, w)
-  elif many_tokens_form() == "pallas":
+  elif form == "pallas":
     impl = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
-    if stacks is not None:
-      routed = moe_api.routed_experts_many(x, *stacks, idx, w, layer=layer, implementation=impl)
-    else:
-      routed = moe_api.routed_experts_many(x, p.gate_exps, p.up_exps, p.down_exps, idx, w,
-                                           implementation=impl)
+    routed = moe_api.routed_experts_many(x, *ew, idx, w, layer=at, implementation=impl)
   else:
     # Many tokens: every expert over every token, weighted by the (sparse) routing weights.
     dense_w = jnp.zeros((N, cfg.n_experts), jnp.float32).at[jnp.arange(N)[:, None], idx].set(w)
