@@ -141,6 +141,13 @@ def cmd_convert(args) -> int:
 
 
 def cmd_serve(args) -> int:
+  import jax  # noqa: PLC0415
+
+  from strata_jax.errors import StrataError  # noqa: PLC0415
+  if jax.process_count() > 1:
+    # One HTTP front would have to replay every request on every process; not built.
+    raise StrataError("serve across processes (STRATA_COORDINATOR) is not supported; "
+                      "use generate, or serve from one host")
   from strata_jax.serve.app import serve_main  # noqa: PLC0415
   return serve_main(args)
 
