@@ -33,13 +33,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.gdn.decode_kernel import check_ranks_and_dtypes
+
 try:  # Deprecated in JAX 0.11; the lowering the LoRA and decode kernels use too.
   from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - a future JAX without the Triton backend
   pltriton = None
 
 _F32 = jnp.float32
-_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MIN_DIM = 16  # tl.dot needs every dim >= 16; Triton tiles are powers of 2
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
@@ -120,15 +121,8 @@ def _chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_re
 
 def check_chunked_inputs(q, k, v, g, beta, state):
   """Validate shapes and dtypes; raise ValueError naming the offending operand."""
-  for name, arr, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3),
-                        ("state", state, 4)):
-    if arr.ndim != nd:
-      raise ValueError(f"gdn chunked: {name} must be {nd}-D, got shape {arr.shape}")
-    if jnp.dtype(arr.dtype) not in _FLOATS:
-      raise ValueError(f"gdn chunked: {name} dtype {arr.dtype} is not float32, float16 or "
-                       f"bfloat16")
-  if state.dtype != _F32:
-    raise ValueError(f"gdn chunked: state must be float32, got {state.dtype}")
+  check_ranks_and_dtypes("gdn chunked", (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3),
+                                         ("beta", beta, 3), ("state", state, 4)))
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   if k.shape != q.shape:

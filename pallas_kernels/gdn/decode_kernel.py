@@ -56,17 +56,23 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
   s_out_ref[...] = s
 
 
+def check_ranks_and_dtypes(what, operands):
+  """(name, array, ndim) triples: each of that rank and a float dtype; the last (the state)
+  float32. Raises ValueError naming the operand."""
+  for name, arr, nd in operands:
+    if arr.ndim != nd:
+      raise ValueError(f"{what}: {name} must be {nd}-D, got shape {arr.shape}")
+    if jnp.dtype(arr.dtype) not in _FLOATS:
+      raise ValueError(f"{what}: {name} dtype {arr.dtype} is not float32, float16 or bfloat16")
+  name, state, _ = operands[-1]
+  if state.dtype != _F32:
+    raise ValueError(f"{what}: {name} must be float32, got {state.dtype}")
+
+
 def check_decode_inputs(q, k, v, g, beta, state):
   """Validate shapes and dtypes; raise ValueError naming the offending operand."""
-  for name, arr, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2),
-                        ("state", state, 4)):
-    if arr.ndim != nd:
-      raise ValueError(f"gdn decode: {name} must be {nd}-D, got shape {arr.shape}")
-    if jnp.dtype(arr.dtype) not in _FLOATS:
-      raise ValueError(f"gdn decode: {name} dtype {arr.dtype} is not float32, float16 or "
-                       f"bfloat16")
-  if state.dtype != _F32:
-    raise ValueError(f"gdn decode: state must be float32, got {state.dtype}")
+  check_ranks_and_dtypes("gdn decode", (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2),
+                                        ("beta", beta, 2), ("state", state, 4)))
   b, hk, dk = q.shape
   _, hv, dv = v.shape
   if k.shape != q.shape:

@@ -34,14 +34,17 @@ MANY_DEFAULT = "xla"  # until the grouped kernel is measured on a GPU (README)
 moe_xla = jax.jit(moe_reference, static_argnames=("precision",))
 
 
+def _env_choice(var, choices, default):
+  """The environment variable's value if set (one of `choices`), else `default`."""
+  env = os.environ.get(var, "").strip()
+  if env and env not in choices:
+    raise ValueError(f"{var}={env!r}: expected one of {choices}")
+  return env or default
+
+
 def default_implementation():
   """STRATA_MOE_IMPL if set, else "auto"."""
-  env = os.environ.get(ENV_VAR, "").strip()
-  if env:
-    if env not in CHOICES:
-      raise ValueError(f"{ENV_VAR}={env!r}: expected one of {CHOICES}")
-    return env
-  return "auto"
+  return _env_choice(ENV_VAR, CHOICES, "auto")
 
 
 def resolve(implementation=None):
@@ -91,12 +94,7 @@ def _run(impl, kernel, x, wg, wu, wd, idx, w, layer):
 
 def default_many_implementation():
   """STRATA_MOE_MANY_IMPL if set, else MANY_DEFAULT ("xla")."""
-  env = os.environ.get(MANY_ENV_VAR, "").strip()
-  if env:
-    if env not in IMPLEMENTATIONS:
-      raise ValueError(f"{MANY_ENV_VAR}={env!r}: expected one of {IMPLEMENTATIONS}")
-    return env
-  return MANY_DEFAULT
+  return _env_choice(MANY_ENV_VAR, IMPLEMENTATIONS, MANY_DEFAULT)
 
 
 def resolve_many(implementation=None):
