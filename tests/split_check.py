@@ -38,6 +38,15 @@ from strata_jax.parallel.plan import plan_layer_split  # noqa: E402
 
 if REAL:
   jax.config.update("jax_default_matmul_precision", "highest")
+  # One autotuning result per fusion for every program (the unsplit model and each stage):
+  # JAX's persistent cache carries XLA's per-fusion autotune cache, so a stage's GEMMs get
+  # the configuration the unsplit program's identical fusions got instead of re-timing them
+  # (timed picks differ from program to program, and so do the last bits of the logits).
+  if os.environ.get("STRATA_SPLIT_SHARED_AUTOTUNE", "1") == "1":
+    import tempfile
+    cache = os.environ.get("STRATA_SPLIT_JAX_CACHE") or tempfile.mkdtemp(prefix="split-jax-")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 elif not MP:
   cache = os.environ.get("STRATA_TEST_JAX_CACHE", "/tmp/strata-jax-test-cache")
   jax.config.update("jax_compilation_cache_dir", cache)
@@ -48,8 +57,13 @@ logging.getLogger("strata_jax").addHandler(type("H", (logging.Handler,), {
     "emit": lambda self, rec: logs.append(rec.getMessage())})())
 logging.getLogger("strata_jax").setLevel(logging.INFO)
 
-model = tiny_model()
-lora = random_lora(seed=2)
+# STRATA_SPLIT_PERIODS repeats of the tiny model's 4-layer pattern (default 2: 8 layers). More
+# periods keep every stage's layer scan longer than one step (XLA folds a one-step loop into
+# its surroundings, which can re-fuse, and re-round, the first and last layer on the GPU).
+PERIODS = int(os.environ.get("STRATA_SPLIT_PERIODS", "2"))
+CFG = dataclasses.replace(TINY, layer_types=TINY.layer_types[:4] * PERIODS)
+model = tiny_model(CFG)
+lora = random_lora(CFG, seed=2)
 prompts = [list(np.random.default_rng(i).integers(0, TINY.vocab_size, 20 + 7 * i))
            for i in range(3)]
 switches = [True, False, True]
@@ -62,10 +76,14 @@ def run(m, lora_set, sw):
   return eng, res
 
 
-split_spec = "4,4" if MP else "auto" if n_dev == 2 else "3,2,3"
+L = CFG.n_layers
+split_spec = f"{L // 2},{L // 2}" if MP else "auto" if n_dev == 2 else \
+    f"{3 * L // 8},{L // 4},{L - 3 * L // 8 - L // 4}"
 ranges, devs = plan_layer_split(model, split_spec)
 split_model = dataclasses.replace(model, layer_ranges=ranges, devices=devs)
 out = {"devices": n_dev, "platform": jax.default_backend(), "processes": jax.process_count(),
+       "layers": L, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+       "jax_cache": bool(jax.config.jax_compilation_cache_dir),
        "stage_processes": [d.process_index for d in devs]}
 single_eng, single = run(model, lora, switches)
 eng, split = run(split_model, lora, switches)

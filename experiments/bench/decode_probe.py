@@ -73,8 +73,10 @@ def patch(variant: str):
       setenv_undo("STRATA_MOE_MANY", "grouped")
     elif part == "fastgdn":
       setenv_undo("STRATA_GDN_CHUNKED", "products")
-    elif part == "gdnkernel":
+    elif part in ("gdnkernel", "gdnkernel64"):
       setenv_undo("STRATA_GDN_CHUNKED", "pallas")
+      if part == "gdnkernel64":
+        setenv_undo("STRATA_GDN_PALLAS_CHUNK", "64")
     elif part == "moekernel":
       setenv_undo("STRATA_MOE_MANY", "pallas")
     elif part == "cond":
@@ -221,6 +223,9 @@ def time_gdn_ops(cfg, T):
   from jax import lax
 
   from pallas_kernels.gdn import chunked, reference
+  from pallas_kernels.gdn.chunked_kernel import gdn_chunked_pallas
+  pallas = lambda c: lambda *a: (lambda o, s: (o[0], s[0]))(*gdn_chunked_pallas(
+      *(x[None] for x in a), chunk=c))
   H, Dk, Dv = cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   ks = jax.random.split(jax.random.key(0), 6)
   l2 = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
@@ -235,20 +240,26 @@ def time_gdn_ops(cfg, T):
   for name, fn in (("reference", reference.delta_rule_chunked),
                    ("products_default", chunked.delta_rule_chunked),
                    ("products_highest", lambda *a: chunked.delta_rule_chunked(
-                       *a, precision=lax.Precision.HIGHEST))):
+                       *a, precision=lax.Precision.HIGHEST)),
+                   ("pallas_c32", pallas(32)), ("pallas_c64", pallas(64))):
+    if name.startswith("pallas") and jax.default_backend() != "gpu":
+      continue
     # inputs are arguments, not closed-over constants (XLA would constant-fold the products)
     loop = jax.jit(lambda s, *a, fn=fn: lax.fori_loop(
         0, 5, lambda i, c: (c[0] + fn(*a, c[1])[0][0, 0, 0], c[1]), (0.0, s))[0])
-    o = jax.jit(fn)(q, k, v, g, beta, s0)[0]
-    ref = o if ref is None else ref
-    loop(s0, q, k, v, g, beta).block_until_ready()
-    ts = []
-    for _ in range(5):
-      t = time.perf_counter()
+    try:  # a kernel that fails to compile must not cost the other timings
+      o = jax.jit(fn)(q, k, v, g, beta, s0)[0]
+      ref = o if ref is None else ref
       loop(s0, q, k, v, g, beta).block_until_ready()
-      ts.append((time.perf_counter() - t) / 5)
-    out[name] = dict(us=statistics.median(ts) * 1e6,
-                     max_abs_vs_reference=float(jnp.abs(o - ref).max()))
+      ts = []
+      for _ in range(5):
+        t = time.perf_counter()
+        loop(s0, q, k, v, g, beta).block_until_ready()
+        ts.append((time.perf_counter() - t) / 5)
+      out[name] = dict(us=statistics.median(ts) * 1e6,
+                       max_abs_vs_reference=float(jnp.abs(o - ref).max()))
+    except Exception as e:
+      out[name] = dict(error=f"{type(e).__name__}: {e}"[:1500])
   return out
 
 

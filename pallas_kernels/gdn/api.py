@@ -34,6 +34,10 @@ AUTO_PALLAS_MIN_BATCH = 24  # H200, 32 heads of 128: tie at B = 16, Pallas 24% l
 
 CHUNKED_CHOICES = ("reference", "products", "pallas", "pallas_interpret")
 CHUNKED_ENV_VAR = "STRATA_GDN_CHUNKED"
+# The Pallas chunked kernel's chunk: its author's offline sm_90 compile spilled registers at 64
+# (the per-chunk [C, C] and [C, Dk] tiles), so it runs 32 unless STRATA_GDN_PALLAS_CHUNK says.
+PALLAS_CHUNK_ENV_VAR = "STRATA_GDN_PALLAS_CHUNK"
+PALLAS_CHUNK = 32
 
 
 def chunked_implementation(implementation=None):
@@ -47,6 +51,17 @@ def chunked_implementation(implementation=None):
     raise ValueError(f"gdn: chunked implementation 'pallas' needs a GPU backend, not "
                      f"{jax.default_backend()!r}; use 'pallas_interpret' or 'reference'")
   return impl
+
+
+def _pallas_chunk(chunk):
+  """The Pallas kernel's chunk: the caller's, capped at STRATA_GDN_PALLAS_CHUNK (else
+  `PALLAS_CHUNK`). Read at trace time."""
+  env = os.environ.get(PALLAS_CHUNK_ENV_VAR, "").strip()
+  try:
+    cap = int(env) if env else PALLAS_CHUNK
+  except ValueError:
+    raise ValueError(f"{PALLAS_CHUNK_ENV_VAR}={env!r}: expected a power of 2 >= 16") from None
+  return min(chunk, cap)
 
 
 def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None):
@@ -65,7 +80,7 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None):
   impl = chunked_implementation(implementation)
   if impl in ("pallas", "pallas_interpret"):
     o, s = gdn_chunked_pallas(q[None], k[None], v[None], g[None], beta[None], state[None],
-                              chunk=chunk, interpret=impl == "pallas_interpret")
+                              chunk=_pallas_chunk(chunk), interpret=impl == "pallas_interpret")
     return o[0], s[0]
   if impl == "products":
     return chunked_form.delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
@@ -80,7 +95,7 @@ def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=
   B x H x Dv tiles), the jnp forms are vmapped over B."""
   impl = chunked_implementation(implementation)
   if impl in ("pallas", "pallas_interpret"):
-    return gdn_chunked_pallas(q, k, v, g, beta, state, chunk=chunk,
+    return gdn_chunked_pallas(q, k, v, g, beta, state, chunk=_pallas_chunk(chunk),
                               interpret=impl == "pallas_interpret")
   one = lambda *a: chunked(*a, chunk=chunk, implementation=impl)
   return jax.vmap(one)(q, k, v, g, beta, state)
