@@ -115,8 +115,10 @@ def test_mixed_batch_rows(model, lora):
   off_rows, on_rows = switches == 0, switches == 1
   assert np.array_equal(mixed[:, off_rows], base[:, off_rows])
   assert np.array_equal(mixed[:, on_rows], all_on[:, on_rows])
-  assert np.array_equal(mixed_state.ssm[:, off_rows], base_state.ssm[:, off_rows])
-  assert np.array_equal(mixed_state.ssm[:, on_rows], on_state.ssm[:, on_rows])
+  for name in ("ssm", "conv", "k", "v"):   # a mixed batch runs two passes: each row's
+    got = getattr(mixed_state, name)       # state comes from its own pass alone
+    assert np.array_equal(got[:, off_rows], getattr(base_state, name)[:, off_rows]), name
+    assert np.array_equal(got[:, on_rows], getattr(on_state, name)[:, on_rows]), name
   assert list(mixed_state.lora) == list(switches), "state remembers each row's switch"
 
 
@@ -130,3 +132,24 @@ def test_engines_with_and_without_adapter_share_one_program(model):
   assert (steps.prefill._cache_size(), steps.decode._cache_size()) == sizes
   assert np.array_equal(off.prompt_logits, none.prompt_logits)
   assert np.array_equal(off.step_logits, none.step_logits)
+
+
+@pytest.mark.parametrize("switch", [0, 1])
+def test_inactive_row_state_is_untouched(model, lora, switch):
+  """A decode step leaves an inactive row's K/V, conv and recurrent state and length as they
+  were, bit for bit (the mixed-batch passes rely on it)."""
+  cfg = model.cfg
+  state = init_state(cfg, 2, 64)
+  for slot, n in ((0, 7), (1, 11)):
+    chunk = np.zeros(CHUNK, np.int32)
+    chunk[:n] = np.arange(n) + 3 * slot
+    _, state = steps.prefill(cfg, model.params, lora, state, jnp.int32(slot), jnp.asarray(chunk),
+                             jnp.int32(n), jnp.int32(switch))
+  before = jax.tree.map(np.asarray, state)
+  _, state = steps.decode(cfg, model.params, lora, state, jnp.asarray([5, 6], jnp.int32),
+                          jnp.full(2, switch, jnp.int32), jnp.asarray([1, 0], jnp.int32))
+  after = jax.tree.map(np.asarray, state)
+  for name in ("k", "v", "conv", "ssm"):
+    assert np.array_equal(getattr(after, name)[:, 1], getattr(before, name)[:, 1]), name
+    assert not np.array_equal(getattr(after, name)[:, 0], getattr(before, name)[:, 0]), name
+  assert list(after.pos) == [8, 11]

@@ -14,7 +14,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 timeout 170 python3 experiments/bench/split_bench.py --steps 64 2> "$OUT/split_bench.err" \
   | tee "$OUT/split_bench.json"
-tail -3 "$OUT/split_bench.err"
+touch "$OUT/split_bench.done"; tail -3 "$OUT/split_bench.err"
 check() {  # check NAME [ENV=VALUE...]: one split_check.py run on both GPUs
   local name=$1; shift
   env "$@" timeout 240 python3 tests/split_check.py 2 > "$OUT/split_$name.json" \

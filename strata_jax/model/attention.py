@@ -8,10 +8,12 @@ from strata_jax.config import ModelConfig
 from strata_jax.model.common import linear, out_projection, rms_norm, rope_neox
 
 
-def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, lora_a, lora_b, switch):
-  """x [B, T, D]; k_cache/v_cache [B, S, G, Hd]; pos [B] first position of x's tokens.
+def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_valid, lora_a, lora_b, switch):
+  """x [B, T, D]; k_cache/v_cache [B, S, G, Hd]; pos [B] first position of x's tokens;
+  n_valid [B] how many of the T tokens are real.
 
-  The T new keys/values are written at pos..pos+T-1 (writes past S are dropped); each query
+  The n_valid real keys/values are written at pos..pos+n_valid-1 (writes past S are dropped;
+  padding and rows with n_valid = 0 write nothing, so such a row's cache is left as is); each query
   attends causally to cache positions <= its own. Returns (y [B, T, D], k_cache, v_cache).
   """
   B, T, _ = x.shape
@@ -26,8 +28,10 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, lora_a, lora_b, sw
   q = rope_neox(q, positions, cfg.n_rot, cfg.rope_base)
   k = rope_neox(k, positions, cfg.n_rot, cfg.rope_base)
   rows = jnp.arange(B)[:, None]
-  k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-  v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+  real = jnp.arange(T, dtype=jnp.int32)[None, :] < n_valid[:, None]
+  write_at = jnp.where(real, positions, S)                    # S: out of range, dropped
+  k_cache = k_cache.at[rows, write_at].set(k.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[rows, write_at].set(v.astype(v_cache.dtype), mode="drop")
   qh = q.reshape(B, T, G, H // G, Hd).astype(jnp.float32)   # q-head h <- kv-head h//(H/G)
   scores = jnp.einsum("btgrd,bsgd->bgrts", qh, k_cache.astype(jnp.float32)) * (Hd ** -0.5)
   mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]              # [B, T, S]

@@ -32,22 +32,46 @@ def _unblocks(tree):
   return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
-# How an adapter program skips the adapter when every row's switch is off: "select" (the
-# delta is computed and a select keeps the base rows) or "cond" (a lax.cond on "any switch
-# on" runs the layers without the adapter hook). Environment variable overrides; trace time.
+# How an adapter program skips the adapter for rows whose switch is off: "select" (the delta
+# is computed for every row and a select keeps the base rows) or "cond" (`run_layers`).
+# Environment variable overrides; read at trace time.
 LORA_BRANCH = "cond"
 LORA_BRANCH_ENV_VAR = "STRATA_LORA_BRANCH"
 
 
 def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
-  """`layers_scan` with the adapter, or, under LORA_BRANCH "cond", a branch on the switch."""
+  """`layers_scan` with the adapter; under LORA_BRANCH "cond", one of three branches.
+
+  Rows whose switch is off must come out bit-identical to the model with no adapter, in any
+  batch. On the GPU, XLA tunes each GEMM it compiles by timing, so two different layer
+  programs (with and without the adapter hook) may round the base projections differently.
+  Hence off rows always run the one no-adapter scan, and on rows the one adapter scan:
+    no active row on  -> the no-adapter scan;
+    no active row off -> the adapter scan;
+    mixed             -> the no-adapter scan with only the off rows active, then the adapter
+                         scan with only the on rows active (about twice the work of one).
+  An inactive row (n_valid 0) leaves its K/V, conv and recurrent state untouched, so the two
+  passes compose; rows are independent, so an off row's numbers do not depend on the others.
+  """
   branch = os.environ.get(LORA_BRANCH_ENV_VAR, "").strip() or LORA_BRANCH
   if branch not in ("select", "cond"):
     raise ValueError(f"{LORA_BRANCH_ENV_VAR}={branch!r}: expected 'select' or 'cond'")
   if lora is None or branch == "select":
     return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch)
-  run = lambda lp: layers_scan(cfg, layers, lp, kv, gdn_state, x, pos, n_valid, switch)
-  return lax.cond(jnp.any(switch != 0), lambda: run(lora), lambda: run(None))
+  switch = jnp.broadcast_to(switch, n_valid.shape)
+  on = (switch != 0) & (n_valid > 0)
+  off = (switch == 0) & (n_valid > 0)
+  scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch)
+
+  def mixed():
+    x_off, kv1, gs1 = scan(None, kv, gdn_state, jnp.where(off, n_valid, 0))
+    x_on, kv2, gs2 = scan(lora, kv1, gs1, jnp.where(on, n_valid, 0))
+    rows = on.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(rows, x_on, x_off), kv2, gs2
+
+  which = jnp.where(jnp.any(on), jnp.where(jnp.any(off), 2, 1), 0)
+  return lax.switch(which, [lambda: scan(None, kv, gdn_state, n_valid),
+                            lambda: scan(lora, kv, gdn_state, n_valid), mixed])
 
 
 def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
@@ -82,7 +106,8 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
       if kind == ATTN:
         p = jax.tree.map(lambda a: a[ai], ap)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
-        y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, *la_i, switch)
+        y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, n_valid, *la_i,
+                                        switch)
         ai += 1
       else:
         p = jax.tree.map(lambda a: a[gi], gp)
