@@ -103,8 +103,9 @@ def gdn(res, tiny, reps):
   from pallas_kernels.gdn import api as gdn_api
   H, Dk, Dv = (4, 16, 16) if tiny else (32, 128, 128)
   ceil = common.ceilings(res)
-  out = res["gdn"] = {"H": H, "Dk": Dk, "Dv": Dv, "implementation": "pallas_kernels.gdn.api "
-                      "(today: reference.py, pure jnp fp32 at HIGHEST)", "chunked": [],
+  out = res["gdn"] = {"H": H, "Dk": Dk, "Dv": Dv, "implementation": "pallas_kernels.gdn.api, "
+                      f"chunked: {gdn_api.chunked_implementation()}, decode: vmap(api.step)",
+                      "chunked": [],
                       "decode": []}
 
   T = 100 if tiny else F.prefill_tokens
