@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FLAG=${FLAG:---xla_gpu_enable_dynamic_slice_fusion=true}
 P="python3 experiments/bench/decode_probe.py --batches 1 --variants base,base@off,base@on"
 [ "${PLAIN:-1}" = 1 ] && timeout 100 $P --tag plain --out "$OUT/probe_plain.json" > /dev/null 2>&1
-XLA_FLAGS=$FLAG timeout 120 $P --tag "$FLAG" --profile base --out "$OUT/probe_flag.json" \
+XLA_FLAGS=$FLAG timeout 120 $P --tag flag --profile base --out "$OUT/probe_flag.json" \
   > /dev/null 2>&1
 CHOICE=$(python3 - "$OUT/probe_plain.json" "$OUT/probe_flag.json" "$FLAG" <<'PY'
 import json, sys
