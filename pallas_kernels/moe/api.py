@@ -113,7 +113,9 @@ def routed_experts_many(x, wg, wu, wd, idx, w, *, layer=None, implementation=Non
   the (token, expert) pairs sorted by expert and padded to row tiles of one expert each, so
   only the chosen experts are computed, with weights read in place. "xla" runs
   `moe_reference` (a gather of [N, k, F, D] per matrix: fine for tests, far too large for
-  a long prefill; the model's dense form stays the serving path until "pallas" is timed).
+  a long prefill). The model runs "pallas" on the GPU (`strata_jax.model.moe`, "auto": 2,500
+  tokens of bench-a3b in 160 ms against 258 ms for its dense form) and its dense form
+  elsewhere.
 
   Args:
     x: [N, D] activations (float32/bfloat16/float16).
