@@ -56,9 +56,17 @@ F = flags.FLAGS
 
 
 
-def hlo_counts(text: str) -> dict:
-  return {k: text.count(k) for k in ("fusion(", "custom-call(", "copy(", "while(", "gather(",
-                                     "dynamic-slice(", "command_buffer", "__triton")}
+def interleaved_rounds(names, call, reps, warmup=2):
+  """`call(name)` -> seconds: `warmup` untimed rounds, then `reps` timed rounds in which
+  every variant runs once in turn (clock drift hits them alike); {name: [seconds]}."""
+  for _ in range(warmup):
+    for v in names:
+      call(v)
+  samples = {v: [] for v in names}
+  for _ in range(reps):
+    for v in names:
+      samples[v].append(call(v))
+  return samples
 
 
 class Bench:
@@ -180,7 +188,7 @@ class Bench:
         self.programs[name] = prog
         try:
           text = prog.as_text()
-          info["hlo"] = hlo_counts(text)
+          info["hlo"] = common.hlo_counts(text)
           if name in F.dump_hlo.split(","):
             os.makedirs(common.TMP, exist_ok=True)
             with gzip.open(os.path.join(common.TMP, f"hlo_{name}.txt.gz"), "wt") as f:
@@ -245,7 +253,6 @@ class Bench:
     toks = {v: jax.random.randint(jax.random.key(B), (B,), 0, cfg.vocab_size, jnp.int32)
             for v in progs}
     act = jnp.ones((B,), jnp.int32)
-    samples = {v: [] for v in progs}
 
     sws = {0: jnp.zeros((B,), jnp.int32), 1: jnp.ones((B,), jnp.int32)}
 
@@ -259,12 +266,7 @@ class Bench:
       toks[v] = out[-1]
       return dt
 
-    for _ in range(2):
-      for v in progs:
-        call(v)
-    for _ in range(F.decode_reps):
-      for v in progs:
-        samples[v].append(call(v))
+    samples = interleaved_rounds(progs, call, F.decode_reps)
     N = F.n_steps
     res = self._summ(samples)
     for r in res.values():
@@ -328,7 +330,6 @@ class Bench:
     tokens = jax.random.randint(jax.random.key(T), (T,), 0, cfg.vocab_size, jnp.int32)
     slot, nv, one = jnp.int32(0), jnp.int32(T), jnp.ones((1,), jnp.int32)
     sws = {0: jnp.int32(0), 1: jnp.int32(1)}
-    samples = {v: [] for v in progs}
 
     def call(v):
       prog, lp, s = progs[v]
@@ -341,12 +342,7 @@ class Bench:
         self.res.setdefault("warnings", []).append(f"{tag} {v}: non-finite logits")
       return dt
 
-    for _ in range(2):
-      for v in progs:
-        call(v)
-    for _ in range(F.prefill_reps):
-      for v in progs:
-        samples[v].append(call(v))
+    samples = interleaved_rounds(progs, call, F.prefill_reps)
     res = self._summ(samples)
     for r in res.values():
       r["tokens_per_s"] = T / r["median"]

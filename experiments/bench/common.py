@@ -234,3 +234,11 @@ def ceilings(kernels_json: dict | None) -> dict:
     fl = kernels_json["phys"]["matmul_TFLOPs"] * 1e12
     src = "measured in this run (bench_kernels.py)"
   return dict(bw=bw, flops=fl, source=src)
+
+
+def hlo_counts(text: str) -> dict:
+  """Launch-relevant op counts in an optimized HLO text (custom calls are the Pallas kernels
+  and cuBLAS; conditionals the LoRA branch)."""
+  return {k: text.count(k) for k in ("fusion(", "custom-call(", "copy(", "while(", "gather(",
+                                     "dynamic-slice(", "conditional(", "command_buffer",
+                                     "__triton")}

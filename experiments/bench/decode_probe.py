@@ -31,6 +31,20 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+# Variant parts that only set model-form environment variables (README, "Model forms").
+ENV_VARIANTS = {
+    "grouped": {"STRATA_MOE_MANY": "grouped"},
+    "moekernel": {"STRATA_MOE_MANY": "pallas"},
+    "fastgdn": {"STRATA_GDN_CHUNKED": "products"},
+    "gdnkernel": {"STRATA_GDN_CHUNKED": "pallas"},
+    "gdnkernel64": {"STRATA_GDN_CHUNKED": "pallas", "STRATA_GDN_PALLAS_CHUNK": "64"},
+    "cond": {"STRATA_LORA_BRANCH": "cond"},
+    "moe": {"STRATA_MOE_IMPL": "pallas"},
+    "gdn": {"STRATA_GDN_IMPL": "pallas"},
+    "nomoe": {"STRATA_MOE_IMPL": "xla"},
+    "nogdn": {"STRATA_GDN_IMPL": "xla"},
+}
+
 
 def patch(variant: str):
   """Apply a variant's switches to the model modules; returns an undo function."""
@@ -69,34 +83,12 @@ def patch(variant: str):
           return getattr(lax, name)
         scan = staticmethod(functools.partial(lax.scan, unroll=True))
       setattr_undo(forward, "lax", _Lax())
-    elif part == "grouped":
-      setenv_undo("STRATA_MOE_MANY", "grouped")
-    elif part == "fastgdn":
-      setenv_undo("STRATA_GDN_CHUNKED", "products")
-    elif part in ("gdnkernel", "gdnkernel64"):
-      setenv_undo("STRATA_GDN_CHUNKED", "pallas")
-      if part == "gdnkernel64":
-        setenv_undo("STRATA_GDN_PALLAS_CHUNK", "64")
-    elif part == "moekernel":
-      setenv_undo("STRATA_MOE_MANY", "pallas")
-    elif part == "cond":
-      setenv_undo("STRATA_LORA_BRANCH", "cond")
-    elif part == "moe":
-      setenv_undo("STRATA_MOE_IMPL", "pallas")
-    elif part == "gdn":
-      setenv_undo("STRATA_GDN_IMPL", "pallas")
-    elif part == "nomoe":
-      setenv_undo("STRATA_MOE_IMPL", "xla")
-    elif part == "nogdn":
-      setenv_undo("STRATA_GDN_IMPL", "xla")
+    elif part in ENV_VARIANTS:
+      for name, value in ENV_VARIANTS[part].items():
+        setenv_undo(name, value)
     else:
       raise SystemExit(f"unknown variant part {part!r}")
   return lambda: [u() for u in reversed(undo)]
-
-
-def hlo_kernels(text: str) -> dict:
-  return {k: text.count(k) for k in ("fusion(", "custom-call(", "copy(", "while(", "gather(",
-                                     "command_buffer", "conditional(")}
 
 
 def main():
@@ -151,7 +143,7 @@ def main():
                                             n_steps=args.n_steps)
         compiled = lowered.compile()
         t_compile = time.perf_counter() - t
-        counts = hlo_kernels(compiled.as_text())
+        counts = common.hlo_counts(compiled.as_text())
         out, state = compiled(params, lp, state, toks, sw, act)
         out.block_until_ready()
         times = []
@@ -295,7 +287,7 @@ def time_prefill(args, cfg, params, lora, dtype, res):
         times.append(time.perf_counter() - t)
       med = statistics.median(times)
       row = dict(variant=variant, prefill=T, ms=med * 1e3, tok_s=T / med, compile_s=t_compile,
-                 argmax=int(jnp.argmax(logits)), hlo=hlo_kernels(compiled.as_text()))
+                 argmax=int(jnp.argmax(logits)), hlo=common.hlo_counts(compiled.as_text()))
     except Exception as e:
       row = dict(variant=variant, prefill=T, error=f"{type(e).__name__}: {e}"[:2000])
     finally:

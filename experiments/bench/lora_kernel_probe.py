@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,12 +58,6 @@ def make_program(lora_fn, d_in, d_out):
     return lax.scan(layer, x, (w, a, b, on_l))[0]
 
   return program
-
-
-def hlo_counts(text):
-  """Launch-relevant op counts in the optimized HLO (custom calls are the Pallas kernels)."""
-  return {k: text.count(k) for k in ("custom-call(", "fusion(", "copy(", "while(",
-                                      "command_buffer")}
 
 
 def time_rounds(fns, args_by_name, rounds, iters):
@@ -140,7 +135,7 @@ def main():
       elif name in progs:
         row["program_ms_on"] = round(med[name + ":on"] * 1e3, 4)
         row["compile_s"] = round(compile_s[name], 2)
-        row["hlo"] = hlo_counts(progs[name].as_text())
+        row["hlo"] = common.hlo_counts(progs[name].as_text())
         if name != "none":
           row["program_ms_off"] = round(med[name + ":off"] * 1e3, 4)
           row["us_per_layer_on"] = round((med[name + ":on"] - t_none) / L * 1e6, 2)

@@ -87,6 +87,16 @@ def summary(km, mm, fla, hf):
   return out
 
 
+def _save(fig, outdir, name):
+  """Lay out, write and close `fig`; returns its path."""
+  import matplotlib.pyplot as plt
+  fig.tight_layout()
+  path = os.path.join(outdir, name)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
 def plots(km, mm, fla, hf, outdir):
   import matplotlib
   matplotlib.use("Agg")
@@ -129,11 +139,7 @@ def plots(km, mm, fla, hf, outdir):
     ax.set_title(f"bench-a3b decode, H200  ({ceil_txt})", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(axis="y", alpha=0.3, which="both")
-    fig.tight_layout()
-    p = os.path.join(outdir, "decode.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    written.append(p)
+    written.append(_save(fig, outdir, "decode.png"))
 
   # --- prefill ---
   pf = _get(mm, "prefill") or {}
@@ -167,11 +173,7 @@ def plots(km, mm, fla, hf, outdir):
     ax.set_title(f"bench-a3b prefill, {T} tokens, H200  ({ceil_txt})", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3, which="both")
-    fig.tight_layout()
-    p = os.path.join(outdir, "prefill.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    written.append(p)
+    written.append(_save(fig, outdir, "prefill.png"))
 
   # --- LoRA per layer ---
   alt = _get(mm, "flags", "lora_alt_impl") or ""
@@ -212,11 +214,7 @@ def plots(km, mm, fla, hf, outdir):
     ax.set_title(f"LoRA inside the jitted 48-layer program  ({ceil_txt})", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    p = os.path.join(outdir, "lora.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    written.append(p)
+    written.append(_save(fig, outdir, "lora.png"))
 
   # --- GDN kernels ---
   gdn = _get(km, "gdn") or {}
@@ -263,11 +261,7 @@ def plots(km, mm, fla, hf, outdir):
       a2.set_title("recurrent decode, one token, 32 heads", fontsize=9)
       a2.legend(fontsize=7)
     fig.suptitle(f"Gated DeltaNet kernels vs fla, same run  ({ceil_txt})", fontsize=9)
-    fig.tight_layout()
-    p = os.path.join(outdir, "gdn.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    written.append(p)
+    written.append(_save(fig, outdir, "gdn.png"))
   return written
 
 

@@ -12,8 +12,9 @@ the default; an explicit `implementation=` wins over both.
 
 Many tokens (prefill): `routed_experts_many`, the same contract, runs the grouped-GEMM kernel
 (`grouped.py`) for "pallas" / "pallas_interpret" and `moe_reference` for "xla". Default "xla"
-on every backend (the grouped kernel has not been compiled or timed on a GPU yet; README);
-STRATA_MOE_MANY_IMPL (one of the three names) overrides it, `implementation=` wins over both.
+(the oracle); the model chooses its many-token form itself (`strata_jax.model.moe`: this
+kernel on the GPU). STRATA_MOE_MANY_IMPL (one of the three names) overrides the default,
+`implementation=` wins over both.
 "xla" gathers [N, k, F, D] per weight matrix: the oracle, not a prefill serving path (at
 N = 2500, k = 10, F = 512, D = 2048 that is 52 GB per matrix in bf16).
 """
@@ -29,7 +30,7 @@ IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
 ENV_VAR = "STRATA_MOE_IMPL"
 MANY_ENV_VAR = "STRATA_MOE_MANY_IMPL"
-MANY_DEFAULT = "xla"  # until the grouped kernel is measured on a GPU (README)
+MANY_DEFAULT = "xla"  # the oracle; the model picks its own many-token form (model/moe.py)
 
 moe_xla = jax.jit(moe_reference, static_argnames=("precision",))
 
