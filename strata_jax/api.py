@@ -6,10 +6,12 @@ import importlib.resources
 import os
 import warnings
 
+import jax
 import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
 from strata_jax.errors import AdapterError, GGUFError
+from strata_jax.forms import Forms
 from strata_jax.params import LoraSet, Params
 
 DEFAULT_MODEL = "demo-base.gguf"
@@ -65,7 +67,7 @@ def _dtype(dtype) -> object:
 
 
 def load_model(path: str | None = None, dtype="float32", layer_split=None,
-               split_devices=None) -> Model:
+               split_devices=None, forms: Forms | None = None) -> Model:
   """Load a qwen3next GGUF (default: the embedded demo model).
 
   Args:
@@ -73,6 +75,8 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
     dtype: compute dtype, "float32" or "bfloat16".
     layer_split: None (one device), "auto", or a list of per-stage layer counts.
     split_devices: device indices for the stages (default: the first N devices).
+    forms: how each op is computed (`strata_jax.forms.Forms`; default `Forms()`), resolved
+      for this backend and dtype: float32 runs full-fp32 matmuls unless it names "tf32".
   """
   from strata_jax.gguf.reader import read_model_gguf  # noqa: PLC0415 (keeps import light)
   from strata_jax.parallel.plan import plan_layer_split  # noqa: PLC0415
@@ -83,7 +87,8 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
   dt = _dtype(dtype)
   mf = read_model_gguf(path, dtype=dt)
   tok = mf.tokenizer
-  model = Model(cfg=mf.cfg, params=mf.params, dtype=dt, path=path, fingerprint=mf.fingerprint,
+  cfg = dataclasses.replace(mf.cfg, forms=(forms or Forms()).resolve(jax.default_backend(), dt))
+  model = Model(cfg=cfg, params=mf.params, dtype=dt, path=path, fingerprint=mf.fingerprint,
                 tokenizer=tok, add_bos=mf.add_bos, bos_id=mf.bos_id, eos_id=mf.eos_id,
                 layer_ranges=[(0, mf.cfg.n_layers)])
   if layer_split is not None:

@@ -19,6 +19,9 @@ def _model_args(p):
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--layer-split", default=None, help="auto | N1,N2,... layers per stage")
   p.add_argument("--split-devices", default=None, help="device indices for the stages: 0,1,...")
+  p.add_argument("--forms", default="", metavar="NAME=VALUE[,...]",
+                 help="implementation choices (strata_jax.forms.Forms), e.g. "
+                      "lora_branch=select,gdn_chunked=products; default: each 'auto'")
   _lora_args(p)
 
 
@@ -83,8 +86,9 @@ def parse_lora(args) -> tuple[list[str], list[float]]:
 
 def load_from_args(args):
   import strata_jax as sj  # noqa: PLC0415
+  from strata_jax.forms import parse_forms  # noqa: PLC0415
   model = sj.load_model(args.model, dtype=args.dtype, layer_split=args.layer_split,
-                        split_devices=args.split_devices)
+                        split_devices=args.split_devices, forms=parse_forms(args.forms))
   paths, scales = parse_lora(args)
   lora = sj.load_lora(model, paths, scales) if paths else None
   return model, lora

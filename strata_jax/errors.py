@@ -20,3 +20,7 @@ class SessionError(StrataError):
 
 class RequestError(StrataError):
   """A generation request that is malformed or exceeds the engine's limits."""
+
+
+class FormsError(StrataError):
+  """An unknown implementation choice (`strata_jax.forms.Forms`, the CLI's `--forms`)."""

@@ -15,8 +15,6 @@ from test_moe_kernel import BF16, F32, H_ROUNDING, E, K, check, j, make_inputs
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels.moe.api import (
-  MANY_ENV_VAR,
-  default_many_implementation,
   resolve_many,
   routed_experts_many,
 )
@@ -158,17 +156,14 @@ def test_empty():
   assert got.shape == (0, x.shape[1]) and got.dtype == jnp.float32
 
 
-def test_implementation_choice(monkeypatch):
-  monkeypatch.delenv(MANY_ENV_VAR, raising=False)
-  assert default_many_implementation() == "xla" and resolve_many() == "xla"
-  monkeypatch.setenv(MANY_ENV_VAR, "pallas_interpret")
-  assert resolve_many() == "pallas_interpret"
-  assert resolve_many("xla") == "xla"
+def test_implementation_choice():
+  assert resolve_many() == "xla"
+  assert resolve_many("pallas_interpret") == "pallas_interpret"
   args = make_inputs(5, seed=5)
-  check(routed_experts_many(*j(args)), args, what="env pallas_interpret")
-  monkeypatch.setenv(MANY_ENV_VAR, "auto")
-  with pytest.raises(ValueError, match=MANY_ENV_VAR):
-    default_many_implementation()
+  check(routed_experts_many(*j(args), implementation="pallas_interpret"), args,
+        what="pallas_interpret")
+  with pytest.raises(ValueError, match="unknown implementation 'auto'"):
+    resolve_many("auto")
   if not ON_GPU:
     with pytest.raises(ValueError, match="needs a GPU"):
       routed_experts_many(*j(args), implementation="pallas")

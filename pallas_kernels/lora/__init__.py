@@ -2,9 +2,7 @@
 from pallas_kernels.lora.api import (
     AUTO_PALLAS_MIN_ROWS,
     CHOICES,
-    ENV_VAR,
     IMPLEMENTATIONS,
-    default_implementation,
     lora_apply,
     lora_xla,
     resolve,
@@ -15,9 +13,7 @@ from pallas_kernels.lora.reference import lora_reference
 __all__ = [
     "AUTO_PALLAS_MIN_ROWS",
     "CHOICES",
-    "ENV_VAR",
     "IMPLEMENTATIONS",
-    "default_implementation",
     "lora_apply",
     "lora_pallas",
     "lora_reference",

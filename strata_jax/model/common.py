@@ -41,11 +41,12 @@ def rope_neox(x, positions, n_rot, base):
   return out.astype(x.dtype)
 
 
-def out_projection(x, w, lora_a, lora_b, switch):
+def out_projection(x, w, lora_a, lora_b, switch, implementation=None):
   """The mixer output projection with the LoRA hook.
 
   x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None; switch [B] int32.
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
+  `implementation`: the LoRA kernel's (`Forms.lora_impl`).
   """
   y = linear(x, w)
   if lora_a is None:
@@ -53,5 +54,6 @@ def out_projection(x, w, lora_a, lora_b, switch):
   from pallas_kernels.lora import api as lora_api  # noqa: PLC0415 (kernel package loads lazily)
   B, T, _ = x.shape
   on = jnp.repeat(switch.astype(jnp.int32), T)                               # [B*T]
-  out = lora_api.lora_apply(y.reshape(B * T, -1), x.reshape(B * T, -1), lora_a, lora_b, on)
+  out = lora_api.lora_apply(y.reshape(B * T, -1), x.reshape(B * T, -1), lora_a, lora_b, on,
+                            implementation=implementation)
   return out.reshape(y.shape)

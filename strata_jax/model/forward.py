@@ -1,8 +1,6 @@
 """The layer stack: embedding -> layers (a lax.scan over repeats of the layer pattern) -> logits."""
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -32,15 +30,10 @@ def _unblocks(tree):
   return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
-# How an adapter program skips the adapter for rows whose switch is off: "select" (the delta
-# is computed for every row and a select keeps the base rows) or "cond" (`run_layers`).
-# Environment variable overrides; read at trace time.
-LORA_BRANCH = "cond"
-LORA_BRANCH_ENV_VAR = "STRATA_LORA_BRANCH"
-
-
 def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
-  """`layers_scan` with the adapter; under LORA_BRANCH "cond", one of three branches.
+  """`layers_scan` with the adapter; under `cfg.forms.lora_branch` "cond", one of three
+  branches ("select": one scan, the delta computed for every row and a select keeping the base
+  rows).
 
   Rows whose switch is off must come out bit-identical to the model with no adapter, in any
   batch. On the GPU, XLA tunes each GEMM it compiles by timing, so two different layer
@@ -53,10 +46,7 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
   An inactive row (n_valid 0) leaves its K/V, conv and recurrent state untouched, so the two
   passes compose; rows are independent, so an off row's numbers do not depend on the others.
   """
-  branch = os.environ.get(LORA_BRANCH_ENV_VAR, "").strip() or LORA_BRANCH
-  if branch not in ("select", "cond"):
-    raise ValueError(f"{LORA_BRANCH_ENV_VAR}={branch!r}: expected 'select' or 'cond'")
-  if lora is None or branch == "select":
+  if lora is None or cfg.forms.lora_branch == "select":
     return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch)
   switch = jnp.broadcast_to(switch, n_valid.shape)
   on = (switch != 0) & (n_valid > 0)
