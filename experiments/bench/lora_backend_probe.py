@@ -92,20 +92,29 @@ def make_program(fn, layers):
   return program
 
 
-def variants_for(n, d_in, d_out):
+def variants_for(n, d_in, d_out, stages=False):
   """name -> op(base, x, a, b, on): XLA, the Triton kernel, Mosaic at its default G and
-  at half / double the Dout splits (where those divide the Dout tiles)."""
+  at half / double the Dout splits (where those divide the Dout tiles); with `stages`, also
+  Mosaic with 4 down-pipeline buffers (1 up) and with 2."""
   t = mosaic_tiling(n, d_in, d_out, RANK)
   tiles = d_out // t.block_out
   out = {"xla": lora_xla, "triton": lora_pallas, "mosaic": lora_mosaic}
   for g in (t.dout_splits // 2, t.dout_splits * 2):
     if g >= 1 and g <= tiles and tiles % g == 0:
       out[f"mosaic_g{g}"] = functools.partial(lora_mosaic, dout_splits=g)
+  if stages:
+    out["mosaic_s4o1"] = functools.partial(lora_mosaic, in_stages=4, out_stages=1)
+    out["mosaic_s2"] = functools.partial(lora_mosaic, in_stages=2)
   return out, t
 
 
-def time_shape(key, n, d_in, d_out, layers, rounds, calls):
-  variants, t = variants_for(n, d_in, d_out)
+def time_shape(key, n, d_in, d_out, layers, rounds, calls, batched=False, stages=False):
+  """Per-layer µs of every variant. A sample: `calls` calls each ended by block_until_ready
+  (host dispatch + sync in every sample), or with `batched`, `calls` calls dispatched back
+  to back and one block_until_ready at the end, divided by `calls` (device throughput: the
+  host's dispatch overlaps the device work). Each variant's final y is also compared with
+  XLA's (`rel_diff_vs_xla`, relative Frobenius norm after L chained layers)."""
+  variants, t = variants_for(n, d_in, d_out, stages=stages)
   base, x, a, b, on = make_inputs(key, n, d_in, d_out, RANK, layers=layers, on_frac=1.0)
   progs, res = {}, {"n": n, "d_in": d_in, "d_out": d_out, "rank": RANK, "layers": layers,
                     "mosaic_default_tiling": t._asdict(), "us_per_layer": {}, "errors": {}}
@@ -116,13 +125,26 @@ def time_shape(key, n, d_in, d_out, layers, rounds, calls):
       jax.block_until_ready(prog(base, x, a, b, on))
       res.setdefault("compile_s", {})[name] = round(time.perf_counter() - t0, 2)
       for _ in range(2):
-        jax.block_until_ready(prog(base, x, a, b, on))
+        y = jax.block_until_ready(prog(base, x, a, b, on))
+      y = np.asarray(y).astype(np.float32)
+      if name == "xla":
+        y_xla = y
+      elif "xla" in progs:
+        res.setdefault("rel_diff_vs_xla", {})[name] = float(
+            np.linalg.norm(y - y_xla) / np.linalg.norm(y_xla))
       progs[name] = prog
     except Exception as e:  # noqa: BLE001
       res["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
   samples = {name: [] for name in progs}
   for _ in range(rounds):
     for name, prog in progs.items():
+      if batched:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+          y = prog(base, x, a, b, on)
+        jax.block_until_ready(y)
+        samples[name].append((time.perf_counter() - t0) / calls)
+        continue
       for _ in range(calls):
         t0 = time.perf_counter()
         jax.block_until_ready(prog(base, x, a, b, on))
@@ -144,8 +166,13 @@ def main(argv=None):
   p.add_argument("--calls", type=int, default=10)
   p.add_argument("--out", default=None)
   p.add_argument("--smoke", action="store_true", help="CPU: interpreter checks only, tiny")
+  p.add_argument("--batched", action="store_true", help="time back-to-back calls (see time_shape)")
+  p.add_argument("--stages", action="store_true", help="also time Mosaic pipeline depths, N >= 512")
+  p.add_argument("--no-checks", action="store_true", help="skip the reference checks")
   args = p.parse_args(argv)
-  result = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+  result = {"jax": jax.__version__,
+            "timer": "batched" if args.batched else "per-call sync",
+            "devices": [str(d) for d in jax.devices()],
             "backend": jax.default_backend(), "argv": sys.argv[1:], "checks": [], "timing": []}
   key = jax.random.key(0)
   if args.smoke:
@@ -167,7 +194,7 @@ def main(argv=None):
       with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
-  for i, case in enumerate(cases):  # correctness first: a fresh key per case
+  for i, case in enumerate([] if args.no_checks else cases):  # checks first; fresh keys
     for name, fn in (("mosaic", lora_mosaic), ("triton", lora_pallas)):
       c = check(name, fn, jax.random.fold_in(key, 100 + i), *case)
       result["checks"].append(c)
@@ -180,7 +207,7 @@ def main(argv=None):
   for di, do in shapes:
     for n in order:
       r = time_shape(jax.random.fold_in(key, 1000 + n), n, di, do, args.layers, args.rounds,
-                     args.calls)
+                     args.calls, batched=args.batched, stages=args.stages and n >= 512)
       result["timing"].append(r)
       print(json.dumps({k: r[k] for k in ("n", "d_in", "d_out", "us_per_layer", "errors")}),
             flush=True)
