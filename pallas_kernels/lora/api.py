@@ -3,6 +3,7 @@
 Implementations (all share one contract, tested by one parametrized suite):
   "pallas"            the Pallas kernel compiled for the GPU (Triton lowering; README).
   "pallas_interpret"  the same kernel under the Pallas interpreter (CPU tests).
+  "mosaic"            the Mosaic GPU port (kernel_mosaic.py: Hopper, bf16 x/a/b; README).
   "xla"               plain jnp with the kernel's numerics (native 16-bit x @ A^T, fp32
                       accumulation, fp32 h @ B^T) and the same select.
 
@@ -21,8 +22,9 @@ from jax import lax
 
 from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.lora.kernel import check_lora_inputs, dot_policy, lora_pallas
+from pallas_kernels.lora.kernel_mosaic import lora_mosaic  # "mosaic": Hopper, bf16 (README)
 
-IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla", "mosaic")
 CHOICES = (*IMPLEMENTATIONS, "auto")
 AUTO_PALLAS_MIN_ROWS = 1024  # H200, 6144 -> 2560, rank 50: XLA wins at N <= 300 (README)
 _NT = (((1,), (1,)), ((), ()))
@@ -77,6 +79,8 @@ def lora_apply(base, x, a, b, on, *, scale=1.0, implementation=None):
   if impl == "pallas":
     require_gpu("lora", impl, "'pallas_interpret' or 'xla'")
     return lora_pallas(base, x, a, b, on, scale=scale)
+  if impl == "mosaic":  # Mosaic GPU kernel; ValueError where `mosaic_supported` says no
+    return lora_mosaic(base, x, a, b, on, scale=scale)
   if impl == "pallas_interpret":
     return lora_pallas(base, x, a, b, on, scale=scale, interpret=True)
   return lora_xla(base, x, a, b, on, scale=scale)
