@@ -12,7 +12,7 @@ import pytest
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels.lora import (
-    AUTO_PALLAS_MIN_ROWS,
+    AUTO_KERNEL_MIN_ROWS,
     lora_apply,
     lora_pallas,
     lora_reference,
@@ -197,9 +197,9 @@ def test_input_checks():
 
 
 def test_implementation_choice():
-  small, large = resolve(None, 8), resolve("auto", AUTO_PALLAS_MIN_ROWS)
+  small, large = resolve(None, 8), resolve("auto", AUTO_KERNEL_MIN_ROWS)
   if ON_GPU:
-    assert (small, large) == ("xla", "pallas")
+    assert (small, large) == ("xla", "kernel")
   else:
     assert small == large == "xla"
   assert resolve("pallas_interpret", 8) == "pallas_interpret"

@@ -1,6 +1,6 @@
 """LoRA delta as a Pallas kernel: y = select(on, base + B @ (A @ x), base) per row."""
 from pallas_kernels.lora.api import (
-    AUTO_PALLAS_MIN_ROWS,
+    AUTO_KERNEL_MIN_ROWS,
     CHOICES,
     IMPLEMENTATIONS,
     lora_apply,
@@ -11,7 +11,7 @@ from pallas_kernels.lora.kernel import lora_pallas, tiling
 from pallas_kernels.lora.reference import lora_reference
 
 __all__ = [
-    "AUTO_PALLAS_MIN_ROWS",
+    "AUTO_KERNEL_MIN_ROWS",
     "CHOICES",
     "IMPLEMENTATIONS",
     "lora_apply",

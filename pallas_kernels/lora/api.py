@@ -8,9 +8,10 @@ Implementations (all share one contract, tested by one parametrized suite):
                       accumulation, fp32 h @ B^T) and the same select.
 
 And "auto", which picks one of them per call from the backend and the row count N (static
-under jit, so still one program per shape): on GPU "xla" below `AUTO_PALLAS_MIN_ROWS` rows,
-where this launch-bound op is cheaper as XLA fusions, and "pallas" from there on, where the
-kernel is faster and a switched-off block costs next to nothing (README, measured numbers).
+under jit, so still one program per shape): on GPU "xla" below `AUTO_KERNEL_MIN_ROWS` rows,
+where this launch-bound op is cheaper as XLA fusions, and from there on "mosaic" where its
+operands suit it (bf16, sizes multiples of 64; it was the fastest from 512 rows on both shapes
+timed on the H200), else "pallas" (README, measured numbers).
 
 Default "auto"; the caller's config (`strata_jax.forms.Forms.lora_impl`) names the choice.
 """
@@ -22,21 +23,26 @@ from jax import lax
 
 from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.lora.kernel import check_lora_inputs, dot_policy, lora_pallas
-from pallas_kernels.lora.kernel_mosaic import lora_mosaic  # "mosaic": Hopper, bf16 (README)
+from pallas_kernels.lora.kernel_mosaic import (  # "mosaic": Hopper, bf16 (README)
+  lora_mosaic,
+  mosaic_supported,
+)
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla", "mosaic")
 CHOICES = (*IMPLEMENTATIONS, "auto")
-AUTO_PALLAS_MIN_ROWS = 1024  # H200, 6144 -> 2560, rank 50: XLA wins at N <= 300 (README)
+# H200, rank 64, 4096 <-> 2048: XLA wins at N <= 32, Mosaic from 512 (lora_backend_probe run 2)
+AUTO_KERNEL_MIN_ROWS = 512
 _NT = (((1,), (1,)), ((), ()))
 
 
 def resolve(implementation, n_rows):
   """The concrete implementation `lora_apply` runs for this choice and row count ("auto":
-  on the GPU "xla" below `AUTO_PALLAS_MIN_ROWS` rows and "pallas" from there; elsewhere
-  "xla", the interpreter being for tests)."""
+  on the GPU "xla" below `AUTO_KERNEL_MIN_ROWS` rows and "kernel" from there, which
+  `lora_apply` makes "mosaic" or "pallas" from the operands; elsewhere "xla", the interpreter
+  being for tests)."""
   impl = check_choice("lora", implementation or "auto", CHOICES)
   if impl == "auto":
-    return ("pallas" if n_rows >= AUTO_PALLAS_MIN_ROWS else "xla") if on_gpu() else "xla"
+    return ("kernel" if n_rows >= AUTO_KERNEL_MIN_ROWS else "xla") if on_gpu() else "xla"
   return impl
 
 
@@ -76,6 +82,8 @@ def lora_apply(base, x, a, b, on, *, scale=1.0, implementation=None):
     [N, Dout] in base.dtype.
   """
   impl = resolve(implementation, x.shape[0])
+  if impl == "kernel":
+    impl = "mosaic" if mosaic_supported(base, x, a, b) is None else "pallas"
   if impl == "pallas":
     require_gpu("lora", impl, "'pallas_interpret' or 'xla'")
     return lora_pallas(base, x, a, b, on, scale=scale)
