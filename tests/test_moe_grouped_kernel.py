@@ -253,6 +253,8 @@ def test_gpu_bench_prefill():
                          ids=["default", "bm16", "bm128-bf32", "bm32-big", "bd256-s2"])
 def test_gpu_tilings(kw, act):
   """N = 300 at bench widths: fp32 (IEEE dots) and bf16, several tilings."""
+  if act is F32 and kw.get("chunk_f") == 128 and kw.get("chunk_d") == 128:
+    pytest.skip("in fp32 this tiling asks for 288 KiB of shared memory; an H200 SM has 227 KiB")
   args, oracle = bench_case(300, act, 2)
   check_f64(routed_experts_grouped(*j(args), **kw), args, oracle, what=f"gpu {kw}")
 
