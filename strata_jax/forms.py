@@ -25,8 +25,8 @@ CHOICES: dict[str, tuple] = {
     # layers for an all-on batch and both passes for a mixed batch; "select" one pass that
     # always computes the adapter. Off rows are bit-identical to no adapter either way.
     "lora_branch": ("cond", "select"),
-    # the LoRA delta: "auto" = XLA below 1,024 rows on the GPU, the Pallas kernel above.
-    "lora_impl": ("auto", "xla", "pallas", "pallas_interpret"),
+    # the LoRA delta: "auto" = XLA below 512 rows on the GPU, a kernel above (Mosaic or Triton).
+    "lora_impl": ("auto", "xla", "pallas", "mosaic", "pallas_interpret"),
     # prefill's chunked delta rule: "auto" = the Pallas kernel on the GPU, the oracle elsewhere.
     "gdn_chunked": ("auto", "reference", "products", "pallas", "pallas_interpret"),
     # the Pallas chunked kernel's chunk (a power of 2 >= 16; 64 spilled registers on sm_90).
