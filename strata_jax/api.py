@@ -1,4 +1,4 @@
-"""The Python entry points: `load_model`, `load_lora`."""
+"""The Python entry points: `load_model`, `load_lora`, `load_control_vector`."""
 from __future__ import annotations
 
 import dataclasses
@@ -114,6 +114,33 @@ def load_lora(model: Model, paths, scales=None) -> LoraSet:
   return dataclasses.replace(ls, adapter_id=aid)
 
 
-def model_fingerprint(model: Model, lora: LoraSet | None) -> str:
-  """Identity for session files: the model's alone without an adapter, else with its id."""
-  return model.fingerprint if lora is None else f"{model.fingerprint}+lora:{lora.adapter_id:016x}"
+def load_control_vector(model: Model, paths, scales=None, layer_range=None):
+  """Load llama.cpp control-vector GGUF(s) for `model`, summed with their scales.
+
+  Args:
+    model: the loaded model.
+    paths: one file or a list of files.
+    scales: one finite scale per file (default 1.0 each; negative steers the other way).
+    layer_range: `(start, end)`, inclusive graph layer indices (llama.cpp's
+      `--control-vector-layer-range`); None for every layer.
+
+  Returns:
+    A `ControlVector` to pass as `Engine(model, control_vector=...)`.
+
+  Raises:
+    ControlVectorError: a file is not a control vector for this model (see
+      `strata_jax.gguf.control_vector`), a bad scale or an empty range.
+  """
+  from strata_jax.gguf.control_vector import read_control_vectors  # noqa: PLC0415
+
+  return read_control_vectors(model.cfg, paths, scales=scales, layer_range=layer_range,
+                              dtype=model.dtype)
+
+
+def model_fingerprint(model: Model, lora: LoraSet | None, control_vector=None) -> str:
+  """Identity for session files: the model's alone without an adapter or control vector,
+  else with `+lora:<id>` and then `+cvec:<id>` (16 hex digits each) appended."""
+  fp = model.fingerprint if lora is None else f"{model.fingerprint}+lora:{lora.adapter_id:016x}"
+  if control_vector is not None:
+    fp += f"+cvec:{control_vector.control_vector_id:016x}"
+  return fp

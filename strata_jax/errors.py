@@ -24,3 +24,7 @@ class RequestError(StrataError):
 
 class FormsError(StrataError):
   """An unknown implementation choice (`strata_jax.forms.Forms`, the CLI's `--forms`)."""
+
+
+class ControlVectorError(StrataError):
+  """A control-vector GGUF (llama.cpp's format) that cannot be applied to the loaded model."""
