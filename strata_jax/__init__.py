@@ -10,8 +10,14 @@ from strata_jax.api import LoraSet, Model, load_control_vector, load_lora, load_
 from strata_jax.config import ModelConfig
 from strata_jax.engine.engine import Engine, Request, Result
 from strata_jax.engine.prefix_cache import block_hashes
-from strata_jax.errors import (AdapterError, ControlVectorError, GGUFError, RequestError,
-                               SessionError, StrataError)
+from strata_jax.errors import (
+                               AdapterError,
+                               ControlVectorError,
+                               GGUFError,
+                               RequestError,
+                               SessionError,
+                               StrataError,
+)
 from strata_jax.forms import Forms
 
 __all__ = ["Engine", "Request", "Result", "Model", "LoraSet", "ModelConfig", "Forms", "load_model",

@@ -13,8 +13,12 @@ from model_fixtures import TINY, tiny_model
 import strata_jax as sj
 from strata_jax import steps
 from strata_jax.errors import ControlVectorError, SessionError
-from strata_jax.gguf.control_vector import (ControlVectorWarning, effective_layer_range,
-                                            read_control_vectors, write_control_vector)
+from strata_jax.gguf.control_vector import (
+  ControlVectorWarning,
+  effective_layer_range,
+  read_control_vectors,
+  write_control_vector,
+)
 
 L, D = TINY.n_layers, TINY.d_model
 
