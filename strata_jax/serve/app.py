@@ -98,7 +98,7 @@ def serve_main(args) -> int:
   import uvicorn  # noqa: PLC0415
 
   import strata_jax as sj  # noqa: PLC0415
-  from strata_jax.cli import load_from_args  # noqa: PLC0415
+  from strata_jax.loading import load_from_args  # noqa: PLC0415
 
   defaults = load_config(args.config) if args.config else {}
   if args.slots < 1:
