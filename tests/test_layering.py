@@ -33,3 +33,17 @@ def test_adapter_identity_has_one_home():
   from strata_jax.engine import prefix_cache
   assert api.adapter_identity is adapter_id.adapter_identity
   assert prefix_cache.adapter_identity is adapter_id.adapter_identity
+
+
+def test_importing_session_changes_nothing_process_wide():
+  # numpy and jax add warnings filters of their own at import: import them first.
+  got = _fresh(
+      "import json, logging, sys, warnings\n"
+      "import jax, numpy\n"
+      "hook, filters = sys.unraisablehook, list(warnings.filters)\n"
+      "import strata_jax.session\n"
+      "print(json.dumps({'hook': sys.unraisablehook is hook,\n"
+      "                  'warnings': [str(f) for f in warnings.filters if f not in filters],\n"
+      "                  'loggers': [logging.getLogger(n).filters == []\n"
+      "                              for n in ('asyncio', 'absl')]}))")
+  assert got == {"hook": True, "warnings": [], "loggers": [True, True]}
