@@ -9,6 +9,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from strata_jax.adapter_id import adapter_identity
 from strata_jax.config import ModelConfig
 from strata_jax.errors import AdapterError, GGUFError
 from strata_jax.forms import Forms
@@ -98,7 +99,6 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
 
 def load_lora(model: Model, paths, scales=None) -> LoraSet:
   """Load llama.cpp LoRA adapter GGUF(s) for `model`; several files stack their ranks."""
-  from strata_jax.engine.prefix_cache import adapter_identity  # noqa: PLC0415
   from strata_jax.gguf.adapter import read_adapters  # noqa: PLC0415 (keeps import light)
 
   paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
