@@ -271,7 +271,7 @@ def control_vector_identity(files: Sequence[tuple[object, float]],
     files: `(contents_or_path, scale)` per file, in load order.
     layer_range: the effective inclusive range (`effective_layer_range`).
   """
-  from strata_jax.engine.prefix_cache import adapter_identity  # noqa: PLC0415
+  from strata_jax.adapter_id import adapter_identity  # noqa: PLC0415
 
   inner = adapter_identity([(c, float(s)) for c, s in files])
   buf = (struct.pack("<Q", len(_ID_DOMAIN)) + _ID_DOMAIN
