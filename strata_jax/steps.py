@@ -37,7 +37,7 @@ def _set_row(a, row, slot):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("state",))
 def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_valid, switch,
-            *, all_logits: bool = False):
+            *, all_logits: bool = False, cvec=None):
   """Run one chunk of a slot's prompt.
 
   Args:
@@ -45,6 +45,8 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
       the previous stage when this stage's params have no embedding (layer split).
     n_valid: int32 [] real tokens.
     switch: int32 [] LoRA switch for this row (ignored when `lora` is None).
+    cvec: the control vector rows of this stage's layers [L, D], or None (none: the program
+      without control vectors).
   Returns:
     (logits, state): float32 [T, V] (all_logits) or [V] (after the last valid token).
   """
@@ -55,7 +57,7 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
   gdn = (_row(state.conv, slot), _row(state.ssm, slot))
   with _precision(cfg, state):
     x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
-    x, kv, gdn = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw)
+    x, kv, gdn = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw, cvec)
     if params.lm_head is None:     # not the last stage of a layer split: hand the hidden on
       logits = x[0]
     elif all_logits:
@@ -70,17 +72,18 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, active):
+def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, active, *,
+           cvec=None):
   """One token for every row. tokens, switch, active: int32 [B] (tokens: the hidden [B, D]
-  from the previous stage when this stage has no embedding). Inactive rows keep their
-  state (their K/V write lands past their length and is overwritten later).
+  from the previous stage when this stage has no embedding); cvec: as in `prefill`. Inactive
+  rows keep their state (their K/V write lands past their length and is overwritten later).
   Returns (logits float32 [B, V], state)."""
   act = active.astype(bool)
   with _precision(cfg, state):
     x = forward.embed(params, tokens[:, None]) if params.embed is not None else tokens[:, None]
     x, (k, v), (conv, ssm) = forward.run_layers(
         cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
-        act.astype(jnp.int32), switch)
+        act.astype(jnp.int32), switch, cvec)
     logits = (x[:, 0] if params.lm_head is None
               else forward.logits_from_hidden(cfg, params, x[:, 0]))
   keep = lambda new, old: jnp.where(act.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)
@@ -131,18 +134,18 @@ def write_recurrent(state: ModelState, slot, conv, ssm, pos, switch):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps"), donate_argnames=("state",))
 def decode_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, active, *,
-                  n_steps: int):
+                  n_steps: int, cvec=None):
   """`n_steps` greedy decode steps in one program (one dispatch for many tokens).
 
   Each step is `decode` followed by an on-device argmax that feeds the next step; inactive
-  rows keep their token and state. tokens, switch, active: int32 [B].
+  rows keep their token and state. tokens, switch, active: int32 [B]; cvec: as in `prefill`.
   Returns (tokens int32 [n_steps, B] the chosen ids, state).
   """
   act = active.astype(bool)
 
   def body(carry, _):
     toks, st = carry
-    logits, st = decode(cfg, params, lora, st, toks, switch, active)
+    logits, st = decode(cfg, params, lora, st, toks, switch, active, cvec=cvec)
     nxt = jnp.where(act, jnp.argmax(logits, axis=-1).astype(jnp.int32), toks)
     return (nxt, st), nxt
 

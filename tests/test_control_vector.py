@@ -369,18 +369,19 @@ def test_sessions_carry_the_control_vector(model, cvs, tmp_path):
   got = same.generate(tokens=cont, max_tokens=2)
   want = sj.Engine(model, slots=1, max_seq=64, block_size=16, prefix_cache_bytes=0,
                    control_vector=a).generate(tokens=cont, max_tokens=2)
-  assert got.cached_tokens == len(ids) + 3 and got.tokens == want.tokens
+  assert got.cached_tokens == len(ids) + 2 and got.tokens == want.tokens
   plain.load_session(0, tmp_path / "plain")         # no control vector: reads as before
 
 
 def test_layer_split_slices_the_control_vector(model, cvs):
   import dataclasses
-  split = dataclasses.replace(model, layer_ranges=[(0, 3), (3, 8)])
+  split = dataclasses.replace(model, layer_ranges=[(0, 4), (4, 8)])
   ids = list(range(3, 30))
   cv = cvs[1]
   one = sj.Engine(model, slots=1, max_seq=64, block_size=16, control_vector=cv)
   two = sj.Engine(split, slots=1, max_seq=64, block_size=16, control_vector=cv)
-  assert [st.cvec.shape[0] for st in two.stages] == [3, 5]
+  assert [st.cvec.shape[0] for st in two.stages] == [4, 4]
+  assert np.array_equal(np.asarray(two.stages[1].cvec), np.asarray(cv.vectors[4:]))
   r1 = one.generate(tokens=ids, max_tokens=4, return_logits=True)
   r2 = two.generate(tokens=ids, max_tokens=4, return_logits=True)
   np.testing.assert_allclose(r2.prompt_logits, r1.prompt_logits, atol=1e-5, rtol=0)

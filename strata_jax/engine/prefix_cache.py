@@ -5,6 +5,9 @@ A prompt is cut into blocks of `block_size` tokens. Block 0's digest is
 (seed 0), each digest stored as 16 bytes little-endian, low 64 bits first. A non-zero adapter
 identity is prepended as 8 little-endian bytes to block 0's buffer, so every later digest of an
 adapted request differs from the base chain; id 0 hashes byte-identically to the plain chain.
+A control vector (non-zero id) puts 16 bytes there instead: the adapter id as 8 little-endian
+bytes (written even when 0), then the control vector id as 8 little-endian bytes. The three
+seeds (none, 8 bytes, 16 bytes) differ in length, so no chain of one kind equals another's.
 Because each digest covers every earlier token (and the adapter), equal digests mean equal
 prefixes, and a block can only be matched when its parent is.
 
@@ -63,21 +66,25 @@ def _tokens_as_int32(tokens: Any) -> np.ndarray:
   return arr.astype("<i4", copy=False)
 
 
-def block_hashes(tokens: Any, block_size: int, adapter_id: int = 0) -> list[bytes]:
+def block_hashes(tokens: Any, block_size: int, adapter_id: int = 0, *,
+                 control_vector_id: int = 0) -> list[bytes]:
   """Chained 16-byte digests of the full blocks of `tokens`, as the prefix cache computes them.
 
   Args:
     tokens: token ids [T], a sequence or array of integers in int32 range.
     block_size: tokens per block (>= 1). A partial trailing block gets no digest.
     adapter_id: 64-bit adapter identity from `adapter_identity` (0 = base model or LoRA off).
+    control_vector_id: 64-bit control vector identity (`ControlVector.control_vector_id`), 0
+      for none: then the digests are exactly those without the argument. Non-zero: block 0's
+      buffer starts with `adapter_id` (8 bytes LE, even when 0) then this id (8 bytes LE).
 
   Returns:
     `T // block_size` digests, each 16 bytes (the xxh3-128 value little-endian, low 64 bits
-    first); digest i covers blocks 0..i and the adapter id.
+    first); digest i covers blocks 0..i, the adapter id and the control vector id.
 
   Raises:
-    RequestError: tokens not 1-D integers in int32 range, block_size < 1, or adapter_id
-      outside [0, 2**64).
+    RequestError: tokens not 1-D integers in int32 range, block_size < 1, or adapter_id or
+      control_vector_id outside [0, 2**64).
   """
   block_size = _check_int(block_size, "block_size")
   if block_size < 1:
@@ -85,11 +92,16 @@ def block_hashes(tokens: Any, block_size: int, adapter_id: int = 0) -> list[byte
   adapter_id = _check_int(adapter_id, "adapter_id")
   if not 0 <= adapter_id < 2**64:
     raise RequestError(f"adapter_id must be in [0, 2**64), got {adapter_id}")
+  control_vector_id = _check_int(control_vector_id, "control_vector_id")
+  if not 0 <= control_vector_id < 2**64:
+    raise RequestError(f"control_vector_id must be in [0, 2**64), got {control_vector_id}")
   arr = _tokens_as_int32(tokens)
   n_blocks = arr.shape[0] // block_size
   buf = memoryview(arr[: n_blocks * block_size].tobytes())
   stride = 4 * block_size
   prev = adapter_id.to_bytes(8, "little") if adapter_id else b""
+  if control_vector_id:
+    prev = adapter_id.to_bytes(8, "little") + control_vector_id.to_bytes(8, "little")
   out = []
   for i in range(n_blocks):
     # xxh3_128_digest() is big-endian (canonical); the contract wants low 64 bits first.

@@ -30,7 +30,8 @@ def _unblocks(tree):
   return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
-def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
+def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch,
+               cvec=None):
   """`layers_scan` with the adapter; under `cfg.forms.lora_branch` "cond", one of three
   branches ("select": one scan, the delta computed for every row and a select keeping the base
   rows).
@@ -47,11 +48,11 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
   passes compose; rows are independent, so an off row's numbers do not depend on the others.
   """
   if lora is None or cfg.forms.lora_branch == "select":
-    return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch)
+    return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch, cvec)
   switch = jnp.broadcast_to(switch, n_valid.shape)
   on = (switch != 0) & (n_valid > 0)
   off = (switch == 0) & (n_valid > 0)
-  scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch)
+  scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch, cvec)
 
   def mixed():
     x_off, kv1, gs1 = scan(None, kv, gdn_state, jnp.where(off, n_valid, 0))
@@ -64,12 +65,15 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
                             lambda: scan(lora, kv, gdn_state, n_valid), mixed])
 
 
-def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
+def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch,
+                cvec=None):
   """Apply every layer of `cfg.layer_types`.
 
   layers: LayerParams; lora: LoraParams or None; kv: (k, v) [La, B, S, G, Hd];
   gdn_state: (conv [Lg, B, K-1, C], ssm [Lg, B, Hv, Dv, Dk]); x [B, T, D]; pos, n_valid,
-  switch [B]. Returns (x, kv, gdn_state).
+  switch [B]; cvec: the control vector [L, D] (row il added to layer il's output, after its
+  MoE residual add, as llama.cpp's `build_cvec`), or None: then nothing is added and the
+  program is the one without control vectors. Returns (x, kv, gdn_state).
 
   The scan runs over repeats of the pattern's period (e.g. 12 x "GGGA"); the period's
   layers are unrolled in the body, so compile time does not grow with depth.
@@ -83,12 +87,13 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
   kv_b, gdn_b = _blocks(kv, n_blocks), _blocks(gdn_state, n_blocks)
+  cvec_b = _blocks(cvec, n_blocks)   # [n_blocks, period, D], or None
   B, T, D = x.shape
   # The expert stacks whole, for the few-token MoE kernel (reads layer `blk * period + li`).
   stacks = (layers.moe.gate_exps, layers.moe.up_exps, layers.moe.down_exps)
 
   def body(x, xs):
-    blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in = xs
+    blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in, cv = xs
     (kc, vc), (conv, ssm) = map(list, kv_in), map(list, gdn_in)
     gi = ai = 0
     for li, kind in enumerate(block_types):
@@ -108,12 +113,14 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
       x = x + moe(cfg, jax.tree.map(lambda a: a[li], moe_p), h, stacks,
                   blk * period + li).reshape(B, T, D)
+      if cv is not None:
+        x = x + cv[li].astype(x.dtype)
     restack = lambda new, old: jnp.stack(new) if new else old   # a kind may be absent
     return x, ((restack(kc, kv_in[0]), restack(vc, kv_in[1])),
                (restack(conv, gdn_in[0]), restack(ssm, gdn_in[1])))
 
   x, (kv_b, gdn_b) = lax.scan(body, x, (jnp.arange(n_blocks, dtype=jnp.int32), norms, gdn_p,
-                                         attn_p, lora_g, lora_a, kv_b, gdn_b))
+                                         attn_p, lora_g, lora_a, kv_b, gdn_b, cvec_b))
   return x, _unblocks(kv_b), _unblocks(gdn_b)
 
 
