@@ -14,6 +14,19 @@ def _lora_args(p):
                  help="load the adapters, run with the switch off")
 
 
+def _control_vector_args(p):
+  # llama.cpp's flags; both file flags append to one list, so the files keep their order.
+  p.add_argument("--control-vector", dest="control_vectors", action="append",
+                 type=lambda v: ("plain", v), metavar="F[,F...]",
+                 help="control vector GGUF file(s) (llama.cpp's format), scale 1")
+  p.add_argument("--control-vector-scaled", dest="control_vectors", action="append",
+                 type=lambda v: ("scaled", v), metavar="F:S[,F:S...]",
+                 help="control vector file(s) with scales")
+  p.add_argument("--control-vector-layer-range", nargs=2, type=int, default=None,
+                 metavar=("START", "END"),
+                 help="layers the control vectors apply to, inclusive (default: all)")
+
+
 def _model_args(p):
   p.add_argument("--model", default=None, help="model GGUF (default: the embedded demo model)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -23,6 +36,7 @@ def _model_args(p):
                  help="implementation choices (strata_jax.forms.Forms), e.g. "
                       "lora_branch=select,gdn_chunked=products; default: each 'auto'")
   _lora_args(p)
+  _control_vector_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +83,9 @@ def cmd_generate(args) -> int:
 
   import strata_jax as sj  # noqa: PLC0415
   from strata_jax.errors import RequestError  # noqa: PLC0415
-  from strata_jax.loading import load_from_args  # noqa: PLC0415
+  from strata_jax.loading import control_vector_from_args, load_from_args  # noqa: PLC0415
   model, lora = load_from_args(args)
+  cvec = control_vector_from_args(args, model)
   if args.prompt_tokens is not None:
     try:
       ids = [int(t) for t in args.prompt_tokens.split(",") if t.strip()]
@@ -84,7 +99,8 @@ def cmd_generate(args) -> int:
   use_lora = lora is not None and not args.lora_off
   # A power-of-two capacity: repeat runs with other prompt lengths reuse the compiled program.
   need = len(ids) + args.n + 1
-  engine = sj.Engine(model, lora=lora, slots=1, max_seq=max(256, 1 << (need - 1).bit_length()))
+  engine = sj.Engine(model, lora=lora, slots=1, max_seq=max(256, 1 << (need - 1).bit_length()),
+                     control_vector=cvec)
   stop = model.stop_ids()   # end-of-generation tokens end the run, as in llama.cpp and transformers
   res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,

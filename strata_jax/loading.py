@@ -4,7 +4,7 @@ Below both the CLI and the server: `cli` parses, `serve.app` serves, and both lo
 """
 from __future__ import annotations
 
-from strata_jax.errors import AdapterError
+from strata_jax.errors import AdapterError, ControlVectorError
 
 
 def parse_lora(args) -> tuple[list[str], list[float]]:
@@ -36,3 +36,38 @@ def load_from_args(args):
   paths, scales = parse_lora(args)
   lora = load_lora(model, paths, scales) if paths else None
   return model, lora
+
+
+def parse_control_vectors(args) -> tuple[list[str], list[float]]:
+  """--control-vector F[,F...] and --control-vector-scaled F:S[,F:S...] (each may repeat; the
+  files keep their command-line order) -> (paths, scales)."""
+  paths, scales = [], []
+  for kind, value in getattr(args, "control_vectors", None) or []:
+    for item in value.split(","):
+      if not item:
+        continue
+      if kind == "plain":
+        paths.append(item)
+        scales.append(1.0)
+        continue
+      f, sep, s = item.rpartition(":")
+      try:
+        if not sep or not f:
+          raise ValueError
+        scales.append(float(s))
+      except ValueError:
+        raise ControlVectorError(
+            f"--control-vector-scaled {item!r}: expected FILE:SCALE") from None
+      paths.append(f)
+  return paths, scales
+
+
+def control_vector_from_args(args, model):
+  """The `ControlVector` of --control-vector*, or None when no file is given (then, as in
+  llama.cpp, --control-vector-layer-range alone does nothing)."""
+  from strata_jax.api import load_control_vector  # noqa: PLC0415 (keeps import light)
+  paths, scales = parse_control_vectors(args)
+  if not paths:
+    return None
+  rng = getattr(args, "control_vector_layer_range", None)
+  return load_control_vector(model, paths, scales, tuple(rng) if rng else None)

@@ -1,6 +1,7 @@
 """Control vectors (llama.cpp's control-vector GGUF): the reader, its checks and identity, and
 their application in the layer stack (after each layer's MoE residual add, as llama.cpp's
 `build_cvec(cur, il)`), keyed in the caches and sessions."""
+import json
 import warnings
 
 import gguf
@@ -393,3 +394,131 @@ def test_engine_refuses_a_control_vector_for_another_model(cvs):
   deeper = tiny_model(dataclasses.replace(TINY, layer_types="GGGA" * 3))
   with pytest.raises(ControlVectorError, match="8 layers"):
     sj.Engine(deeper, slots=1, max_seq=64, block_size=16, control_vector=cvs[0])
+
+
+# ----- parity with transformers (vectors added by forward hooks on the decoder layers) ------------
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+  from gguf_fixtures import save_tiny_hf
+
+  from strata_jax.cli import main as cli_main
+  d = tmp_path_factory.mktemp("hf_cvec")
+  _, hf_model = save_tiny_hf(d / "model", seed=0, tokenizer=False)
+  assert cli_main(["convert", "hf", str(d / "model"), str(d / "model.gguf")]) == 0
+  model = sj.load_model(str(d / "model.gguf"))
+  n, dim = model.cfg.n_layers, model.cfg.d_model
+  files = {}
+  for name, seed, layers in (("a", 11, range(1, n)), ("b", 12, [2, 3])):
+    dirs = _dirs(seed, layers, scale=0.2, dim=dim)
+    write_control_vector(d / f"{name}.gguf", dirs, layer_count=len(dirs))
+    files[name] = (str(d / f"{name}.gguf"), dirs)
+  return hf_model.eval(), model, files
+
+
+def _hooked(hf_model, rows):
+  """transformers' model with rows[il] added to decoder layer il's output (llama.cpp's
+  `build_cvec(cur, il)` after the MoE residual); returns the hook handles."""
+  import torch
+  handles = []
+  for il, layer in enumerate(hf_model.model.layers):
+    if rows[il].any():
+      v = torch.tensor(rows[il])
+      hook = lambda mod, inp, out, v=v: (out[0] + v,) + tuple(out[1:]) \
+          if isinstance(out, tuple) else out + v
+      handles.append(layer.register_forward_hook(hook))
+  return handles
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", ["one file", "two scaled files, layers 2..3"])
+def test_parity_with_transformers_hooks(hf, case):
+  import torch
+  from tolerances import MODEL_LOGITS_ABS_FP32, assert_close
+  hf_model, model, files = hf
+  n, dim = model.cfg.n_layers, model.cfg.d_model
+  rows = np.zeros((n, dim), np.float32)
+  if case == "one file":
+    cv = sj.load_control_vector(model, files["a"][0])
+    for il, v in files["a"][1].items():
+      rows[il] += v
+  else:
+    scales, rng = (0.7, -1.3), (2, 3)
+    cv = sj.load_control_vector(model, [files["a"][0], files["b"][0]], scales=scales,
+                                layer_range=rng)
+    for (_, dirs), s in zip((files["a"], files["b"]), scales):
+      for il, v in dirs.items():
+        if rng[0] <= il <= rng[1]:
+          rows[il] += np.float32(s) * v
+  ids = list(np.random.default_rng(5).integers(0, model.cfg.vocab_size, 63))
+  eng = sj.Engine(model, slots=1, max_seq=128, block_size=64, control_vector=cv)
+  res = eng.generate(tokens=ids, max_tokens=8, return_logits=True)
+  handles = _hooked(hf_model, rows)
+  try:
+    with torch.no_grad():
+      want = hf_model(torch.tensor([ids])).logits[0].numpy()
+      out = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                              min_new_tokens=8, eos_token_id=None, pad_token_id=0)
+  finally:
+    for h in handles:
+      h.remove()
+  with torch.no_grad():
+    plain = hf_model(torch.tensor([ids])).logits[0].numpy()
+  assert np.abs(want - plain).max() > 50 * MODEL_LOGITS_ABS_FP32   # the vectors matter
+  assert_close(res.prompt_logits, want, abs_=MODEL_LOGITS_ABS_FP32, what=case)
+  assert res.tokens == out[0, len(ids):].tolist()
+
+
+# ----- command line ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+  from strata_jax.gguf.convert_hf import write_model_gguf
+  from strata_jax.gguf.names import params_to_gguf_tensors
+  from strata_jax.params import params_to_flat
+  d = tmp_path_factory.mktemp("cvec_cli")
+  flat = {k: np.asarray(v, np.float32) for k, v in params_to_flat(tiny_model().params).items()}
+  write_model_gguf(str(d / "tiny.gguf"), TINY, params_to_gguf_tensors(TINY, flat))
+  return str(d / "tiny.gguf")
+
+
+def _cli(monkeypatch, capsys, *argv):
+  from strata_jax.cli import main as cli_main
+  monkeypatch.setenv("STRATA_JAX_CACHE", "0")   # leave this process's compilation cache alone
+  rc = cli_main(list(argv))
+  out, err = capsys.readouterr()
+  return rc, out, err
+
+
+def test_cli_generate_with_llama_cpp_flags(cv_files, tiny_gguf, tmp_path, monkeypatch, capsys):
+  _, (a, _), (b, _) = cv_files
+  rc, out, _ = _cli(monkeypatch, capsys, "generate", "--model", tiny_gguf,
+                    "--control-vector-scaled", f"{a}:0.8", "--control-vector", b,
+                    "--control-vector-layer-range", "2", "6", "--prompt-tokens", "5,6,7,8",
+                    "-n", "3", "--json", "--dump-logits", str(tmp_path / "cv.npz"))
+  assert rc == 0
+  res = json.loads(out.strip().splitlines()[-1])
+  model = sj.load_model(tiny_gguf)
+  cv = sj.load_control_vector(model, [a, b], scales=[0.8, 1.0], layer_range=(2, 6))
+  want = sj.Engine(model, slots=1, max_seq=256, control_vector=cv).generate(
+      tokens=[5, 6, 7, 8], max_tokens=3, return_logits=True)
+  assert res["tokens"] == want.tokens
+  np.testing.assert_array_equal(np.load(tmp_path / "cv.npz")["prompt"], want.prompt_logits)
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--control-vector", "{n_embd}"], "n_embd 32 does not match"),
+    (["--control-vector-scaled", "{a}:nan"], "scale nan is not finite"),
+    (["--control-vector-scaled", "{a}"], "expected FILE:SCALE"),
+    (["--control-vector", "{lora}"], "not a control vector"),
+    (["--control-vector", "{a}", "--control-vector-layer-range", "9", "12"], "selects no layer"),
+], ids=["n_embd", "nan scale", "no scale", "lora file", "empty range"])
+def test_cli_bad_control_vectors_exit_2(cv_files, tiny_gguf, tmp_path, monkeypatch, capsys,
+                                        flags, msg):
+  _, (a, _), _ = cv_files
+  paths = {"a": a, "n_embd": _write_raw(tmp_path / "n.gguf",
+                                         {"direction.1": (np.ones(32, np.float32), None)}),
+           "lora": sj.api.asset_path(sj.api.DEFAULT_ADAPTER)}
+  rc, _, err = _cli(monkeypatch, capsys, "generate", "--model", tiny_gguf, "--prompt-tokens",
+                    "5,6", "-n", "1", *[f.format(**paths) for f in flags])
+  assert rc == 2 and err.startswith("error: ") and msg in err and "Traceback" not in err

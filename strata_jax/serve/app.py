@@ -98,7 +98,7 @@ def serve_main(args) -> int:
   import uvicorn  # noqa: PLC0415
 
   import strata_jax as sj  # noqa: PLC0415
-  from strata_jax.loading import load_from_args  # noqa: PLC0415
+  from strata_jax.loading import control_vector_from_args, load_from_args  # noqa: PLC0415
 
   defaults = load_config(args.config) if args.config else {}
   if args.slots < 1:
@@ -111,12 +111,14 @@ def serve_main(args) -> int:
       args.slot_save_path):
     raise StrataError(f"--slot-save-path {args.slot_save_path}: not a directory")
   model, lora = load_from_args(args)
+  cvec = control_vector_from_args(args, model)
   if getattr(args, "lora_off", False):
     defaults["lora"] = False          # the command line wins over the config file
   if defaults.get("lora") and lora is None:
     raise StrataError(f"{args.config}: sampling.lora is true but no adapter is loaded "
                       "(pass --lora FILE)")
-  engine = sj.Engine(model, lora=lora, slots=args.slots, max_seq=args.ctx_size)
+  engine = sj.Engine(model, lora=lora, slots=args.slots, max_seq=args.ctx_size,
+                     control_vector=cvec)
   print("compiling the engine's steps...", file=sys.stderr)
   for sw in ([False, True] if lora is not None else [False]):
     engine.generate(tokens=[0], max_tokens=2, lora=sw)
