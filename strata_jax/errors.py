@@ -20,3 +20,7 @@ class SessionError(StrataError):
 
 class RequestError(StrataError):
   """A generation request that is malformed or exceeds the engine's limits."""
+
+
+class DeviceMemoryError(GGUFError):
+  """A model (or one stage of it) that does not fit the free memory of its device."""
