@@ -283,10 +283,10 @@ def check_planes(planes, qtype, d_out, d_in):
 
 @functools.partial(jax.jit, static_argnames=(
     "qtype", "d_out", "lora", "scale", "block_rows", "block_out", "num_warps", "num_stages",
-    "interpret", "precision"))
+    "interpret", "precision", "out_dtype"))
 def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=None,
                    lora="none", scale=1.0, block_rows=None, block_out=None, num_warps=None,
-                   num_stages=None, interpret=False, precision=None):
+                   num_stages=None, interpret=False, precision=None, out_dtype=None):
   """y[g] = x[g] @ W[idx[g]]^T (+ the LoRA epilogue), reading the weight stack in place.
 
   Args:
@@ -304,9 +304,10 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
     interpret: run the Pallas interpreter (CPU).
     precision: of the weight product for fp32 x (None: HIGHEST, IEEE fp32).
+    out_dtype: of y (None: x.dtype); the accumulation is fp32 either way.
 
   Returns:
-    [G, M, out] in x.dtype.
+    [G, M, out] in out_dtype.
   """
   if lora not in LORA_MODES:
     raise ValueError(f"quant kernel: lora={lora!r} is not one of {LORA_MODES}")
@@ -323,6 +324,7 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     raise RuntimeError("quant kernel: this JAX has no Pallas Triton backend; use 'xla'")
   bn0, bo0 = tiling_defaults(m, d_out, interpret=interpret)
   bn, bo = block_rows or bn0, block_out or bo0
+  od = jnp.dtype(out_dtype or x.dtype)
   if jnp.dtype(x.dtype) in _HALF:
     cd, prec = jnp.dtype(x.dtype), lax.Precision.DEFAULT
   else:
@@ -330,7 +332,7 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   nb = d_in // 32
   q8 = next(u for u in (8, 4, 2, 1) if nb % u == 0)
   t = Tiling(qtype=qtype, groups=groups, m=m, d_in=d_in, d_out=d_out, block_rows=bn,
-             block_out=bo, q8_blocks=q8, cd=cd, precision=prec, out_dtype=jnp.dtype(x.dtype),
+             block_out=bo, q8_blocks=q8, cd=cd, precision=prec, out_dtype=od,
              lora=lora, scale=float(scale))
   idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
   args = [idx, x, *(planes[n] for n in PLANES[qtype])]
@@ -352,12 +354,12 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
         raise ValueError(f"quant kernel: h {h.shape} must be [M, R] = {(m, rank)}")
       args += [on.astype(jnp.int32), h.astype(_F32), b]
   if groups == 0 or m == 0 or d_out == 0:
-    return jnp.zeros((groups, m, d_out), x.dtype)
+    return jnp.zeros((groups, m, d_out), od)
   params = None if interpret else _triton_params(num_warps or 4, num_stages or 3)
   return pl.pallas_call(
       functools.partial(_kernel, t=t),
       grid=(pl.cdiv(d_out, bo), groups, pl.cdiv(m, bn)),
-      out_shape=jax.ShapeDtypeStruct((groups, m, d_out), x.dtype),
+      out_shape=jax.ShapeDtypeStruct((groups, m, d_out), od),
       in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
       interpret=interpret, compiler_params=params, name=f"qmatmul_{qtype}",
   )(*args)
