@@ -29,7 +29,7 @@ ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
 F32, BF16 = jnp.float32, jnp.bfloat16
 OUT = 40  # not a multiple of the 16-row tiles the odd-shape cases force
-SMALL_TILES = {"block_rows": 16, "block_out": 16}  # several programs, ragged edges
+SMALL_TILES = {"block_rows": 16, "block_out": 16, "block_in": 512}  # ragged, 2 blocks a step
 
 
 def _in(qtype, blocks=2):

@@ -60,7 +60,7 @@ class Tiling(NamedTuple):
   d_out: int
   block_rows: int  # bn
   block_out: int  # bo
-  q8_blocks: int  # Q8_0: 32-blocks per loop step
+  unroll: int  # units per loop step (unit: a Q8_0 32-block, or a K-quant super-block)
   cd: object  # operand dtype of the weight product
   precision: object
   out_dtype: object
@@ -137,19 +137,15 @@ class _Tiles:
 
 
 def _sub_tiles(tl, b, t):
-  """The weight tiles of loop step b: [(x column, [bo, W] weights in fp32)].
+  """The weight tiles of unit b (a Q8_0 block or a K-quant super-block):
+  [(x column, [bo, W] weights in fp32)].
 
   Every product here is exact in fp32 (f16 scale x integer sub-scale x integer quant value:
   at most 23 significant bits), so these are the exact dequantised weights.
   """
   q = t.qtype
   if q == "q8_0":
-    out = []
-    for u in range(t.q8_blocks):
-      blk = b * t.q8_blocks + u
-      d = tl.vec("d", blk)
-      out.append((blk * 32, d[:, None] * tl.tile("qs", blk * 32, 32).astype(_F32)))
-    return out
+    return [(b * 32, tl.vec("d", b)[:, None] * tl.tile("qs", b * 32, 32).astype(_F32))]
   c0 = b * 256  # first column of super-block b
   d = tl.vec("d", b)
   if q in ("q4_k", "q5_k"):
@@ -181,10 +177,8 @@ def _sub_tiles(tl, b, t):
   return out
 
 
-def _steps(t):
-  if t.qtype == "q8_0":
-    return t.d_in // 32 // t.q8_blocks
-  return t.d_in // 256
+def _units(qtype, d_in):
+  return d_in // BLOCK[qtype]
 
 
 def _kernel(*refs, t):
@@ -205,9 +199,12 @@ def _kernel(*refs, t):
   tl = _Tiles({**planes, "x": x_ref}, s, g, o0, r0, o_ok, r_ok, t)
   r_in = (jnp.arange(rp) < t.rank) if t.rank != rp else None
 
-  def body(b, carry):
+  def body(step, carry):
     acc, h = carry
-    for col, w in _sub_tiles(tl, b, t):
+    tiles = []
+    for u in range(t.unroll):  # all of a step's loads first: more bytes in flight
+      tiles += _sub_tiles(tl, step * t.unroll + u, t)
+    for col, w in tiles:
       xk = tl.x(col, w.shape[1])
       acc = acc + lax.dot_general(xk, w.astype(t.cd), _NT, precision=t.precision,
                                   preferred_element_type=_F32)
@@ -219,7 +216,7 @@ def _kernel(*refs, t):
 
   acc0 = jnp.zeros((bn, bo), _F32)
   h0 = jnp.zeros((bn, rp), _F32) if t.lora == "a" else jnp.zeros((), _F32)
-  acc, h = lax.fori_loop(0, _steps(t), body, (acc0, h0))
+  acc, h = lax.fori_loop(0, _units(t.qtype, t.d_in) // t.unroll, body, (acc0, h0))
   y = plain = acc.astype(t.out_dtype)
   if t.lora != "none":
     on = _load(on_ref.at[pl.ds(r0, bn)], r_ok) != 0  # [bn]; padded rows read 0: off
@@ -244,17 +241,23 @@ def _pow2_at_least(v, lo=_MIN_TILE):
 
 
 def tiling_defaults(m, d_out, *, interpret=False):
-  """(block_rows, block_out) when not given: measured on the H200 by quant_probe (README).
+  """(block_rows, block_out, block_in) when not given.
 
-  Compiled: bn = 16 / 32 / 64 by rows per group, bo = 32 for decode-sized calls (enough
-  programs to keep every SM reading), 64 for prefill. Interpret (CPU): large tiles, as each
-  interpreted grid step costs time.
+  Compiled (a first guess; `experiments/bench/quant_probe.py --sweep` measures others):
+  decode-sized calls (M <= 16) take bo = 16, for many programs (out / 16) each streaming its
+  rows, and 1024 columns per loop step, for many loads in flight per program; larger M
+  take bn = 32 / 64, bo = 32 / 64 and 256 columns (tensor-core tiles). Interpret (CPU):
+  large tiles, as each interpreted grid step costs time.
   """
   if interpret:
-    return min(128, _pow2_at_least(m)), min(128, _pow2_at_least(d_out))
-  bn = 16 if m <= 16 else 32 if m <= 32 else 64
-  bo = 32 if m <= 32 else 64
-  return bn, min(bo, _pow2_at_least(d_out))
+    return min(128, _pow2_at_least(m)), min(128, _pow2_at_least(d_out)), 256
+  if m <= 16:
+    bn, bo, bk = 16, 16, 1024
+  elif m <= 32:
+    bn, bo, bk = 32, 32, 512
+  else:
+    bn, bo, bk = 64, 64, 256
+  return bn, min(bo, _pow2_at_least(d_out)), bk
 
 
 def _triton_params(num_warps, num_stages):
@@ -282,10 +285,11 @@ def check_planes(planes, qtype, d_out, d_in):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "qtype", "d_out", "lora", "scale", "block_rows", "block_out", "num_warps", "num_stages",
-    "interpret", "precision", "out_dtype"))
+    "qtype", "d_out", "lora", "scale", "block_rows", "block_out", "block_in", "num_warps",
+    "num_stages", "interpret", "precision", "out_dtype"))
 def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=None,
-                   lora="none", scale=1.0, block_rows=None, block_out=None, num_warps=None,
+                   lora="none", scale=1.0, block_rows=None, block_out=None, block_in=None,
+                   num_warps=None,
                    num_stages=None, interpret=False, precision=None, out_dtype=None):
   """y[g] = x[g] @ W[idx[g]]^T (+ the LoRA epilogue), reading the weight stack in place.
 
@@ -301,6 +305,8 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     lora: "none", "a" (x @ A^T inside the kernel) or "h" (h passed in).
     scale: static factor on the LoRA delta.
     block_rows, block_out: power-of-2 tiles >= 16 over M and out (None: `tiling_defaults`).
+    block_in: columns per loop step, a power of 2 (None: `tiling_defaults`); rounded down
+      to a power-of-2 number of blocks that divides the row (at least one block).
     num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
     interpret: run the Pallas interpreter (CPU).
     precision: of the weight product for fp32 x (None: HIGHEST, IEEE fp32).
@@ -317,22 +323,23 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   n_mats = check_planes(planes, qtype, d_out, d_in)
   if idx.shape != (groups,):
     raise ValueError(f"quant kernel: idx {idx.shape} must be [G] = [{groups}]")
-  for name, v in (("block_rows", block_rows), ("block_out", block_out)):
+  for name, v in (("block_rows", block_rows), ("block_out", block_out), ("block_in", block_in)):
     if v is not None and (v < _MIN_TILE or v & (v - 1)):
       raise ValueError(f"quant kernel: {name}={v} must be a power of 2 >= {_MIN_TILE}")
   if not interpret and pltriton is None:
     raise RuntimeError("quant kernel: this JAX has no Pallas Triton backend; use 'xla'")
-  bn0, bo0 = tiling_defaults(m, d_out, interpret=interpret)
+  bn0, bo0, bk0 = tiling_defaults(m, d_out, interpret=interpret)
   bn, bo = block_rows or bn0, block_out or bo0
   od = jnp.dtype(out_dtype or x.dtype)
   if jnp.dtype(x.dtype) in _HALF:
     cd, prec = jnp.dtype(x.dtype), lax.Precision.DEFAULT
   else:
     cd, prec = jnp.dtype(_F32), precision or lax.Precision.HIGHEST
-  nb = d_in // 32
-  q8 = next(u for u in (8, 4, 2, 1) if nb % u == 0)
+  units = _units(qtype, d_in)
+  want = max(1, (block_in or bk0) // BLOCK[qtype])  # blocks per step
+  unroll = next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and units % u == 0)
   t = Tiling(qtype=qtype, groups=groups, m=m, d_in=d_in, d_out=d_out, block_rows=bn,
-             block_out=bo, q8_blocks=q8, cd=cd, precision=prec, out_dtype=od,
+             block_out=bo, unroll=unroll, cd=cd, precision=prec, out_dtype=od,
              lora=lora, scale=float(scale))
   idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
   args = [idx, x, *(planes[n] for n in PLANES[qtype])]
