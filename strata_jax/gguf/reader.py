@@ -374,6 +374,13 @@ def plan_leaves(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.
     plans.append(LeafPlan(path=spec.path, shape=tuple(want),
                           layers=[None] if idx is None else list(idx), tensors=todo,
                           qtype=qtype, dtype=ldt, entry_bytes=nb))
+  # The routed experts run as one kernel over the three stacks: all quantised, or none.
+  exps = [lp for lp in plans if lp.path.endswith("_exps")]
+  if any(lp.qtype is None for lp in exps):
+    for lp in exps:
+      if lp.qtype is not None:
+        lp.qtype = None
+        lp.entry_bytes = [int(np.prod(lp.shape)) * lp.dtype.itemsize] * len(lp.tensors)
   if weights == "keep":
     dq = [t.name for lp in plans if lp.qtype is None for t in lp.tensors
           if t.tensor_type not in FLOAT_TYPES]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import linear
+from strata_jax.model.common import QUANT_IMPLEMENTATION, is_quant, linear
 
 
 def _glu(x, wg, wu, wd):
@@ -75,7 +75,15 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None):
   ew, at = (stacks, layer) if stacks is not None else (
       (p.gate_exps, p.up_exps, p.down_exps), None)
   form = "few" if N * k <= cfg.n_experts else many_tokens_form()
-  if form == "few":
+  if is_quant(p.gate_exps):
+    # Quantised expert stacks: every token count goes through the quantised experts kernel,
+    # which reads only the chosen experts' blocks of layer `layer`, in place.
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
+    wg, wu, wd = stacks if stacks is not None else (p.gate_exps.w, p.up_exps.w, p.down_exps.w)
+    layer = layer if stacks is not None else p.gate_exps.index
+    routed = quant_api.experts(x, wg, wu, wd, idx, w, layer=layer,
+                               implementation=QUANT_IMPLEMENTATION)
+  elif form == "few":
     # Few tokens: read only the chosen experts' weights, in place on the GPU (Pallas kernel).
     routed = moe_api.routed_experts(x, *ew, idx, w, layer=at)
   elif form == "grouped":
