@@ -16,7 +16,7 @@ from strata_jax import steps
 from strata_jax.gguf import names
 from strata_jax.gguf.convert_hf import write_model_gguf
 from strata_jax.gguf.reader import read_model_gguf
-from strata_jax.params import init_params, params_to_flat, pad_lora_rank
+from strata_jax.params import init_params, pad_lora_rank, params_to_flat
 from strata_jax.state import init_state
 
 T = gguf.GGMLQuantizationType

@@ -27,7 +27,8 @@ HERE = pathlib.Path(__file__).parent
 def _check(n_dev, split, weights="dequantize", qtype="f32", run=True):
   env = dict(os.environ, PYTHONPATH=str(HERE.parent))
   proc = subprocess.run([sys.executable, str(HERE / "split_load_check.py"), str(n_dev), split,
-                         weights, qtype] + ([] if run else ["norun"]), capture_output=True, text=True, env=env, timeout=600)
+                         weights, qtype] + ([] if run else ["norun"]),
+                        capture_output=True, text=True, env=env, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
