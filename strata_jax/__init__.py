@@ -11,7 +11,8 @@ from strata_jax.config import ModelConfig
 from strata_jax.engine.engine import Engine, Request, Result
 from strata_jax.engine.prefix_cache import block_hashes
 from strata_jax.errors import AdapterError, GGUFError, RequestError, SessionError, StrataError
+from strata_jax.forms import Forms
 
-__all__ = ["Engine", "Request", "Result", "Model", "LoraSet", "ModelConfig", "load_model",
+__all__ = ["Engine", "Request", "Result", "Model", "LoraSet", "ModelConfig", "Forms", "load_model",
            "load_lora", "block_hashes", "StrataError", "GGUFError", "AdapterError",
            "SessionError", "RequestError"]

@@ -6,10 +6,13 @@ import importlib.resources
 import os
 import warnings
 
+import jax
 import jax.numpy as jnp
 
+from strata_jax.adapter_id import adapter_identity
 from strata_jax.config import ModelConfig
 from strata_jax.errors import AdapterError, GGUFError
+from strata_jax.forms import Forms
 from strata_jax.params import LoraSet, Params
 
 DEFAULT_MODEL = "demo-base.gguf"
@@ -73,7 +76,8 @@ def _dtype(dtype) -> object:
 
 
 def load_model(path: str | None = None, dtype="float32", layer_split=None,
-               split_devices=None, weights: str = "keep", progress: bool | None = None) -> Model:
+               split_devices=None, forms: Forms | None = None, weights: str = "keep",
+               progress: bool | None = None) -> Model:
   """Load a qwen3next GGUF (default: the embedded demo model).
 
   Tensors stream from the file onto the device that owns their layer, one at a time through
@@ -85,6 +89,8 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
     layer_split: None (one device), "auto" (ranges from the file's tensor sizes and the
       devices' free memory), or per-stage layer counts ("24,24" or [24, 24]).
     split_devices: device indices for the stages (default: the first N devices).
+    forms: how each op is computed (`strata_jax.forms.Forms`; default `Forms()`), resolved
+      for this backend and dtype: float32 runs full-fp32 matmuls unless it names "tf32".
     weights: "keep" (Q8_0 / Q4_K / Q5_K / Q6_K projections stay quantised on the device) or
       "dequantize" (everything in the compute dtype).
     progress: a progress bar over the bytes read (default: when stderr is a terminal).
@@ -101,8 +107,9 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
   devs = select_devices(split_devices) if layer_split is not None else None
   mf = read_model_gguf(path, dtype=dt, progress=progress, weights=weights,
                        layer_split=layer_split, devices=devs)
+  cfg = dataclasses.replace(mf.cfg, forms=(forms or Forms()).resolve(jax.default_backend(), dt))
   one = mf.devices is None
-  return Model(cfg=mf.cfg, params=mf.stages[0] if one else None, dtype=dt, path=path,
+  return Model(cfg=cfg, params=mf.stages[0] if one else None, dtype=dt, path=path,
                fingerprint=mf.fingerprint, tokenizer=mf.tokenizer, add_bos=mf.add_bos,
                bos_id=mf.bos_id, eos_id=mf.eos_id, layer_ranges=list(mf.ranges),
                devices=mf.devices, stage_params=None if one else list(mf.stages),
@@ -111,7 +118,6 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
 
 def load_lora(model: Model, paths, scales=None) -> LoraSet:
   """Load llama.cpp LoRA adapter GGUF(s) for `model`; several files stack their ranks."""
-  from strata_jax.engine.prefix_cache import adapter_identity  # noqa: PLC0415
   from strata_jax.gguf.adapter import read_adapters  # noqa: PLC0415 (keeps import light)
 
   paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)

@@ -19,6 +19,9 @@ def _model_args(p):
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--layer-split", default=None, help="auto | N1,N2,... layers per stage")
   p.add_argument("--split-devices", default=None, help="device indices for the stages: 0,1,...")
+  p.add_argument("--forms", default="", metavar="NAME=VALUE[,...]",
+                 help="implementation choices (strata_jax.forms.Forms), e.g. "
+                      "lora_branch=select,gdn_chunked=products; default: each 'auto'")
   _lora_args(p)
 
 
@@ -61,40 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
-def parse_lora(args) -> tuple[list[str], list[float]]:
-  """--lora F[,F...] and --lora-scaled F:S[,F:S...] -> (paths, scales)."""
-  from strata_jax.errors import AdapterError  # noqa: PLC0415
-  paths, scales = [], []
-  for f in (args.lora.split(",") if args.lora else []):
-    if f:
-      paths.append(f)
-      scales.append(1.0)
-  for item in (args.lora_scaled.split(",") if args.lora_scaled else []):
-    f, sep, s = item.rpartition(":")
-    try:
-      if not sep or not f:
-        raise ValueError
-      scales.append(float(s))
-    except ValueError:
-      raise AdapterError(f"--lora-scaled {item!r}: expected FILE:SCALE") from None
-    paths.append(f)
-  return paths, scales
-
-
-def load_from_args(args):
-  import strata_jax as sj  # noqa: PLC0415
-  model = sj.load_model(args.model, dtype=args.dtype, layer_split=args.layer_split,
-                        split_devices=args.split_devices)
-  paths, scales = parse_lora(args)
-  lora = sj.load_lora(model, paths, scales) if paths else None
-  return model, lora
-
-
 def cmd_generate(args) -> int:
   import numpy as np  # noqa: PLC0415
 
   import strata_jax as sj  # noqa: PLC0415
   from strata_jax.errors import RequestError  # noqa: PLC0415
+  from strata_jax.loading import load_from_args  # noqa: PLC0415
   model, lora = load_from_args(args)
   if args.prompt_tokens is not None:
     try:

@@ -24,3 +24,7 @@ class RequestError(StrataError):
 
 class DeviceMemoryError(GGUFError):
   """A model (or one stage of it) that does not fit the free memory of its device."""
+
+
+class FormsError(StrataError):
+  """An unknown implementation choice (`strata_jax.forms.Forms`, the CLI's `--forms`)."""

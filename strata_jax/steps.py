@@ -6,6 +6,7 @@ serves every switch state and every prompt length (chunks are padded). State is 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -15,6 +16,13 @@ from jax import lax
 from strata_jax.config import ModelConfig
 from strata_jax.model import forward
 from strata_jax.state import ModelState
+
+
+def _precision(cfg: ModelConfig):
+  """The matmul precision the step traces under, from `cfg.forms` (float32 compute: "highest",
+  full-fp32 dots on every backend; the GPU's default would round fp32 operands to TF32)."""
+  p = cfg.forms.jax_precision
+  return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
 
 def _row(a, slot):
@@ -44,14 +52,15 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
   sw = jnp.reshape(switch, (1,)).astype(jnp.int32)
   kv = (_row(state.k, slot), _row(state.v, slot))
   gdn = (_row(state.conv, slot), _row(state.ssm, slot))
-  x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
-  x, kv, gdn = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw)
-  if params.lm_head is None:     # not the last stage of a layer split: hand the hidden on
-    logits = x[0]
-  elif all_logits:
-    logits = forward.logits_from_hidden(cfg, params, x[0])
-  else:
-    logits = forward.logits_from_hidden(cfg, params, x[0, n_valid - 1])
+  with _precision(cfg):
+    x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
+    x, kv, gdn = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw)
+    if params.lm_head is None:     # not the last stage of a layer split: hand the hidden on
+      logits = x[0]
+    elif all_logits:
+      logits = forward.logits_from_hidden(cfg, params, x[0])
+    else:
+      logits = forward.logits_from_hidden(cfg, params, x[0, n_valid - 1])
   state = state.replace(
       k=_set_row(state.k, kv[0], slot), v=_set_row(state.v, kv[1], slot),
       conv=_set_row(state.conv, gdn[0], slot), ssm=_set_row(state.ssm, gdn[1], slot),
@@ -66,18 +75,19 @@ def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, ac
   state (their K/V write lands past their length and is overwritten later).
   Returns (logits float32 [B, V], state)."""
   act = active.astype(bool)
-  x = forward.embed(params, tokens[:, None]) if params.embed is not None else tokens[:, None]
-  x, (k, v), (conv, ssm) = forward.run_layers(
-      cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
-      act.astype(jnp.int32), switch)
+  with _precision(cfg):
+    x = forward.embed(params, tokens[:, None]) if params.embed is not None else tokens[:, None]
+    x, (k, v), (conv, ssm) = forward.run_layers(
+        cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
+        act.astype(jnp.int32), switch)
+    logits = (x[:, 0] if params.lm_head is None
+              else forward.logits_from_hidden(cfg, params, x[:, 0]))
   keep = lambda new, old: jnp.where(act.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)
   state = state.replace(
       k=k, v=v, conv=keep(conv, state.conv), ssm=keep(ssm, state.ssm),
       pos=state.pos + act.astype(jnp.int32),
       lora=jnp.where(act, switch.astype(jnp.int32), state.lora))
-  if params.lm_head is None:
-    return x[:, 0], state
-  return forward.logits_from_hidden(cfg, params, x[:, 0]), state
+  return logits, state
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

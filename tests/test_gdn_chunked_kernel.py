@@ -97,15 +97,12 @@ def test_api_chunked_under_vmap():
   np.testing.assert_array_equal(np.asarray(vm[0]), np.asarray(bat[0]))
 
 
-def test_api_choice(monkeypatch):
-  monkeypatch.delenv(api.CHUNKED_ENV_VAR, raising=False)
-  assert api.chunked_implementation() == "reference"
-  monkeypatch.setenv(api.CHUNKED_ENV_VAR, "pallas_interpret")
-  assert api.chunked_implementation() == "pallas_interpret"
+def test_api_choice():
+  assert api.chunked_implementation() == ("pallas" if ON_GPU else "reference")
+  assert api.chunked_implementation("pallas_interpret") == "pallas_interpret"
   assert api.chunked_implementation("products") == "products"
-  monkeypatch.setenv(api.CHUNKED_ENV_VAR, "fast")
-  with pytest.raises(ValueError, match="unknown chunked implementation"):
-    api.chunked_implementation()
+  with pytest.raises(ValueError, match="unknown implementation 'fast'"):
+    api.chunked_implementation("fast")
   if not ON_GPU:
     with pytest.raises(ValueError, match="needs a GPU"):
       api.chunked_implementation("pallas")

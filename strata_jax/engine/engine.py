@@ -20,6 +20,7 @@ from strata_jax.api import model_fingerprint
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
 from strata_jax.engine.sampling import sample
 from strata_jax.errors import RequestError, StrataError
+from strata_jax.forms import Forms
 from strata_jax.parallel import distributed
 from strata_jax.parallel.plan import describe, plan_auto
 from strata_jax.parallel.split import make_stages
@@ -105,9 +106,14 @@ class Engine:
   """
 
   def __init__(self, model, lora=None, slots: int = 1, max_seq: int | None = None,
-               block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 8):
+               block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 8,
+               forms: Forms | None = None):
     self.model, self.lora_set, self.n_slots = model, lora, int(slots)
-    cfg = model.cfg
+    # Forms live in the config, the steps' static argument: an engine with other forms
+    # compiles and runs its own programs beside this model's other engines.
+    cfg = model.cfg if forms is None else dataclasses.replace(
+        model.cfg, forms=forms.resolve(jax.default_backend(), model.dtype))
+    self.cfg = cfg
     self.block_size = int(block_size)
     self.state_every = max(1, int(state_every))
     cap = max_seq or min(cfg.context_length, 4096)

@@ -14,22 +14,20 @@ resumes from a wrong recurrent state.
 """
 from __future__ import annotations
 
-import math
 import operator
-import os
-import struct
 from typing import Any
 
 import jax
 import numpy as np
 import xxhash
 
-from strata_jax.errors import AdapterError, RequestError, StrataError
+# Adapter ids (the `adapter_id` of block_hashes) come from the adapters' own module;
+# importable from here too.
+from strata_jax.adapter_id import adapter_identity  # noqa: F401
+from strata_jax.errors import RequestError, StrataError
 
 DIGEST_BYTES = 16
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_ADAPTER_DOMAIN = b"strata-lora-v1"
-_READ_CHUNK = 1 << 20
 
 
 def _check_int(value: Any, name: str) -> int:
@@ -99,67 +97,6 @@ def block_hashes(tokens: Any, block_size: int, adapter_id: int = 0) -> list[byte
     prev = value.to_bytes(DIGEST_BYTES, "little")
     out.append(prev)
   return out
-
-
-def _content_digest(source: Any, index: int) -> tuple[int, int]:
-  """(xxh3_64 of the bytes, byte length) of an adapter given as bytes or a file path."""
-  if isinstance(source, (bytes, bytearray, memoryview)):
-    data = memoryview(source).cast("B")
-    return xxhash.xxh3_64_intdigest(data, seed=0), data.nbytes
-  if isinstance(source, (str, os.PathLike)):
-    h = xxhash.xxh3_64(seed=0)
-    size = 0
-    try:
-      with open(source, "rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-          h.update(chunk)
-          size += len(chunk)
-    except OSError as e:
-      raise AdapterError(
-          f"{os.fspath(source)}: cannot read adapter file: {e.strerror or e}") from None
-    return h.intdigest(), size
-  raise AdapterError(
-      f"adapter {index}: expected file bytes or a path, got {type(source).__name__}")
-
-
-def adapter_identity(files: list[tuple[Any, float]]) -> int:
-  """Non-zero 64-bit identity of a set of LoRA adapters, for prefix-cache keys.
-
-  Derived from each file's contents (not its path, so the same adapter shares cache across
-  paths and instances, and a file rewritten in place under the same name gets a new id), its
-  byte length, its user scale, and the files' order. The encoding is domain-separated and
-  fixed-width so that no other input can produce the same hashed buffer.
-
-  Args:
-    files: `(contents_or_path, scale)` pairs in load order; contents as bytes, or a path read
-      in 1 MiB chunks.
-
-  Returns:
-    0 for an empty list (the base model), otherwise an id in [1, 2**64).
-
-  Raises:
-    AdapterError: an unreadable file, an entry that is not a pair, or a non-finite scale.
-  """
-  if not files:
-    return 0
-  h = xxhash.xxh3_64(seed=0)
-  h.update(struct.pack("<Q", len(_ADAPTER_DOMAIN)) + _ADAPTER_DOMAIN)
-  h.update(struct.pack("<Q", len(files)))
-  for i, item in enumerate(files):
-    try:
-      source, scale = item
-    except (TypeError, ValueError):
-      raise AdapterError(f"adapter {i}: expected a (contents_or_path, scale) pair") from None
-    content, size = _content_digest(source, i)
-    try:
-      scale = float(scale)
-    except (TypeError, ValueError):
-      raise AdapterError(f"adapter {i}: scale must be a number, got {scale!r}") from None
-    if not math.isfinite(scale):
-      raise AdapterError(f"adapter {i}: scale must be finite, got {scale}")
-    scale += 0.0  # -0.0 -> 0.0: the same adapter math, so the same id
-    h.update(struct.pack("<QQd", content, size, scale))
-  return h.intdigest() or 1
 
 
 def _payload_nbytes(payload: Any) -> int:

@@ -14,18 +14,16 @@ from jax import lax
 from pallas_kernels.gdn.reference import l2norm as l2_norm  # noqa: F401 (the model's L2 norm)
 from pallas_kernels.quant.layout import QTensor
 
-# The quantised matmuls' implementation ("auto": the Pallas kernel on the GPU, dequantise +
-# XLA dot elsewhere).
-QUANT_IMPLEMENTATION = "auto"
-
 
 @dataclasses.dataclass(frozen=True)
 class QRef:
-  """Matrix `index` (int32, traced OK; flat over the leading stack dims) of QTensor `w`.
-
-  Made inside the layer scan; not a pytree (it never crosses a jit boundary)."""
+  """Matrix `index` (int32, traced OK; flat over the leading stack dims; None for a single
+  matrix) of QTensor `w`, multiplied by `pallas_kernels.quant.api` with `implementation`
+  (`Forms.quant_impl`). Made inside the traced step; not a pytree (it never crosses a jit
+  boundary)."""
   w: QTensor
   index: object = None
+  implementation: str = "auto"
 
 
 def is_quant(w) -> bool:
@@ -33,7 +31,8 @@ def is_quant(w) -> bool:
 
 
 def _qparts(w):
-  return (w.w, w.index) if isinstance(w, QRef) else (w, None)
+  """(QTensor, index, implementation) of a QRef or a bare QTensor."""
+  return (w.w, w.index, w.implementation) if isinstance(w, QRef) else (w, None, "auto")
 
 
 def linear(x, w):
@@ -49,9 +48,8 @@ def linear(x, w):
   """
   if is_quant(w):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
-    qt, index = _qparts(w)
-    y = quant_api.qmatmul(x.reshape(-1, x.shape[-1]), qt, index=index,
-                          implementation=QUANT_IMPLEMENTATION)
+    qt, index, impl = _qparts(w)
+    y = quant_api.qmatmul(x.reshape(-1, x.shape[-1]), qt, index=index, implementation=impl)
     return y.reshape(*x.shape[:-1], y.shape[-1])
   return lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                          preferred_element_type=x.dtype)
@@ -79,20 +77,21 @@ def rope_neox(x, positions, n_rot, base):
   return out.astype(x.dtype)
 
 
-def out_projection(x, w, lora_a, lora_b, switch):
+def out_projection(x, w, lora_a, lora_b, switch, implementation=None):
   """The mixer output projection with the LoRA hook.
 
   x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None; switch [B] int32.
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
-  A quantised `w` runs the LoRA delta inside the quantised matmul (`qmatmul_lora`).
+  `implementation`: the LoRA kernel's (`Forms.lora_impl`). A quantised `w` (QRef) runs the
+  LoRA delta inside the quantised matmul (`qmatmul_lora`) instead.
   """
   if lora_a is not None and is_quant(w):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
-    qt, index = _qparts(w)
+    qt, index, impl = _qparts(w)
     B, T, _ = x.shape
     on = jnp.repeat(switch.astype(jnp.int32), T)                             # [B*T]
     y = quant_api.qmatmul_lora(x.reshape(B * T, -1), qt, lora_a, lora_b, on, index=index,
-                               implementation=QUANT_IMPLEMENTATION)
+                               implementation=impl)
     return y.reshape(B, T, -1)
   y = linear(x, w)
   if lora_a is None:
@@ -100,5 +99,6 @@ def out_projection(x, w, lora_a, lora_b, switch):
   from pallas_kernels.lora import api as lora_api  # noqa: PLC0415 (kernel package loads lazily)
   B, T, _ = x.shape
   on = jnp.repeat(switch.astype(jnp.int32), T)                               # [B*T]
-  out = lora_api.lora_apply(y.reshape(B * T, -1), x.reshape(B * T, -1), lora_a, lora_b, on)
+  out = lora_api.lora_apply(y.reshape(B * T, -1), x.reshape(B * T, -1), lora_a, lora_b, on,
+                            implementation=implementation)
   return out.reshape(y.shape)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -41,11 +40,12 @@ def _split_quant(tree):
   return dense, quant
 
 
-def _layer(dense, quant, i, index):
+def _layer(cfg, dense, quant, i, index):
   """One layer's params: slot `i` of the scanned (dense) block, and `QRef(stack, index)` for
   each quantised stack, which the quantised matmul reads in place at the traced `index`."""
   p = jax.tree.map(lambda a: a[i], dense)
-  fields = {f.name: QRef(getattr(quant, f.name), index) for f in dataclasses.fields(quant)
+  impl = cfg.forms.quant_impl
+  fields = {f.name: QRef(getattr(quant, f.name), index, impl) for f in dataclasses.fields(quant)
             if _is_q(getattr(quant, f.name))}
   return p.replace(**fields) if fields else p
 
@@ -54,15 +54,10 @@ def _unblocks(tree):
   return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
-# How an adapter program skips the adapter for rows whose switch is off: "select" (the delta
-# is computed for every row and a select keeps the base rows) or "cond" (`run_layers`).
-# Environment variable overrides; read at trace time.
-LORA_BRANCH = "cond"
-LORA_BRANCH_ENV_VAR = "STRATA_LORA_BRANCH"
-
-
 def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
-  """`layers_scan` with the adapter; under LORA_BRANCH "cond", one of three branches.
+  """`layers_scan` with the adapter; under `cfg.forms.lora_branch` "cond", one of three
+  branches ("select": one scan, the delta computed for every row and a select keeping the base
+  rows).
 
   Rows whose switch is off must come out bit-identical to the model with no adapter, in any
   batch. On the GPU, XLA tunes each GEMM it compiles by timing, so two different layer
@@ -75,10 +70,7 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
   An inactive row (n_valid 0) leaves its K/V, conv and recurrent state untouched, so the two
   passes compose; rows are independent, so an off row's numbers do not depend on the others.
   """
-  branch = os.environ.get(LORA_BRANCH_ENV_VAR, "").strip() or LORA_BRANCH
-  if branch not in ("select", "cond"):
-    raise ValueError(f"{LORA_BRANCH_ENV_VAR}={branch!r}: expected 'select' or 'cond'")
-  if lora is None or branch == "select":
+  if lora is None or cfg.forms.lora_branch == "select":
     return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch)
   switch = jnp.broadcast_to(switch, n_valid.shape)
   on = (switch != 0) & (n_valid > 0)
@@ -132,19 +124,19 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
     for li, kind in enumerate(block_types):
       h = rms_norm(x, attn_norm[li], cfg.rms_eps)
       if kind == ATTN:
-        p = _layer(ap, attn_q, ai, blk * n_a + ai)
+        p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
         y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, n_valid, *la_i,
                                         switch)
         ai += 1
       else:
-        p = _layer(gp, gdn_q, gi, blk * n_g + gi)
+        p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi)
         lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
         y, conv[gi], ssm[gi] = gdn_mixer(cfg, p, h, conv[gi], ssm[gi], n_valid, *lg_i, switch)
         gi += 1
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
-      x = x + moe(cfg, _layer(moe_p, moe_q, li, blk * period + li), h, stacks,
+      x = x + moe(cfg, _layer(cfg, moe_p, moe_q, li, blk * period + li), h, stacks,
                   blk * period + li).reshape(B, T, D)
     restack = lambda new, old: jnp.stack(new) if new else old   # a kind may be absent
     return x, ((restack(kc, kv_in[0]), restack(vc, kv_in[1])),
@@ -172,4 +164,7 @@ def embed(params, tokens):
 def logits_from_hidden(cfg: ModelConfig, params, x):
   """x [..., D] -> float32 logits [..., V]."""
   h = rms_norm(x, params.final_norm, cfg.rms_eps)
-  return linear(h, params.lm_head).astype(jnp.float32)
+  w = params.lm_head
+  if _is_q(w):
+    w = QRef(w, None, cfg.forms.quant_impl)
+  return linear(h, w).astype(jnp.float32)
