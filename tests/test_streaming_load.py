@@ -100,3 +100,27 @@ def test_bad_weights_mode(tiny_file):
   path, _ = tiny_file
   with pytest.raises(GGUFError, match="weights='fast': expected one of keep, dequantize"):
     sj.load_model(path, weights="fast")
+
+
+def test_cli_weights_flag_reaches_load_model(tmp_path):
+  """--weights keep (default) / dequantize on generate and serve, passed to load_model."""
+  from pallas_kernels.quant.layout import QTensor
+  from strata_jax import loading
+  from strata_jax.cli import build_parser
+
+  cfg = F.tiny_cfg()
+  flat = {k: np.asarray(v) for k, v in params_to_flat(init_params(cfg, seed=2)).items()}
+  path = write_model_gguf(
+      tmp_path / "q8.gguf", cfg, names.params_to_gguf_tensors(cfg, flat),
+      tensor_type=lambda n, s: (F.T.Q8_0 if len(s) >= 2 and not names.keeps_f32(n, len(s))
+                                and s[-1] % 32 == 0 else F.T.F32), encode=F.quantize)
+  for cmd in ("generate", "serve"):
+    extra = ["--prompt-tokens", "1"] if cmd == "generate" else []
+    assert build_parser().parse_args([cmd, "--model", path, *extra]).weights == "keep"
+    with pytest.raises(SystemExit):
+      build_parser().parse_args([cmd, "--model", path, "--weights", "fast", *extra])
+  for mode, kind in (("keep", QTensor), ("dequantize", jax.Array)):
+    args = build_parser().parse_args(["generate", "--model", path, "--weights", mode,
+                                      "--prompt-tokens", "1"])
+    model, _ = loading.load_from_args(args)
+    assert model.weights == mode and isinstance(model.params.layers.gdn.qkv, kind)
