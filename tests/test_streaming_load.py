@@ -124,3 +124,28 @@ def test_cli_weights_flag_reaches_load_model(tmp_path):
                                       "--prompt-tokens", "1"])
     model, _ = loading.load_from_args(args)
     assert model.weights == mode and isinstance(model.params.layers.gdn.qkv, kind)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q5_k", "q6_k"])
+def test_device_pack_equals_layout_pack(qtype):
+  """The loader repacks raw blocks on the device; the planes equal layout.pack's, bit for bit
+  (a stacked, odd-sized tensor: 3 x 5 rows of 2 blocks)."""
+  from pallas_kernels.quant import layout
+  from strata_jax.gguf import device_pack
+  shape = (3, 5, 2 * layout.BLOCK[qtype])
+  raw = np.random.default_rng(7).integers(0, 256, layout.file_nbytes(qtype, shape), np.uint8)
+  want = layout.pack(raw.reshape(3, 5, -1), qtype, shape)
+  got = device_pack.pack(jax.device_put(raw), qtype, shape)
+  assert got.shape == want.shape and got.qtype == want.qtype
+  for name, plane in want.planes.items():
+    g = np.asarray(getattr(got, name))
+    assert g.dtype == plane.dtype and g.shape == plane.shape, name
+    np.testing.assert_array_equal(g.view(np.uint8), plane.view(np.uint8), err_msg=name)
+
+
+def test_memmap_pages_released_after_each_tensor(tiny_file):
+  """The loader drops each tensor's pages from the process's mapping once read."""
+  r = reader_lib.open_gguf(tiny_file[0])
+  mm = getattr(r.data, "_mmap", None)
+  assert mm is not None and hasattr(mm, "madvise")
+  reader_lib._release(r, r.tensors[-1])  # no error on a real mapping

@@ -413,14 +413,19 @@ def _is_oom(e: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
 
 
+def _entry(lp: LeafPlan, t, path: str, put):
+  """One tensor on its device: decoded on the host to the leaf's dtype, or (kept quantised)
+  its raw block bytes sent as they are and repacked on the device (`device_pack`)."""
+  if lp.qtype is not None:
+    from strata_jax.gguf import device_pack  # noqa: PLC0415 (imports the kernel layout)
+    raw = put(np.asarray(t.data).reshape(-1))
+    return device_pack.pack(raw, lp.qtype, tuple(lp.shape))
+  return put(_host_entry(lp, t, path))
+
+
 def _host_entry(lp: LeafPlan, t, path: str):
-  """One tensor as the host object placed on the device: a numpy array of the leaf's dtype,
-  or a packed QTensor of numpy planes."""
+  """One tensor decoded on the host: a numpy array of the leaf's dtype."""
   try:
-    if lp.qtype is not None:
-      from pallas_kernels.quant import layout as qlayout  # noqa: PLC0415
-      raw = np.reshape(t.data, (*lp.shape[:-1], -1))  # drops ggml's 1-dims
-      return qlayout.pack(raw, lp.qtype, lp.shape)
     x = np.reshape(dequantize(t, path), lp.shape)  # reshape drops ggml's 1-dims
     return x.astype(lp.dtype, copy=False) if x.dtype != lp.dtype else x
   except GGUFError:
@@ -463,8 +468,9 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
                  progress: bool | None = None) -> list[Params]:
   """Stream every tensor from the memory map onto the device of the stage that owns it.
 
-  One tensor at a time goes through host memory (decoded or repacked there); a stacked leaf is
-  made on its device from its per-layer device arrays, so a device peaks at its stage plus one
+  One tensor at a time goes through host memory (decoded there, or its raw blocks sent as they
+  are and repacked on the device); a stacked leaf is made on its device from its per-layer
+  device arrays, so a device peaks at its stage plus one
   leaf and no buffer anywhere holds the whole model. Stage 0 gets the embedding, the last stage
   the final norm and the head.
   """
@@ -496,7 +502,7 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
               flat[lp.path] = None
               continue
             t = lp.tensors[0]
-            flat[lp.path] = put(_host_entry(lp, t, path))
+            flat[lp.path] = _entry(lp, t, path, put)
             _release(reader, t)
             bar.update(int(t.n_bytes))
             continue
@@ -504,7 +510,7 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
           for layer, t in zip(lp.layers, lp.tensors):
             if not lo <= layer < hi:
               continue
-            parts.append(put(_host_entry(lp, t, path)))
+            parts.append(_entry(lp, t, path, put))
             _release(reader, t)
             bar.update(int(t.n_bytes))
           flat[lp.path] = _stack(parts, lp.qtype) if parts else _empty_leaf(lp, dev)
