@@ -23,16 +23,19 @@ Quantisation mixes (`--quant`):
 
 Blocks are random bytes with sane f16 scales (weights of a few hundredths), made with numpy
 from one random pool (no quantiser runs): the point is the size, layout and speed of a real
-file, not its values. Tensors are written one at a time (GGUFWriter: all tensor infos, then
-each tensor's data), so host memory stays at one tensor plus the pool. Refuses to start when
+file, not its values. GGUFWriter writes the header and all tensor infos; the tensors' data
+then go to their offsets from a few threads (pwrite), each holding one tensor at a time, so
+host memory stays at a few tensors plus the pools. Refuses to start when
 the disk lacks the space.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import shutil
 import sys
+import threading
 import time
 
 import numpy as np
@@ -168,7 +171,8 @@ def plan(cfg, quant: str):
   return out
 
 
-def write(out_path: str, geometry: str, quant: str, seed: int = 0, progress: bool = True):
+def write(out_path: str, geometry: str, quant: str, seed: int = 0, progress: bool = True,
+          threads: int | None = None):
   """Write the file; returns {"path", "bytes", "tensor_bytes", "seconds", "types"}."""
   from strata_jax.gguf import convert_hf
   cfg = model_config(geometry)
@@ -180,6 +184,7 @@ def write(out_path: str, geometry: str, quant: str, seed: int = 0, progress: boo
   if data_bytes + (64 << 20) > free:
     raise SystemExit(f"error: {out_path}: the {geometry} {quant} file needs "
                      f"{data_bytes / 2**30:.1f} GiB, the disk has {free / 2**30:.1f} GiB free")
+  threads = threads or min(8, os.cpu_count() or 1)
   t0 = time.perf_counter()
   tmp = out_path + ".partial"
   w = gguf.GGUFWriter(tmp, "qwen3next")
@@ -191,22 +196,44 @@ def write(out_path: str, geometry: str, quant: str, seed: int = 0, progress: boo
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_ti_data_to_file()
-  blocks = Blocks(seed)
-  rng = np.random.default_rng(seed + 1)
-  scratch = np.empty(max(nb for *_, nb in tensors), np.uint8)
+  # Tensor data: offsets as GGUFWriter lays them out (each padded to the alignment), written
+  # by a pool of threads with pwrite (filling and writing release the GIL), so the disk, not
+  # one Python thread, sets the pace.
+  fout = w.fout[0]
+  fout.flush()
+  align = w.data_alignment
+  start = gguf.GGUFWriter.ggml_pad(fout.tell(), align)
+  offsets, pos = [], start
+  for *_, nb in tensors:
+    offsets.append(pos)
+    pos += gguf.GGUFWriter.ggml_pad(nb, align)
+  fd = fout.fileno()
+  os.ftruncate(fd, pos)
+  local = threading.local()
+  largest = max(nb for *_, nb in tensors)
+
+  def job(k):
+    name, shape, t, nb = tensors[k]
+    if not hasattr(local, "blocks"):
+      local.blocks = Blocks(seed + 1 + threading.get_ident() % 1000)
+      local.scratch = np.empty(largest, np.uint8)
+    if t == T.F32:
+      data = float_values(name, shape, np.random.default_rng(seed + k)).view(np.uint8)
+    else:
+      data = local.blocks.make(t, nb, local.scratch)
+    view, at = memoryview(data.reshape(-1)), offsets[k]
+    while view.nbytes:  # pwrite may write less than asked
+      n = os.pwrite(fd, view, at)
+      view, at = view[n:], at + n
+    return nb
+
   from tqdm import tqdm
   with tqdm(total=data_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="writing",
-            disable=not progress) as bar:
-    for name, shape, t, nb in tensors:
-      if t == T.F32:
-        data = float_values(name, shape, rng)
-      elif t == T.BF16:
-        data = blocks.make(t, nb, scratch).view(np.uint16)
-      else:
-        data = blocks.make(t, nb, scratch)
-      w.write_tensor_data(data)
+            disable=not progress) as bar, \
+       concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    for nb in pool.map(job, range(len(tensors))):
       bar.update(nb)
-  w.close()
+  fout.close()
   os.replace(tmp, out_path)
   types = {}
   for _, _, t, nb in tensors:
@@ -221,10 +248,11 @@ def main(argv=None):
   ap.add_argument("--quant", choices=QUANTS, default="q4_k_m")
   ap.add_argument("--out", required=True)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--threads", type=int, default=None, help="writer threads (default <= 8)")
   ap.add_argument("--no-progress", action="store_true")
   args = ap.parse_args(argv)
   info = write(args.out, args.geometry, args.quant, args.seed,
-               progress=not args.no_progress and sys.stderr.isatty())
+               progress=not args.no_progress and sys.stderr.isatty(), threads=args.threads)
   gib = lambda b: f"{b / 2**30:.2f} GiB"
   print(f"wrote {info['path']}: {gib(info['bytes'])} in {info['seconds']:.1f} s "
         f"({info['tensor_bytes'] / info['seconds'] / 2**30:.2f} GiB/s); by type: "
