@@ -33,9 +33,12 @@ def _check(n_dev, split, weights="dequantize", qtype="f32", run=True):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("n_dev,split", [(2, "auto"), (3, "3,3,2")])
-def test_split_load_puts_each_stage_only_on_its_device(n_dev, split):
-  out = _check(n_dev, split, run=n_dev == 2)  # the 3-stage run is test_layer_split's
+@pytest.mark.parametrize("n_dev,split,weights,qtype", [
+    (2, "auto", "keep", "q4_k"), (3, "3,3,2", "dequantize", "f32")])
+def test_split_load_puts_each_stage_only_on_its_device(n_dev, split, weights, qtype):
+  """2 devices: Q4_K projections kept quantised, split auto, run against the unsplit model;
+  3 devices: an f32 file, explicit counts, placement only (test_layer_split runs 3 stages)."""
+  out = _check(n_dev, split, weights, qtype, run=n_dev == 2)
   assert len(out["ranges"]) == n_dev and len(set(out["stage_devices"])) == n_dev
   assert out["params_is_none"] and out["stage_leaves_on_own_device"]
   # What each device holds after the load is its stage's weights, nothing more (the tiny
