@@ -161,6 +161,8 @@ def main(argv=None):
   ap.add_argument("--lora-rank", type=int, default=16, help="0: no adapter")
   ap.add_argument("--max-seq", type=int, default=256)
   ap.add_argument("--no-warm", action="store_true", help="skip reading the file first")
+  ap.add_argument("--forms", default="", help="NAME=VALUE[,...] (strata_jax.forms), e.g. "
+                  "quant_impl=xla")
   ap.add_argument("--layer-split", default=None,
                   help="auto | N1,N2: load split over the devices (writes a80b_split_fits)")
   ap.add_argument("--out", default=None)
@@ -171,7 +173,7 @@ def main(argv=None):
     tmp = tempfile.mkdtemp(prefix="load80b-smoke-")
     args.gguf = os.path.join(tmp, "tiny-q4_k_m.gguf")
     make_gguf.write(args.gguf, "tiny", "q4_k_m", progress=False)
-    args.batches, args.tokens, args.prompt, args.max_seq = "1,2", 3, 5, 32
+    args.batches, args.tokens, args.prompt, args.max_seq = "1", 3, 5, 32
     args.dtype = "float32"
     args.out = args.out or os.path.join(tmp, "a80b.json")
   if not args.gguf:
@@ -183,16 +185,17 @@ def main(argv=None):
   from common import COPY_TBPS
 
   import strata_jax as sj
+  from strata_jax.forms import parse_forms
   details = {"gguf": args.gguf, "file_bytes": os.path.getsize(args.gguf),
              "weights": args.weights, "dtype": args.dtype, "device": str(jax.devices()[0]),
-             "platform": jax.default_backend()}
+             "platform": jax.default_backend(), "forms": args.forms}
   details["warm_s"] = None if args.no_warm else warm_page_cache(args.gguf)
   fits, err = False, None
   try:
     with HostMemory() as mem:
       t0 = time.perf_counter()
       model = sj.load_model(args.gguf, dtype=args.dtype, weights=args.weights,
-                            layer_split=args.layer_split)
+                            layer_split=args.layer_split, forms=parse_forms(args.forms))
       jax.block_until_ready(jax.tree.leaves(model.stage_params or model.params))
       details["load_s"] = time.perf_counter() - t0
     details["host_peak_bytes"] = mem.peak
