@@ -26,8 +26,12 @@ def test_make_gguf_tiny_is_valid(tmp_path, quant):
   types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
   if quant == "q4_k_m":
     assert types["blk.0.attn_qkv.weight"] == T.Q5_K and types["output.weight"] == T.Q6_K
-    assert types["blk.3.attn_v.weight"] == T.Q6_K and types["blk.3.attn_output.weight"] == T.Q4_K
-    assert types["blk.0.ffn_down_exps.weight"] == T.Q4_K
+    assert types["blk.3.attn_output.weight"] == T.Q4_K
+    # llama.cpp's use_more_bits over 8 layers: 0, 3, 6, 7 get Q6_K for ffn_down*
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] == T.Q6_K for i in range(8)] == [
+        True, False, False, True, False, False, True, True]
+    # attention layers 3, 7 are attn_v's 0 and 1 of 2: only the last eighth gets more bits
+    assert (types["blk.3.attn_v.weight"], types["blk.7.attn_v.weight"]) == (T.Q4_K, T.Q6_K)
   assert types["blk.0.ssm_a"] == T.F32 and types["blk.0.ffn_gate_inp.weight"] == T.F32
   mf = read_model_gguf(path, weights="dequantize")
   want = make_gguf.model_config("tiny")

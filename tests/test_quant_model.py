@@ -85,3 +85,40 @@ def test_keep_with_adapter_matches_dequantize(tmp_path):
   off, _ = _run(keep, lora, 0)
   none, _ = _run(keep, None, 0)
   np.testing.assert_array_equal(off, none)  # off rows: the no-adapter model, bit for bit
+
+
+def test_mixed_types_within_a_stack(tmp_path):
+  """Layers of one stack in different types (as llama.cpp's Q4_K_M gives some layers' attn_v /
+  ffn_down Q6_K): a QGroups of one stack per type, read at the layer's group and position;
+  keep equals dequantize."""
+  from strata_jax.params import QGroups
+  cfg = F.tiny_cfg(layer_types="GAGA", gdn_d_v=64, head_dim=128, d_ff_expert=256,
+                   d_ff_shared=256)
+  flat = {k: np.array(v) for k, v in params_to_flat(init_params(cfg, seed=4)).items()}
+
+  def tensor_type(name, shape):
+    if len(shape) < 2 or names.keeps_f32(name, len(shape)) or shape[-1] % 256:
+      return T.F32
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    return T.Q6_K if layer % 3 == 0 else T.Q4_K   # layers 0, 3: Q6_K; 1, 2: Q4_K
+
+  path = write_model_gguf(tmp_path / "mixed.gguf", cfg, names.params_to_gguf_tensors(cfg, flat),
+                          tensor_type=tensor_type, encode=F.quantize)
+  keep = read_model_gguf(path, weights="keep")
+  deq = read_model_gguf(path, weights="dequantize")
+  for leaf in (keep.params.layers.gdn.qkv, keep.params.layers.attn.out,
+               keep.params.layers.moe.down_exps, keep.params.layers.moe.shared_up):
+    assert isinstance(leaf, QGroups) and len(leaf.parts) == 2
+  assert keep.params.layers.moe.down_exps.group == (0, 1, 1, 0)
+  assert keep.params.layers.gdn.qkv.pos == (0, 0)  # GDN layers 0 (Q6_K), 2 (Q4_K)
+
+  def run(mf):
+    st = init_state(mf.cfg, 1, 32, jnp.float32)
+    toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, 6), jnp.int32)
+    lg, st = steps.prefill(mf.cfg, mf.params, None, st, jnp.int32(0), toks, jnp.int32(6),
+                           jnp.int32(0), all_logits=True)
+    lg2, _ = steps.decode(mf.cfg, mf.params, None, st, jnp.asarray([3], jnp.int32),
+                          jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
+    return np.concatenate([np.asarray(lg), np.asarray(lg2)])
+
+  assert_close(run(keep), run(deq), abs_=QUANT_KEEP_LOGITS_ABS_FP32, what="mixed keep vs deq")

@@ -10,15 +10,15 @@ expert, expert and shared FFN 512, vocabulary 151,936, rope dim 64, conv kernel 
 multiple of 256, so K-quants apply everywhere; for the CPU smoke test).
 
 Quantisation mixes (`--quant`):
-- `q4_k_m`, after llama.cpp's Q4_K_M (`llama_tensor_get_type`): Q4_K for most matrices,
-  Q5_K for the fused `attn_qkv` (llama.cpp: attn_qkv -> Q5_K under Q4_K_M), Q6_K for
-  `output`, `attn_v` and `ffn_down_shexp`; F32 for norms, `ssm_a`, `ssm_dt.bias`,
-  `ssm_conv1d` and the routers (`ffn_gate_inp`, `ffn_gate_inp_shexp`), as llama.cpp keeps
-  them. One deviation: llama.cpp gives Q6_K to `attn_v` / `ffn_down*` only in the layers of
-  `use_more_bits` (first and last eighth, every third in between) and Q4_K elsewhere; here a
-  tensor kind has one type in every layer (`attn_v` and `ffn_down_shexp` Q6_K everywhere,
-  `ffn_down_exps` Q4_K everywhere), because the loader keeps a layer stack quantised only when
-  all its layers share a type. Size: ~45 GB for the 80B (llama.cpp's real Q4_K_M: ~48 GB).
+- `q4_k_m`, after llama.cpp's Q4_K_M (`llama_tensor_get_type`): Q4_K for most matrices
+  (`token_embd` included), Q6_K for `output`, Q5_K for the fused `attn_qkv` (llama.cpp:
+  attn_qkv -> Q5_K under Q4_K_M), and Q6_K for `attn_v` and every `ffn_down*` (experts and
+  shared expert) in the layers of llama.cpp's `use_more_bits` (the first and last eighth and
+  every third layer in between; for attn_v counted over the attention layers), Q4_K in the
+  others; F32 for norms, `ssm_a`, `ssm_dt.bias`, `ssm_conv1d` and the routers (`ffn_gate_inp`,
+  `ffn_gate_inp_shexp`), as llama.cpp keeps them. Not modelled: llama.cpp's special cases for
+  other model families. Size: ~48 GB for the 80B (the loader keeps such mixed stacks as one
+  stack per type, `params.QGroups`).
 - `q8_0`: Q8_0 for every matrix, F32 as above. `bf16`: BF16 matrices, F32 as above.
 
 Blocks are random bytes with sane f16 scales (weights of a few hundredths), made with numpy
@@ -68,8 +68,13 @@ FILE_TYPE = {"q4_k_m": 15, "q8_0": 7, "bf16": 32}
 # The small, precision-critical tensors llama.cpp never quantises (plus every 1-D tensor).
 F32_SUFFIXES = ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ffn_gate_inp.weight",
                 "ffn_gate_inp_shexp.weight")
-Q4KM_Q6K = (".attn_v.weight", ".ffn_down_shexp.weight")   # and output.weight (exact name)
+Q4KM_MORE_BITS = (".attn_v.weight", ".ffn_down_exps.weight", ".ffn_down_shexp.weight")
 Q4KM_Q5K = ("attn_qkv.weight",)
+
+
+def use_more_bits(i: int, n: int) -> bool:
+  """llama.cpp's layers that get more bits under Q4_K_M (llama-quant.cpp)."""
+  return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 # Per type: the f16 scale fields (byte offset in the block, value) written over the random
 # bytes so that weights come out at a few hundredths. Everything else in a block (quants,
@@ -91,17 +96,26 @@ def model_config(geometry: str):
                      **g)
 
 
-def tensor_type(name: str, shape: tuple[int, ...], quant: str) -> T:
+def tensor_type(name: str, shape: tuple[int, ...], quant: str, cfg=None) -> T:
   """The GGML type of a tensor under a mix (a matrix whose rows are not whole blocks of its
-  type falls back to Q8_0, then F32, as llama.cpp falls back)."""
+  type falls back to Q8_0, then F32, as llama.cpp falls back). `cfg` places the layer among
+  its kind for Q4_K_M's more-bits layers."""
   if len(shape) < 2 or name.endswith(F32_SUFFIXES):
     return T.F32
   if quant == "bf16":
     return T.BF16
   if quant == "q8_0":
     want = T.Q8_0
-  elif name == "output.weight" or name.endswith(Q4KM_Q6K):
+  elif name == "output.weight":
     want = T.Q6_K
+  elif name.endswith(Q4KM_MORE_BITS) and cfg is not None:
+    layer = int(name.split(".")[1])
+    if name.endswith(".attn_v.weight"):
+      attn = [j for j, k in enumerate(cfg.layer_types) if k == "A"]
+      i, n = attn.index(layer), len(attn)
+    else:
+      i, n = layer, cfg.n_layers
+    want = T.Q6_K if use_more_bits(i, n) else T.Q4_K
   elif name.endswith(Q4KM_Q5K):
     want = T.Q5_K
   else:
@@ -166,7 +180,7 @@ def plan(cfg, quant: str):
   from strata_jax.gguf import names
   out = []
   for name, shape in names.gguf_tensor_shapes(cfg).items():
-    t = tensor_type(name, shape, quant)
+    t = tensor_type(name, shape, quant, cfg)
     out.append((name, tuple(shape), t, tensor_nbytes(shape, t)))
   return out
 

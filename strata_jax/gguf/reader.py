@@ -29,7 +29,7 @@ from strata_jax.errors import DeviceMemoryError, GGUFError
 from strata_jax.gguf import names
 from strata_jax.gguf.tokenizer import Tokenizer, UnsupportedTokenizer
 from strata_jax.parallel import plan as plan_lib
-from strata_jax.params import Params, leaf_dtype, param_shapes, params_from_flat
+from strata_jax.params import Params, QGroups, leaf_dtype, param_shapes, params_from_flat
 
 log = logging.getLogger("strata_jax")
 
@@ -312,7 +312,11 @@ class LeafPlan:
     path: dotted leaf path ("layers.moe.gate_exps").
     layers: absolute layer index of each entry (None for a top-level leaf).
     tensors: the reader tensors, one per entry.
-    qtype: the `pallas_kernels.quant` type name when the leaf stays quantised, else None.
+    qtypes: per entry, the `pallas_kernels.quant` type name when the leaf stays quantised,
+      else None. Entries of several types (llama.cpp's mixes give some layers' attn_v /
+      ffn_down more bits) become a `QGroups` of one stack per type.
+    keys: per entry, the group it is stacked in (its type; for the three expert stacks the
+      triple of the layer's types, so the three share one grouping).
     dtype: the float dtype of a dequantised leaf.
     entry_bytes: device bytes of each entry.
     shape: the numpy shape of one entry (one layer's tensor).
@@ -321,9 +325,10 @@ class LeafPlan:
   shape: tuple
   layers: list
   tensors: list
-  qtype: str | None
+  qtypes: list | None
   dtype: object
   entry_bytes: list[int]
+  keys: list | None = None
 
   @property
   def stacked(self) -> bool:
@@ -361,32 +366,35 @@ def plan_leaves(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.
       _check_shape(tensors[name], want, path)
       _check_type(tensors[name], path)
       todo.append(tensors[name])
-    types = {t.tensor_type for t in todo}
-    qtype = None
-    if (weights == "keep" and spec.path in QUANT_LEAVES and len(types) == 1
-        and next(iter(types)) in KEEP_TYPES):
-      qtype = KEEP_TYPES[next(iter(types))]
+    qtypes = None
+    if (weights == "keep" and spec.path in QUANT_LEAVES
+        and all(t.tensor_type in KEEP_TYPES for t in todo)):
+      qtypes = [KEEP_TYPES[t.tensor_type] for t in todo]
     ldt = jnp.dtype(leaf_dtype(spec.path, dtype))
-    if qtype is None:
-      nb = [int(np.prod(want)) * ldt.itemsize] * len(todo)
-    else:
-      nb = [_quant_entry_bytes(qtype, want)] * len(todo)
     plans.append(LeafPlan(path=spec.path, shape=tuple(want),
                           layers=[None] if idx is None else list(idx), tensors=todo,
-                          qtype=qtype, dtype=ldt, entry_bytes=nb))
-  # The routed experts run as one kernel over the three stacks: all quantised, or none.
+                          qtypes=qtypes, dtype=ldt, entry_bytes=[], keys=qtypes))
+  # The routed experts run as one kernel over the three stacks: all quantised, or none; the
+  # three are grouped alike, by the triple of each layer's types.
   exps = [lp for lp in plans if lp.path.endswith("_exps")]
-  if any(lp.qtype is None for lp in exps):
+  if any(lp.qtypes is None for lp in exps):
     for lp in exps:
-      if lp.qtype is not None:
-        lp.qtype = None
-        lp.entry_bytes = [int(np.prod(lp.shape)) * lp.dtype.itemsize] * len(lp.tensors)
+      lp.qtypes = lp.keys = None
+  else:
+    trio = list(zip(*(lp.qtypes for lp in exps)))
+    for lp in exps:
+      lp.keys = trio
+  for lp in plans:
+    if lp.qtypes is None:
+      lp.entry_bytes = [int(np.prod(lp.shape)) * lp.dtype.itemsize] * len(lp.tensors)
+    else:
+      lp.entry_bytes = [_quant_entry_bytes(q, lp.shape) for q in lp.qtypes]
   if weights == "keep":
-    dq = [t.name for lp in plans if lp.qtype is None for t in lp.tensors
+    dq = [t.name for lp in plans if lp.qtypes is None for t in lp.tensors
           if t.tensor_type not in FLOAT_TYPES]
     if dq:
-      log.info("%s: %d tensors dequantised at load to %s (type not kept on the device, mixed "
-               "types within one stack, or a small leaf): %s", path, len(dq),
+      log.info("%s: %d tensors dequantised at load to %s (a type not kept on the device, a "
+               "stack with such a tensor, or a small leaf): %s", path, len(dq),
                jnp.dtype(dtype).name, ", ".join(dict.fromkeys(dq)))
   return plans
 
@@ -413,13 +421,14 @@ def _is_oom(e: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
 
 
-def _entry(lp: LeafPlan, t, path: str, put):
-  """One tensor on its device: decoded on the host to the leaf's dtype, or (kept quantised)
-  its raw block bytes sent as they are and repacked on the device (`device_pack`)."""
-  if lp.qtype is not None:
+def _entry(lp: LeafPlan, k: int, path: str, put):
+  """Entry k on its device: decoded on the host to the leaf's dtype, or (kept quantised) its
+  raw block bytes sent as they are and repacked on the device (`device_pack`)."""
+  t = lp.tensors[k]
+  if lp.qtypes is not None:
     from strata_jax.gguf import device_pack  # noqa: PLC0415 (imports the kernel layout)
     raw = put(np.asarray(t.data).reshape(-1))
-    return device_pack.pack(raw, lp.qtype, tuple(lp.shape))
+    return device_pack.pack(raw, lp.qtypes[k], tuple(lp.shape))
   return put(_host_entry(lp, t, path))
 
 
@@ -450,11 +459,20 @@ def _release(reader: gguf.GGUFReader, t) -> None:
     pass
 
 
-def _stack(parts, qtype):
-  if qtype is not None:
-    from pallas_kernels.quant import layout as qlayout  # noqa: PLC0415
+def _stack(parts, keys):
+  """Per-layer device arrays -> one stack; quantised parts of several types (keys) -> a
+  QGroups of one stack per type, in order of first appearance."""
+  if keys is None:
+    return jnp.stack(parts)
+  from pallas_kernels.quant import layout as qlayout  # noqa: PLC0415
+  order = list(dict.fromkeys(keys))
+  if len(order) == 1:
     return qlayout.stack(parts)
-  return jnp.stack(parts)
+  group = tuple(order.index(k) for k in keys)
+  pos = tuple(group[:j].count(group[j]) for j in range(len(group)))
+  stacks = tuple(qlayout.stack([p for p, g in zip(parts, group) if g == n])
+                 for n in range(len(order)))
+  return QGroups(parts=stacks, group=group, pos=pos)
 
 
 def _empty_leaf(lp: LeafPlan, device):
@@ -502,18 +520,20 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
               flat[lp.path] = None
               continue
             t = lp.tensors[0]
-            flat[lp.path] = _entry(lp, t, path, put)
+            flat[lp.path] = _entry(lp, 0, path, put)
             _release(reader, t)
             bar.update(int(t.n_bytes))
             continue
-          parts = []
-          for layer, t in zip(lp.layers, lp.tensors):
+          parts, keys = [], []
+          for k, (layer, t) in enumerate(zip(lp.layers, lp.tensors)):
             if not lo <= layer < hi:
               continue
-            parts.append(_entry(lp, t, path, put))
+            parts.append(_entry(lp, k, path, put))
+            keys.append(None if lp.keys is None else lp.keys[k])
             _release(reader, t)
             bar.update(int(t.n_bytes))
-          flat[lp.path] = _stack(parts, lp.qtype) if parts else _empty_leaf(lp, dev)
+          flat[lp.path] = (_stack(parts, None if lp.keys is None else keys) if parts
+                           else _empty_leaf(lp, dev))
           del parts
       except Exception as e:
         if not _is_oom(e):

@@ -27,12 +27,24 @@ class QRef:
 
 
 def is_quant(w) -> bool:
-  return isinstance(w, (QTensor, QRef))
+  from strata_jax.params import QGroups  # noqa: PLC0415
+  return isinstance(w, (QTensor, QRef, QGroups))
 
 
 def _qparts(w):
-  """(QTensor, index, implementation) of a QRef or a bare QTensor."""
+  """(QTensor or QGroups, index, implementation) of a QRef or a bare QTensor."""
   return (w.w, w.index, w.implementation) if isinstance(w, QRef) else (w, None, "auto")
+
+
+def quant_call(w, index, fn):
+  """fn(qtensor, index) for a QTensor stack; for a QGroups, a switch on the layer's group
+  calling fn(that group's stack, the layer's position in it)."""
+  from strata_jax.params import QGroups  # noqa: PLC0415
+  if not isinstance(w, QGroups):
+    return fn(w, index)
+  group = jnp.asarray(w.group, jnp.int32)[index]
+  pos = jnp.asarray(w.pos, jnp.int32)[index]
+  return lax.switch(group, [lambda part=part: fn(part, pos) for part in w.parts])
 
 
 def linear(x, w):
@@ -49,7 +61,9 @@ def linear(x, w):
   if is_quant(w):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
     qt, index, impl = _qparts(w)
-    y = quant_api.qmatmul(x.reshape(-1, x.shape[-1]), qt, index=index, implementation=impl)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = quant_call(qt, index, lambda q, i: quant_api.qmatmul(x2, q, index=i,
+                                                             implementation=impl))
     return y.reshape(*x.shape[:-1], y.shape[-1])
   return lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                          preferred_element_type=x.dtype)
@@ -90,8 +104,9 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None):
     qt, index, impl = _qparts(w)
     B, T, _ = x.shape
     on = jnp.repeat(switch.astype(jnp.int32), T)                             # [B*T]
-    y = quant_api.qmatmul_lora(x.reshape(B * T, -1), qt, lora_a, lora_b, on, index=index,
-                               implementation=impl)
+    x2 = x.reshape(B * T, -1)
+    y = quant_call(qt, index, lambda q, i: quant_api.qmatmul_lora(
+        x2, q, lora_a, lora_b, on, index=i, implementation=impl))
     return y.reshape(B, T, -1)
   y = linear(x, w)
   if lora_a is None:

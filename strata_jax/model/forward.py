@@ -13,6 +13,7 @@ from strata_jax.model.attention import attn_mixer
 from strata_jax.model.common import QRef, linear, rms_norm
 from strata_jax.model.gdn import gdn_mixer
 from strata_jax.model.moe import moe
+from strata_jax.params import QGroups
 
 
 def pattern_period(layer_types: str) -> int:
@@ -30,7 +31,7 @@ def _blocks(tree, n_blocks):
 
 
 def _is_q(a):
-  return isinstance(a, QTensor)
+  return isinstance(a, (QTensor, QGroups))
 
 
 def _split_quant(tree):
