@@ -118,6 +118,10 @@ def cmd_convert(args) -> int:
   return 0
 
 
+# What `pip install 'strata-jax[serve]'` adds (fastapi brings starlette and pydantic).
+_SERVE_EXTRA = ("fastapi", "uvicorn", "starlette", "pydantic")
+
+
 def cmd_serve(args) -> int:
   import jax  # noqa: PLC0415
 
@@ -126,7 +130,16 @@ def cmd_serve(args) -> int:
     # One HTTP front would have to replay every request on every process; not built.
     raise StrataError("serve across processes (STRATA_COORDINATOR) is not supported; "
                       "use generate, or serve from one host")
-  from strata_jax.serve.app import serve_main  # noqa: PLC0415
+  try:
+    import uvicorn  # noqa: F401, PLC0415 (here, so a missing server stack is named at once)
+
+    from strata_jax.serve.app import serve_main  # noqa: PLC0415
+  except ModuleNotFoundError as e:
+    missing = (e.name or "").split(".")[0]
+    if missing not in _SERVE_EXTRA:
+      raise
+    raise StrataError(f"strata-jax serve needs the 'serve' extra ({missing} is not installed): "
+                      "pip install 'strata-jax[serve]'") from None
   return serve_main(args)
 
 

@@ -88,10 +88,14 @@ class Forms:
         quant_impl=auto(self.quant_impl, "pallas", "xla"),
         matmul_precision=precision)
 
-  @property
-  def jax_precision(self) -> str | None:
-    """The `jax.default_matmul_precision` the steps trace under (None: JAX's default)."""
-    return {"highest": "highest", "tf32": "tensorfloat32"}.get(self.matmul_precision)
+  def jax_precision(self, compute_dtype) -> str | None:
+    """The `jax.default_matmul_precision` the steps trace under for this compute dtype (None:
+    JAX's default). Unresolved "auto" decides here, so a config built by hand is full fp32
+    in float32 too."""
+    precision = self.matmul_precision
+    if precision == "auto":
+      precision = "highest" if _dtype_name(compute_dtype) == "float32" else "default"
+    return {"highest": "highest", "tf32": "tensorfloat32"}.get(precision)
 
 
 def _dtype_name(dtype) -> str:

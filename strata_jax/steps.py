@@ -18,10 +18,11 @@ from strata_jax.model import forward
 from strata_jax.state import ModelState
 
 
-def _precision(cfg: ModelConfig):
-  """The matmul precision the step traces under, from `cfg.forms` (float32 compute: "highest",
-  full-fp32 dots on every backend; the GPU's default would round fp32 operands to TF32)."""
-  p = cfg.forms.jax_precision
+def _precision(cfg: ModelConfig, state: ModelState):
+  """The matmul precision the step traces under, from `cfg.forms` and the compute dtype (the
+  K/V cache's): float32 is "highest", full-fp32 dots on every backend, where the GPU's default
+  would round fp32 operands to TF32; "tf32" only when the forms name it."""
+  p = cfg.forms.jax_precision(state.k.dtype)
   return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
 
@@ -52,7 +53,7 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
   sw = jnp.reshape(switch, (1,)).astype(jnp.int32)
   kv = (_row(state.k, slot), _row(state.v, slot))
   gdn = (_row(state.conv, slot), _row(state.ssm, slot))
-  with _precision(cfg):
+  with _precision(cfg, state):
     x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
     x, kv, gdn = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw)
     if params.lm_head is None:     # not the last stage of a layer split: hand the hidden on
@@ -75,7 +76,7 @@ def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, ac
   state (their K/V write lands past their length and is overwritten later).
   Returns (logits float32 [B, V], state)."""
   act = active.astype(bool)
-  with _precision(cfg):
+  with _precision(cfg, state):
     x = forward.embed(params, tokens[:, None]) if params.embed is not None else tokens[:, None]
     x, (k, v), (conv, ssm) = forward.run_layers(
         cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,

@@ -32,13 +32,14 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   cpu = Forms().resolve("cpu", jnp.float32)
   assert (cpu.gdn_chunked, cpu.gdn_decode, cpu.moe_many, cpu.moe_few, cpu.lora_impl) == (
       "reference", "xla", "dense", "xla", "pallas_interpret")
-  assert cpu.matmul_precision == "highest" and cpu.jax_precision == "highest"
+  assert cpu.matmul_precision == "highest" and cpu.jax_precision(jnp.float32) == "highest"
+  assert Forms().jax_precision(jnp.float32) == "highest", "unresolved auto: fp32 is full fp32"
   gpu = Forms().resolve("gpu", jnp.bfloat16)
   assert (gpu.gdn_chunked, gpu.moe_many, gpu.moe_few) == ("pallas", "pallas", "pallas")
   assert gpu.gdn_decode == gpu.lora_impl == "auto"   # chosen per batch size, as the api says
-  assert gpu.matmul_precision == "default" and gpu.jax_precision is None
-  assert Forms(matmul_precision="tf32").resolve("gpu", jnp.float32).jax_precision == (
-      "tensorfloat32")
+  assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
+  tf32 = Forms(matmul_precision="tf32").resolve("gpu", jnp.float32)
+  assert tf32.jax_precision(jnp.float32) == "tensorfloat32"
   assert cpu.resolve("cpu", jnp.float32) == cpu
   assert all(getattr(Forms(), f) == CHOICES[f][0] for f in CHOICES)
 
@@ -50,7 +51,7 @@ def test_two_engines_with_different_forms_run_their_own_programs():
   prompt = list(range(3, 70))
   ref = sj.Engine(model, slots=1, max_seq=128, block_size=32)
   prod = sj.Engine(model, slots=1, max_seq=128, block_size=32,
-                   forms=Forms(gdn_chunked="products", matmul_precision="default"))
+                   forms=Forms(gdn_chunked="products"))
   assert prod.cfg != ref.cfg and ref.cfg == model.cfg
   a = ref.generate(tokens=prompt, max_tokens=2, return_logits=True)
   n = steps.prefill._cache_size()

@@ -15,6 +15,15 @@ from pallas_kernels.gdn.chunked_kernel import chunk_size, gdn_chunked_pallas
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
+
+
+@pytest.fixture(autouse=True)
+def full_fp32_dots():
+  """The kernel's fp32 dots follow the caller's matmul precision (the model's Forms set it:
+  "highest" for float32); these parity checks against the fp32 oracle ask for full fp32, as
+  the float32 model does. On the GPU the default would be TF32 (errors ~1e-4)."""
+  with jax.default_matmul_precision("highest"):
+    yield
 F32, BF16 = jnp.float32, jnp.bfloat16
 H = 2
 # Compiled at Triton's default fp32 dot precision (TF32) against the HIGHEST oracle. A CPU

@@ -220,23 +220,28 @@ def _flatten_stage(node, prefix, out, bad, s):
 
 
 def entry(a: np.ndarray) -> dict:
+  """An array's header entry: shape, dtype name, checksum."""
   return {"shape": [int(d) for d in a.shape], "dtype": a.dtype.name, "xxh3_64": checksum(a)}
 
 
 def checksum(a: np.ndarray) -> str:
+  """xxh3-64 (hex) of an array's bytes."""
   # Bytes as laid out in memory (little-endian on every platform we run on).
   return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(a).view(np.uint8).data)
 
 
 def meta_checksum(header: Mapping) -> str:
+  """xxh3-64 (hex) of the canonical JSON of every header field but `meta_xxh3_64`."""
   body = {k: v for k, v in header.items() if k != "meta_xxh3_64"}
   return xxhash.xxh3_64_hexdigest(
       json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
 
 
 def size(shape) -> int:
+  """Elements of an array of `shape`."""
   return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
 def fmt_shape(shape) -> str:
+  """A limits shape for messages, the token axis as `n_tokens`."""
   return "[" + ", ".join("n_tokens" if d is None else str(d) for d in shape) + "]"
