@@ -22,9 +22,14 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @dataclasses.dataclass
 class Model:
-  """A loaded model: config, params, tokenizer, identity, and where its layers live."""
+  """A loaded model: config, params, tokenizer, identity, and where its layers live.
+
+  A model loaded with a layer split has no whole-model `params` (None): `stage_params` holds
+  one Params per stage, already on its device (`layer_ranges`, `devices`). A one-stage model
+  has `params` (and `stage_params` None).
+  """
   cfg: ModelConfig
-  params: Params
+  params: Params | None
   dtype: object
   path: str
   fingerprint: str
@@ -34,6 +39,9 @@ class Model:
   eos_id: int | None = None
   layer_ranges: list[tuple[int, int]] = dataclasses.field(default_factory=list)
   devices: list | None = None
+  stage_params: list[Params] | None = None
+  weights: str = "dequantize"
+  file_bytes: int = 0
 
   def encode(self, text: str) -> list[int]:
     if self.tokenizer is None:
@@ -68,33 +76,44 @@ def _dtype(dtype) -> object:
 
 
 def load_model(path: str | None = None, dtype="float32", layer_split=None,
-               split_devices=None, forms: Forms | None = None) -> Model:
+               split_devices=None, forms: Forms | None = None, weights: str = "keep",
+               progress: bool | None = None) -> Model:
   """Load a qwen3next GGUF (default: the embedded demo model).
+
+  Tensors stream from the file onto the device that owns their layer, one at a time through
+  host memory; with a split, no device and no host buffer ever holds the whole model.
 
   Args:
     path: the GGUF file; None for the embedded default model.
     dtype: compute dtype, "float32" or "bfloat16".
-    layer_split: None (one device), "auto", or a list of per-stage layer counts.
+    layer_split: None (one device), "auto" (ranges from the file's tensor sizes and the
+      devices' free memory), or per-stage layer counts ("24,24" or [24, 24]).
     split_devices: device indices for the stages (default: the first N devices).
     forms: how each op is computed (`strata_jax.forms.Forms`; default `Forms()`), resolved
       for this backend and dtype: float32 runs full-fp32 matmuls unless it names "tf32".
+    weights: "keep" (Q8_0 / Q4_K / Q5_K / Q6_K projections stay quantised on the device) or
+      "dequantize" (everything in the compute dtype).
+    progress: a progress bar over the bytes read (default: when stderr is a terminal).
   """
-  from strata_jax.gguf.reader import read_model_gguf  # noqa: PLC0415 (keeps import light)
-  from strata_jax.parallel.plan import plan_layer_split  # noqa: PLC0415
+  from strata_jax.gguf.reader import WEIGHTS_MODES, read_model_gguf  # noqa: PLC0415
+  from strata_jax.parallel.plan import select_devices  # noqa: PLC0415
 
   path = path or default_model_path()
   if not os.path.isfile(path):
     raise GGUFError(f"{path}: no such model file")
+  if weights not in WEIGHTS_MODES:
+    raise GGUFError(f"{path}: weights={weights!r}: expected one of {', '.join(WEIGHTS_MODES)}")
   dt = _dtype(dtype)
-  mf = read_model_gguf(path, dtype=dt)
-  tok = mf.tokenizer
+  devs = select_devices(split_devices) if layer_split is not None else None
+  mf = read_model_gguf(path, dtype=dt, progress=progress, weights=weights,
+                       layer_split=layer_split, devices=devs)
   cfg = dataclasses.replace(mf.cfg, forms=(forms or Forms()).resolve(jax.default_backend(), dt))
-  model = Model(cfg=cfg, params=mf.params, dtype=dt, path=path, fingerprint=mf.fingerprint,
-                tokenizer=tok, add_bos=mf.add_bos, bos_id=mf.bos_id, eos_id=mf.eos_id,
-                layer_ranges=[(0, mf.cfg.n_layers)])
-  if layer_split is not None:
-    model.layer_ranges, model.devices = plan_layer_split(model, layer_split, split_devices)
-  return model
+  one = mf.devices is None
+  return Model(cfg=cfg, params=mf.stages[0] if one else None, dtype=dt, path=path,
+               fingerprint=mf.fingerprint, tokenizer=mf.tokenizer, add_bos=mf.add_bos,
+               bos_id=mf.bos_id, eos_id=mf.eos_id, layer_ranges=list(mf.ranges),
+               devices=mf.devices, stage_params=None if one else list(mf.stages),
+               weights=weights, file_bytes=mf.file_bytes)
 
 
 def load_lora(model: Model, paths, scales=None) -> LoraSet:

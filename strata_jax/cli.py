@@ -32,6 +32,9 @@ def _model_args(p):
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--layer-split", default=None, help="auto | N1,N2,... layers per stage")
   p.add_argument("--split-devices", default=None, help="device indices for the stages: 0,1,...")
+  p.add_argument("--weights", default="keep", choices=["keep", "dequantize"],
+                 help="keep: Q8_0/Q4_K/Q5_K/Q6_K weights stay quantised on the device (other "
+                      "types are dequantised at load); dequantize: all in the compute dtype")
   p.add_argument("--forms", default="", metavar="NAME=VALUE[,...]",
                  help="implementation choices (strata_jax.forms.Forms), e.g. "
                       "lora_branch=select,gdn_chunked=products; default: each 'auto'")

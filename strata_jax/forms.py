@@ -38,6 +38,9 @@ CHOICES: dict[str, tuple] = {
     "moe_many": ("auto", "dense", "grouped", "pallas", "pallas_interpret"),
     # MoE with few tokens: "auto" = the in-place Pallas expert kernel on the GPU, XLA elsewhere.
     "moe_few": ("auto", "xla", "pallas", "pallas_interpret"),
+    # matmuls over weights kept quantised (weights="keep"): "auto" = the Pallas kernel that
+    # dequantises in-kernel on the GPU, dequantise + XLA dot elsewhere.
+    "quant_impl": ("auto", "xla", "pallas", "pallas_interpret"),
     # fp32 matmuls: "auto" = "highest" (full fp32) for a float32 compute dtype, the dtype's own
     # for bfloat16; "tf32" is the GPU's faster reduced fp32, only ever chosen by name.
     "matmul_precision": ("auto", "highest", "tf32", "default"),
@@ -54,6 +57,7 @@ class Forms:
   gdn_decode: str = "auto"
   moe_many: str = "auto"
   moe_few: str = "auto"
+  quant_impl: str = "auto"
   matmul_precision: str = "auto"
 
   def __post_init__(self):
@@ -81,6 +85,7 @@ class Forms:
         gdn_decode=auto(self.gdn_decode, "auto", "xla"),
         moe_many=auto(self.moe_many, "pallas", "dense"),
         moe_few=auto(self.moe_few, "pallas", "xla"),
+        quant_impl=auto(self.quant_impl, "pallas", "xla"),
         matmul_precision=precision)
 
   def jax_precision(self, compute_dtype) -> str | None:

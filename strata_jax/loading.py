@@ -28,11 +28,12 @@ def parse_lora(args) -> tuple[list[str], list[float]]:
 
 def load_from_args(args):
   """(Model, LoraSet or None) from --model, --dtype, --layer-split, --split-devices, --forms,
-  --lora*."""
+  --weights, --lora*."""
   from strata_jax.api import load_lora, load_model  # noqa: PLC0415 (keeps import light)
   from strata_jax.forms import parse_forms  # noqa: PLC0415
   model = load_model(args.model, dtype=args.dtype, layer_split=args.layer_split,
-                     split_devices=args.split_devices, forms=parse_forms(args.forms))
+                     split_devices=args.split_devices, forms=parse_forms(args.forms),
+                     weights=getattr(args, "weights", "keep"))
   paths, scales = parse_lora(args)
   lora = load_lora(model, paths, scales) if paths else None
   return model, lora

@@ -19,7 +19,7 @@ from strata_jax import steps
 from strata_jax.api import model_fingerprint
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
 from strata_jax.engine.sampling import sample
-from strata_jax.errors import ControlVectorError, RequestError, SessionError
+from strata_jax.errors import ControlVectorError, RequestError, SessionError, StrataError
 from strata_jax.forms import Forms
 from strata_jax.parallel import distributed
 from strata_jax.parallel.plan import describe, plan_auto
@@ -128,14 +128,22 @@ class Engine:
     lora_params = (pad_lora_rank(lora.params, rank) if lora is not None
                    else empty_lora(cfg, rank, model.dtype))
     ranges = model.layer_ranges
+    placed = getattr(model, "stage_params", None)   # loaded with a split: stages on devices
     if ranges == "auto":
+      if placed is not None:
+        raise StrataError("a model loaded with a layer split keeps the ranges it was loaded "
+                          "with; reload it to change them")
       ranges = plan_auto(model, model.devices, lora, self.n_slots, self.max_seq)
       log.info("layer split (auto): %s", describe(ranges, model.devices[:len(ranges)]))
+    if placed is not None and (len(placed) != len(ranges) or any(
+        p.layers.attn_norm.shape[0] != hi - lo for p, (lo, hi) in zip(placed, ranges))):
+      raise StrataError(f"layer ranges {ranges} differ from the {len(placed)} stages the model "
+                        "was loaded with; reload it to change them")
     devices = model.devices[:len(ranges)] if model.devices else None
     self._check_control_vector(control_vector)
     self.control_vector = control_vector
-    self.stages = make_stages(cfg, model.params, lora_params, ranges, devices,
-                              control_vector.vectors if control_vector is not None else None)
+    self.stages = make_stages(cfg, model.params, lora_params, ranges, devices, placed,
+                              cvec=control_vector.vectors if control_vector is not None else None)
     # Stages on devices of several processes (jax.distributed): host reads are broadcasts.
     self._shared = devices is not None and distributed.multi_process()
     self._host = lambda x: distributed.to_host(x, self._shared)

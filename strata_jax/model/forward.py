@@ -1,15 +1,19 @@
 """The layer stack: embedding -> layers (a lax.scan over repeats of the layer pattern) -> logits."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from strata_jax.config import ATTN, ModelConfig
+from pallas_kernels.quant.layout import QTensor
+from strata_jax.config import ATTN, GDN, ModelConfig
 from strata_jax.model.attention import attn_mixer
-from strata_jax.model.common import linear, rms_norm
+from strata_jax.model.common import QRef, linear, rms_norm
 from strata_jax.model.gdn import gdn_mixer
 from strata_jax.model.moe import moe
+from strata_jax.params import QGroups
 
 
 def pattern_period(layer_types: str) -> int:
@@ -24,6 +28,27 @@ def pattern_period(layer_types: str) -> int:
 def _blocks(tree, n_blocks):
   """[L*, ...] -> [n_blocks, L*/n_blocks, ...] for every leaf (None passes through)."""
   return jax.tree.map(lambda a: a.reshape(n_blocks, a.shape[0] // n_blocks, *a.shape[1:]), tree)
+
+
+def _is_q(a):
+  return isinstance(a, (QTensor, QGroups))
+
+
+def _split_quant(tree):
+  """(tree with QTensor leaves set to None, tree with only the QTensor leaves)."""
+  dense = jax.tree.map(lambda a: None if _is_q(a) else a, tree, is_leaf=_is_q)
+  quant = jax.tree.map(lambda a: a if _is_q(a) else None, tree, is_leaf=_is_q)
+  return dense, quant
+
+
+def _layer(cfg, dense, quant, i, index):
+  """One layer's params: slot `i` of the scanned (dense) block, and `QRef(stack, index)` for
+  each quantised stack, which the quantised matmul reads in place at the traced `index`."""
+  p = jax.tree.map(lambda a: a[i], dense)
+  impl = cfg.forms.quant_impl
+  fields = {f.name: QRef(getattr(quant, f.name), index, impl) for f in dataclasses.fields(quant)
+            if _is_q(getattr(quant, f.name))}
+  return p.replace(**fields) if fields else p
 
 
 def _unblocks(tree):
@@ -81,9 +106,15 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
   period = pattern_period(cfg.layer_types)
   n_blocks = cfg.n_layers // period
   block_types = cfg.layer_types[:period]
-  norms = _blocks((layers.attn_norm, layers.post_norm, layers.moe), n_blocks)
-  gdn_p = _blocks(layers.gdn, n_blocks)
-  attn_p = _blocks(layers.attn, n_blocks)
+  # Quantised stacks are not scanned (a scan slices its xs, copying each layer's matrix):
+  # the body reads them in place at the traced layer index.
+  moe_d, moe_q = _split_quant(layers.moe)
+  gdn_d, gdn_q = _split_quant(layers.gdn)
+  attn_d, attn_q = _split_quant(layers.attn)
+  norms = _blocks((layers.attn_norm, layers.post_norm, moe_d), n_blocks)
+  gdn_p = _blocks(gdn_d, n_blocks)
+  attn_p = _blocks(attn_d, n_blocks)
+  n_g, n_a = block_types.count(GDN), block_types.count(ATTN)
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
   kv_b, gdn_b = _blocks(kv, n_blocks), _blocks(gdn_state, n_blocks)
@@ -99,19 +130,19 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
     for li, kind in enumerate(block_types):
       h = rms_norm(x, attn_norm[li], cfg.rms_eps)
       if kind == ATTN:
-        p = jax.tree.map(lambda a: a[ai], ap)
+        p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
         y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, n_valid, *la_i,
                                         switch)
         ai += 1
       else:
-        p = jax.tree.map(lambda a: a[gi], gp)
+        p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi)
         lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
         y, conv[gi], ssm[gi] = gdn_mixer(cfg, p, h, conv[gi], ssm[gi], n_valid, *lg_i, switch)
         gi += 1
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
-      x = x + moe(cfg, jax.tree.map(lambda a: a[li], moe_p), h, stacks,
+      x = x + moe(cfg, _layer(cfg, moe_p, moe_q, li, blk * period + li), h, stacks,
                   blk * period + li).reshape(B, T, D)
       if cv is not None:
         x = x + cv[li].astype(x.dtype)
@@ -125,11 +156,23 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
 
 
 def embed(params, tokens):
-  """tokens [B, T] -> [B, T, D]."""
+  """tokens [B, T] -> [B, T, D]. A quantised table: the rows are gathered in their blocks,
+  then dequantised (exactly) to the compute dtype."""
+  if _is_q(params.embed):
+    from pallas_kernels.quant.reference import dequantize  # noqa: PLC0415
+    qt = params.embed
+    flat_ids = tokens.reshape(-1)
+    rows = QTensor(**{n: jnp.take(p, flat_ids, axis=0) for n, p in qt.planes.items()},
+                   qtype=qt.qtype, shape=(flat_ids.shape[0], qt.shape[-1]))
+    x = dequantize(rows, jnp.float32).astype(params.layers.attn_norm.dtype)
+    return x.reshape(*tokens.shape, qt.shape[-1])
   return jnp.take(params.embed, tokens, axis=0)
 
 
 def logits_from_hidden(cfg: ModelConfig, params, x):
   """x [..., D] -> float32 logits [..., V]."""
   h = rms_norm(x, params.final_norm, cfg.rms_eps)
-  return linear(h, params.lm_head).astype(jnp.float32)
+  w = params.lm_head
+  if _is_q(w):
+    w = QRef(w, None, cfg.forms.quant_impl)
+  return linear(h, w).astype(jnp.float32)

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import linear
+from strata_jax.model.common import is_quant, linear
+from strata_jax.params import QGroups
 
 
 def _glu(x, wg, wu, wd):
@@ -65,7 +66,23 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None):
   ew, at = (stacks, layer) if stacks is not None else (
       (p.gate_exps, p.up_exps, p.down_exps), None)
   form = "few" if N * k <= cfg.n_experts else many_tokens_form(cfg.forms.moe_many)
-  if form == "few":
+  if is_quant(p.gate_exps):
+    # Quantised expert stacks: every token count goes through the quantised experts kernel,
+    # which reads only the chosen experts' blocks of layer `layer`, in place.
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
+    wg, wu, wd = stacks if stacks is not None else (p.gate_exps.w, p.up_exps.w, p.down_exps.w)
+    layer = layer if stacks is not None else p.gate_exps.index
+    impl = cfg.forms.quant_impl
+    if isinstance(wg, QGroups):  # the three stacks are grouped alike (by the layer's types)
+      group = jnp.asarray(wg.group, jnp.int32)[layer]
+      pos = jnp.asarray(wg.pos, jnp.int32)[layer]
+      routed = jax.lax.switch(group, [
+          lambda g=g, u=u, d=d: quant_api.experts(x, g, u, d, idx, w, layer=pos,
+                                                  implementation=impl)
+          for g, u, d in zip(wg.parts, wu.parts, wd.parts)])
+    else:
+      routed = quant_api.experts(x, wg, wu, wd, idx, w, layer=layer, implementation=impl)
+  elif form == "few":
     # Few tokens: read only the chosen experts' weights, in place on the GPU (Pallas kernel).
     routed = moe_api.routed_experts(x, *ew, idx, w, layer=at, implementation=cfg.forms.moe_few)
   elif form == "grouped":

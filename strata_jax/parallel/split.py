@@ -64,22 +64,33 @@ def slice_cvec(cvec: jax.Array | None, lo: int, hi: int, device=None) -> jax.Arr
   return jax.device_put(rows, device) if device is not None else rows
 
 
-def make_stages(cfg: ModelConfig, params: Params, lora: LoraParams | None,
+def make_stages(cfg: ModelConfig, params: Params | None, lora: LoraParams | None,
                 ranges: list[tuple[int, int]], devices: list | None,
+                stage_params: list[Params] | None = None,
                 cvec: jax.Array | None = None) -> list[Stage]:
   """Cut the model into stages; with `devices`, commit each stage's arrays to its device.
-  `cvec`: the control vector [L, D] or None."""
+
+  `stage_params`: each stage's Params, already placed (a model loaded with a split has no
+  whole-model params); then only the adapter is cut and placed. `cvec`: the control vector
+  [L, D] or None."""
+  if stage_params is not None and len(stage_params) != len(ranges):
+    raise ValueError(f"{len(stage_params)} loaded stages but {len(ranges)} layer ranges")
   stages = []
   last = len(ranges) - 1
   for i, (lo, hi) in enumerate(ranges):
-    p = Params(embed=params.embed if i == 0 else None,
-               final_norm=params.final_norm if i == last else None,
-               lm_head=params.lm_head if i == last else None,
-               layers=slice_layers(cfg, params.layers, lo, hi))
+    if stage_params is not None:
+      p = stage_params[i]
+    else:
+      p = Params(embed=params.embed if i == 0 else None,
+                 final_norm=params.final_norm if i == last else None,
+                 lm_head=params.lm_head if i == last else None,
+                 layers=slice_layers(cfg, params.layers, lo, hi))
     lr = slice_lora(cfg, lora, lo, hi)
     dev = devices[i] if devices else None
     if dev is not None:
-      p, lr = jax.device_put((p, lr), dev)
+      if stage_params is None:
+        p = jax.device_put(p, dev)
+      lr = jax.device_put(lr, dev)
     stages.append(Stage(layers=(lo, hi), cfg=cfg.stage(lo, hi), params=p, lora=lr, device=dev,
                         cvec=slice_cvec(cvec, lo, hi, dev)))
   return stages
