@@ -1,0 +1,233 @@
+"""Quantised matmuls (`pallas_kernels.quant`) on the GPU: time per call against the bytes read.
+
+For each quant type and projection shape, a stack of `--layers` random matrices in the
+repacked layout lives on the device (more bytes than L2, so every call reads from HBM). One
+jitted program makes `--iters` calls, unrolled, each reading the next layer of the stack in
+place (index = i % L), so launches run back to back and no dispatch is timed; time per call =
+program time / iters (median of `--reps`). Reported per (type, shape, batch):
+
+  - us: microseconds per call; TBps: (matrix bytes + x + y) / time, the roofline ratio of a
+    decode-sized call against the copy bandwidth (bench_kernels.py measures 4.13 TB/s);
+  - TFLOPs for the prefill size (compute-bound there);
+  - for reference (`--reference`): a dense bf16 XLA matmul of each shape and batch, and at
+    batch 1 the "xla" quant path (dequantise in XLA, then a dot);
+  - LoRA (`--rank`, both `lora_down` forms): the fused call with every row on / every row off,
+    beside the plain call (the off / on overheads the issue's targets are about).
+
+--sweep also times kernel tilings (block_out, block_in, num_warps) at batches 1 and 8 of
+`--sweep_types` on the first shape and prints the fastest, to choose `kernel.tiling_defaults`.
+Each timed program compiles `--iters` kernel calls; split a long run with --types / --shapes.
+
+  python experiments/bench/quant_probe.py --out=experiments/results/quant_probe.json
+  python experiments/bench/quant_probe.py --smoke --out=/tmp/quant_probe.json   # CPU check
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+flags.DEFINE_bool("smoke", False, "tiny shapes in interpret mode (CPU check of the script)")
+flags.DEFINE_string("out", os.path.join(common.RESULTS, "quant_probe.json"), "output JSON")
+flags.DEFINE_string("types", "q4_k,q5_k,q6_k,q8_0", "quant types")
+# Qwen3-Next-80B-A3B projections: GDN in_proj (qkvz), ssm_out / attn_output, expert down.
+flags.DEFINE_string("shapes", "in_proj:12288x2048,ssm_out:2048x4096,ffn_down:2048x512",
+                    "name:OUTxIN,...")
+flags.DEFINE_string("batches", "1,8,32", "decode batch sizes")
+flags.DEFINE_integer("prefill", 2048, "prefill rows (0: skip)")
+flags.DEFINE_integer("layers", 0, "matrices in each stack (0: enough for 256 MB, >= 4)")
+flags.DEFINE_integer("iters", 16, "calls per timed program (unrolled)")
+flags.DEFINE_integer("reps", 7, "timed programs per measurement (median)")
+flags.DEFINE_integer("rank", 50, "LoRA rank")
+flags.DEFINE_string("lora_shape", "ssm_out", "shape name the LoRA variants run on ('': none)")
+flags.DEFINE_bool("reference", True, "also time the 'xla' quant path (batch 1) and dense bf16")
+flags.DEFINE_bool("sweep", False, "also sweep kernel tilings at batches 1 and 8")
+flags.DEFINE_string("sweep_types", "q4_k,q8_0", "quant types of the sweep")
+F = flags.FLAGS
+
+
+def _random_qtensor(key, qtype, lead, out, d_in):
+  """A QTensor of random planes on the device (random bits; f16 scales in [1e-3, 1e-2])."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels.quant.layout import PLANE_RATIO, PLANES, QTensor
+  fields = {}
+  for k, name in zip(jax.random.split(key, 8), PLANES[qtype]):
+    shape = (*lead, out, int(d_in * PLANE_RATIO[qtype][name]))
+    if name in ("d", "dmin"):
+      fields[name] = jax.random.uniform(k, shape, jnp.float32, 1e-3, 1e-2).astype(jnp.float16)
+    else:
+      bits = jax.random.bits(k, shape, jnp.uint8)
+      fields[name] = bits.view(jnp.int8) if (qtype, name) in (("q8_0", "qs"), ("q6_k", "sc")) \
+          else bits
+  return QTensor(**fields, qtype=qtype, shape=(*lead, out, d_in))
+
+
+def _timer(reps):
+  import jax
+
+  def run(fn, args):
+    jax.block_until_ready(fn(*args))  # compile + warm
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+      t0 = common.now()
+      jax.block_until_ready(fn(*args))
+      ts.append(common.now() - t0)
+    return common.summarize(ts)["median"]
+  return run
+
+
+def _program(call, n_layers, iters):
+  """jit(x, w, *extra) making `iters` unrolled calls over layers i % L; returns a checksum."""
+  import jax
+  import jax.numpy as jnp
+
+  @jax.jit
+  def prog(x, w, *extra):
+    tot = jnp.zeros((x.shape[0],), jnp.float32)
+    for i in range(iters):
+      y = call(x, w, jnp.int32(i % n_layers), *extra)
+      tot = tot + y[:, 0].astype(jnp.float32)
+    return tot
+  return prog
+
+
+def probe(res):
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels.quant import qmatmul
+  impl = "pallas_interpret" if F.smoke else "pallas"
+  bf16 = jnp.bfloat16
+  if F.smoke:  # tiny everything, so the script's paths run on CPU in seconds
+    F.shapes, F.batches, F.prefill, F.iters, F.reps, F.rank = "tiny:40x256", "1,3", 17, 2, 1, 4
+    F.lora_shape, F.types, F.sweep_types = "tiny", "q4_k,q6_k,q8_0", "q4_k"
+  shapes = [(s.split(":")[0], *map(int, s.split(":")[1].split("x"))) for s in F.shapes.split(",")]
+  batches = [int(b) for b in F.batches.split(",") if b]
+  if F.prefill:
+    batches.append(F.prefill)
+  timer = _timer(F.reps)
+  iters = F.iters
+  key = jax.random.key(0)
+  res["config"] = dict(impl=impl, shapes=shapes, batches=batches, iters=iters, reps=F.reps,
+                       rank=F.rank, device=str(jax.devices()[0]))
+  rows = res.setdefault("qmatmul", [])
+  if F.reference and not F.smoke:  # dense bf16 baseline: once per shape and batch
+    for name, d_out, d_in in shapes:
+      n_layers = F.layers or max(4, -(-256 * 2 ** 20 // (2 * d_out * d_in)))
+      dense = jax.random.normal(key, (n_layers, d_out, d_in), bf16)
+      for n in batches:
+        x = jax.random.normal(jax.random.key(n), (n, d_in), bf16)
+        td = timer(_program(lambda x, w, i: jnp.dot(x, w[i].T,
+                                                    preferred_element_type=jnp.float32),
+                            n_layers, iters), (x, dense)) / iters
+        r = dict(qtype="bf16", shape=name, out=d_out, d_in=d_in, batch=n, layers=n_layers,
+                 matrix_bytes=2 * d_out * d_in, us=td * 1e6,
+                 TBps=(2 * d_in * d_out + 2 * n * (d_in + d_out)) / td / 1e12)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+      del dense
+  for qtype, (name, d_out, d_in) in itertools.product(F.types.split(","), shapes):
+    one = _random_qtensor(key, qtype, (1,), d_out, d_in).nbytes
+    n_layers = F.layers or max(4, -(-256 * 2 ** 20 // one))
+    if F.smoke:
+      n_layers = 2
+    w = _random_qtensor(key, qtype, (n_layers,), d_out, d_in)
+    for n in batches:
+      x = jax.random.normal(jax.random.key(n), (n, d_in), bf16)
+      io = 2 * n * (d_in + d_out)
+      r = dict(qtype=qtype, shape=name, out=d_out, d_in=d_in, batch=n, layers=n_layers,
+               matrix_bytes=one)
+      t = timer(_program(lambda x, w, i: qmatmul(x, w, index=i, implementation=impl),
+                         n_layers, iters), (x, w)) / iters
+      r.update(us=t * 1e6, TBps=(one + io) / t / 1e12, TFLOPs=2 * n * d_in * d_out / t / 1e12)
+      if F.reference and n == 1:
+        tx = timer(_program(lambda x, w, i: qmatmul(x, w, index=i, implementation="xla"),
+                            n_layers, iters), (x, w)) / iters
+        r.update(xla_us=tx * 1e6)
+      rows.append(r)
+      print(json.dumps(r), flush=True)
+      if name == F.lora_shape:
+        res.setdefault("lora", []).append(_lora(r, x, w, n_layers, impl, timer))
+    del w
+  if F.sweep:
+    res["sweep"] = _sweep(shapes, impl, timer)
+
+
+def _lora(r, x, w, n_layers, impl, timer):
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels.quant import qmatmul_lora
+  n, d_in = x.shape
+  d_out = w.shape[-2]
+  a = (jax.random.normal(jax.random.key(1), (F.rank, d_in)) / d_in ** 0.5).astype(x.dtype)
+  b = (jax.random.normal(jax.random.key(2), (d_out, F.rank)) / F.rank ** 0.5).astype(x.dtype)
+  out = dict(qtype=r["qtype"], shape=r["shape"], batch=n, plain_us=r["us"])
+  for down in ("h", "a"):
+    prog = _program(lambda x, w, i, a, b, on: qmatmul_lora(
+        x, w, a, b, on, index=i, implementation=impl, lora_down=down), n_layers, F.iters)
+    for state, on in (("on", jnp.ones((n,), jnp.int32)), ("off", jnp.zeros((n,), jnp.int32))):
+      t = timer(prog, (x, w, a, b, on)) / F.iters
+      out[f"{down}_{state}_us"] = t * 1e6
+      out[f"{down}_{state}_overhead"] = t * 1e6 / r["us"] - 1
+  print(json.dumps(out), flush=True)
+  return out
+
+
+def _sweep(shapes, impl, timer):
+  """Tilings at batches 1 and 8 of each type on the first shape; the fastest per case."""
+  import jax
+
+  from pallas_kernels.quant import qmatmul
+  name, d_out, d_in = shapes[0]
+  grid = dict(block_out=(16, 32, 64), block_in=(256, 1024), num_warps=(4, 8), num_stages=(3,))
+  if F.smoke:
+    grid = dict(block_out=(16,), block_in=(256,), num_warps=(4,), num_stages=(3,))
+  out = []
+  for qtype in F.sweep_types.split(","):
+    one = _random_qtensor(jax.random.key(0), qtype, (1,), d_out, d_in).nbytes
+    n_layers = 2 if F.smoke else max(4, -(-256 * 2 ** 20 // one))
+    w = _random_qtensor(jax.random.key(0), qtype, (n_layers,), d_out, d_in)
+    for n in (1, 8):
+      x = jax.random.normal(jax.random.key(n), (n, d_in), "bfloat16")
+      best = None
+      for combo in itertools.product(*grid.values()):
+        tiles = dict(zip(grid, combo))
+        try:
+          t = timer(_program(lambda x, w, i, tiles=tiles: qmatmul(
+              x, w, index=i, implementation=impl, tiles=tiles), n_layers, F.iters),
+              (x, w)) / F.iters
+        except Exception as e:  # a tiling Triton rejects (shared memory, registers)
+          print("sweep", qtype, n, tiles, "failed:", type(e).__name__, str(e)[:200])
+          continue
+        rec = dict(qtype=qtype, shape=name, batch=n, **tiles, us=t * 1e6,
+                   TBps=one / t / 1e12)
+        out.append(rec)
+        print(json.dumps(rec), flush=True)
+        if best is None or t < best[0]:
+          best = (t, rec)
+      if best:
+        print("best", json.dumps(best[1]), flush=True)
+  return out
+
+
+def main(_):
+  res = {}
+  try:
+    probe(res)
+  finally:
+    common.write_json(F.out, res)
+    print("wrote", F.out)
+
+
+if __name__ == "__main__":
+  app.run(main)
