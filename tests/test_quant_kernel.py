@@ -191,6 +191,28 @@ def test_kernel_rejects_bad_planes_and_tiles():
                    block_out=24, interpret=True)
 
 
+@pytest.mark.parametrize("qtype,dtype,lora", [(q, BF16, "a") for q in QUANT_TYPES]
+                         + [("q4_k", F32, "h"), ("q6_k", BF16, "none")])
+def test_kernel_lowers_to_triton_for_the_gpu(qtype, dtype, lora):
+  """Cross-lowering on CPU: every construct of the kernel has a Pallas Triton lowering rule
+  (what the interpreter cannot tell); compiling the Triton IR needs the device."""
+  qt, _ = _weight(qtype)
+  planes = flat(jax.device_put(qt))
+  d_in = qt.shape[-1]
+  kw = {}
+  if lora != "none":
+    kw = dict(on=jnp.ones((3,), jnp.int32), b=jnp.ones((OUT, 8), dtype), lora=lora)
+    kw["a" if lora == "a" else "h"] = (jnp.ones((8, d_in), dtype) if lora == "a"
+                                       else jnp.ones((3, 8), F32))
+
+  def f(x, p, i):
+    return qmatmul_pallas(x, p, i, qtype=qtype, d_out=OUT, **kw)
+
+  low = jax.jit(f).trace(jnp.ones((1, 3, d_in), dtype), planes,
+                         jnp.zeros((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
 # Compiled on the device: the same contract, larger shapes and both tilings.
 GPU_CASES = [(qt, n, dt) for qt in QUANT_TYPES for n, dt in ((1, BF16), (8, BF16), (32, BF16),
                                                               (300, BF16), (5, F32))]
