@@ -14,8 +14,9 @@ program time / iters (median of `--reps`). Reported per (type, shape, batch):
   - LoRA (`--rank`, both `lora_down` forms): the fused call with every row on / every row off,
     beside the plain call (the off / on overheads the issue's targets are about).
 
---sweep also times kernel tilings (block_out, block_in, num_warps) at batches 1 and 8 of
-`--sweep_types` on the first shape and prints the fastest, to choose `kernel.tiling_defaults`.
+--sweep also times kernel forms and tilings (form, block_out, block_in, num_warps,
+num_stages) at batches 1 and 8 of `--sweep_types` on the first shape and prints the fastest,
+to choose `kernel.tiling_defaults`.
 Each timed program compiles `--iters` kernel calls; split a long run with --types / --shapes.
 
   python experiments/bench/quant_probe.py --out=experiments/results/quant_probe.json
@@ -49,6 +50,7 @@ flags.DEFINE_string("lora_shape", "ssm_out", "shape name the LoRA variants run o
 flags.DEFINE_bool("reference", True, "also time the 'xla' quant path (batch 1) and dense bf16")
 flags.DEFINE_bool("sweep", False, "also sweep kernel tilings at batches 1 and 8")
 flags.DEFINE_string("sweep_types", "q4_k,q8_0", "quant types of the sweep")
+flags.DEFINE_integer("sweep_iters", 8, "calls per timed program in the sweep")
 F = flags.FLAGS
 
 
@@ -184,14 +186,21 @@ def _lora(r, x, w, n_layers, impl, timer):
 
 
 def _sweep(shapes, impl, timer):
-  """Tilings at batches 1 and 8 of each type on the first shape; the fastest per case."""
+  """Tilings at batches 1 and 8 of `--sweep_types` on the first shape.
+
+  Pass 1: form x block_out x block_in at 4 warps, 3 stages; pass 2: warps and stages around
+  the best of pass 1. Prints and returns every timing; "best" lines name the fastest.
+  """
   import jax
 
   from pallas_kernels.quant import qmatmul
   name, d_out, d_in = shapes[0]
-  grid = dict(block_out=(16, 32, 64), block_in=(256, 1024), num_warps=(4, 8), num_stages=(3,))
+  grid = dict(form=("rows", "dot"), block_out=(16, 32, 64), block_in=(256, 1024),
+              num_warps=(4,), num_stages=(3,))
   if F.smoke:
-    grid = dict(block_out=(16,), block_in=(256,), num_warps=(4,), num_stages=(3,))
+    grid = dict(form=("rows", "dot"), block_out=(16,), block_in=(256,), num_warps=(4,),
+                num_stages=(3,))
+  iters = F.sweep_iters
   out = []
   for qtype in F.sweep_types.split(","):
     one = _random_qtensor(jax.random.key(0), qtype, (1,), d_out, d_in).nbytes
@@ -200,21 +209,29 @@ def _sweep(shapes, impl, timer):
     for n in (1, 8):
       x = jax.random.normal(jax.random.key(n), (n, d_in), "bfloat16")
       best = None
-      for combo in itertools.product(*grid.values()):
-        tiles = dict(zip(grid, combo))
+
+      def run(tiles):
+        nonlocal best
         try:
-          t = timer(_program(lambda x, w, i, tiles=tiles: qmatmul(
-              x, w, index=i, implementation=impl, tiles=tiles), n_layers, F.iters),
-              (x, w)) / F.iters
+          t = timer(_program(lambda x, w, i: qmatmul(
+              x, w, index=i, implementation=impl, tiles=tiles), n_layers, iters),
+              (x, w)) / iters
         except Exception as e:  # a tiling Triton rejects (shared memory, registers)
           print("sweep", qtype, n, tiles, "failed:", type(e).__name__, str(e)[:200])
-          continue
+          return
         rec = dict(qtype=qtype, shape=name, batch=n, **tiles, us=t * 1e6,
                    TBps=one / t / 1e12)
         out.append(rec)
         print(json.dumps(rec), flush=True)
         if best is None or t < best[0]:
           best = (t, rec)
+
+      for combo in itertools.product(*grid.values()):
+        run(dict(zip(grid, combo)))
+      if best and not F.smoke:
+        base = {k: best[1][k] for k in grid}
+        for warps, stages in ((2, 3), (8, 3), (4, 2), (4, 4)):
+          run(dict(base, num_warps=warps, num_stages=stages))
       if best:
         print("best", json.dumps(best[1]), flush=True)
   return out
