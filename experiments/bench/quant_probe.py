@@ -17,7 +17,9 @@ program time / iters (median of `--reps`). Reported per (type, shape, batch):
 --sweep also times kernel forms and tilings (form, block_out, block_in, num_warps,
 num_stages) at batches 1 and 8 of `--sweep_types` on the first shape and prints the fastest,
 to choose `kernel.tiling_defaults`.
-Each timed program compiles `--iters` kernel calls; split a long run with --types / --shapes.
+Each timed program unrolls `--iters` calls of one jitted kernel (lowered once). The run stops
+starting measurements after `--budget_s` and always writes what it has (also after every
+measurement); split a long run with --types / --shapes / --batches.
 
   python experiments/bench/quant_probe.py --out=experiments/results/quant_probe.json
   python experiments/bench/quant_probe.py --smoke --out=/tmp/quant_probe.json   # CPU check
@@ -42,7 +44,7 @@ flags.DEFINE_string("shapes", "in_proj:12288x2048,ssm_out:2048x4096,ffn_down:204
                     "name:OUTxIN,...")
 flags.DEFINE_string("batches", "1,8,32", "decode batch sizes")
 flags.DEFINE_integer("prefill", 2048, "prefill rows (0: skip)")
-flags.DEFINE_integer("layers", 0, "matrices in each stack (0: enough for 256 MB, >= 4)")
+flags.DEFINE_integer("layers", 0, "matrices in each stack (0: 256 MB and >= --iters)")
 flags.DEFINE_integer("iters", 16, "calls per timed program (unrolled)")
 flags.DEFINE_integer("reps", 7, "timed programs per measurement (median)")
 flags.DEFINE_integer("rank", 50, "LoRA rank")
@@ -51,6 +53,7 @@ flags.DEFINE_bool("reference", True, "also time the 'xla' quant path (batch 1) a
 flags.DEFINE_bool("sweep", False, "also sweep kernel tilings at batches 1 and 8")
 flags.DEFINE_string("sweep_types", "q4_k,q8_0", "quant types of the sweep")
 flags.DEFINE_integer("sweep_iters", 8, "calls per timed program in the sweep")
+flags.DEFINE_float("budget_s", 500.0, "stop starting new measurements after this many seconds")
 F = flags.FLAGS
 
 
@@ -72,10 +75,21 @@ def _random_qtensor(key, qtype, lead, out, d_in):
   return QTensor(**fields, qtype=qtype, shape=(*lead, out, d_in))
 
 
+class OutOfTime(Exception):
+  """The --budget_s is spent: what was measured so far is written."""
+
+
+_T0 = common.now()
+_RES = {}
+
+
 def _timer(reps):
   import jax
 
   def run(fn, args):
+    if common.now() - _T0 > F.budget_s:
+      raise OutOfTime
+    common.write_json(F.out, _RES)  # everything so far, in case the run is killed
     jax.block_until_ready(fn(*args))  # compile + warm
     jax.block_until_ready(fn(*args))
     ts = []
@@ -87,8 +101,16 @@ def _timer(reps):
   return run
 
 
-def _program(call, n_layers, iters):
-  """jit(x, w, *extra) making `iters` unrolled calls over layers i % L; returns a checksum."""
+def _layers(matrix_bytes):
+  """Stack depth: at least --iters (every call of a program reads a different matrix, so XLA
+  cannot merge two identical calls) and 256 MB (more than L2)."""
+  if F.smoke:
+    return 2
+  return F.layers or max(F.iters, F.sweep_iters, -(-256 * 2 ** 20 // matrix_bytes))
+
+
+def _program(call, n_layers, iters, static_layer=False):
+  """jit(x, w, *extra) making `iters` unrolled calls on layers i % L; returns a checksum."""
   import jax
   import jax.numpy as jnp
 
@@ -96,7 +118,8 @@ def _program(call, n_layers, iters):
   def prog(x, w, *extra):
     tot = jnp.zeros((x.shape[0],), jnp.float32)
     for i in range(iters):
-      y = call(x, w, jnp.int32(i % n_layers), *extra)
+      layer = i % n_layers  # a Python int: dense calls index a tuple with it
+      y = call(x, w, layer if static_layer else jnp.int32(layer), *extra)
       tot = tot + y[:, 0].astype(jnp.float32)
     return tot
   return prog
@@ -122,15 +145,17 @@ def probe(res):
   res["config"] = dict(impl=impl, shapes=shapes, batches=batches, iters=iters, reps=F.reps,
                        rank=F.rank, device=str(jax.devices()[0]))
   rows = res.setdefault("qmatmul", [])
-  if F.reference and not F.smoke:  # dense bf16 baseline: once per shape and batch
+  if F.reference:  # dense bf16 baseline: once per shape and batch
     for name, d_out, d_in in shapes:
-      n_layers = F.layers or max(4, -(-256 * 2 ** 20 // (2 * d_out * d_in)))
-      dense = jax.random.normal(key, (n_layers, d_out, d_in), bf16)
+      n_layers = _layers(2 * d_out * d_in)
+      # Separate arrays, not a stack: a static slice of a stack could be copied before the
+      # cuBLAS call, which would time the copy too.
+      dense = tuple(jax.random.normal(jax.random.key(k), (d_out, d_in), bf16)
+                    for k in range(n_layers))
       for n in batches:
         x = jax.random.normal(jax.random.key(n), (n, d_in), bf16)
-        td = timer(_program(lambda x, w, i: jnp.dot(x, w[i].T,
-                                                    preferred_element_type=jnp.float32),
-                            n_layers, iters), (x, dense)) / iters
+        td = timer(_program(lambda x, w, i: jnp.dot(x, w[i].T, preferred_element_type=jnp.float32),
+                            n_layers, iters, static_layer=True), (x, dense)) / iters
         r = dict(qtype="bf16", shape=name, out=d_out, d_in=d_in, batch=n, layers=n_layers,
                  matrix_bytes=2 * d_out * d_in, us=td * 1e6,
                  TBps=(2 * d_in * d_out + 2 * n * (d_in + d_out)) / td / 1e12)
@@ -139,9 +164,7 @@ def probe(res):
       del dense
   for qtype, (name, d_out, d_in) in itertools.product(F.types.split(","), shapes):
     one = _random_qtensor(key, qtype, (1,), d_out, d_in).nbytes
-    n_layers = F.layers or max(4, -(-256 * 2 ** 20 // one))
-    if F.smoke:
-      n_layers = 2
+    n_layers = _layers(one)
     w = _random_qtensor(key, qtype, (n_layers,), d_out, d_in)
     for n in batches:
       x = jax.random.normal(jax.random.key(n), (n, d_in), bf16)
@@ -204,7 +227,7 @@ def _sweep(shapes, impl, timer):
   out = []
   for qtype in F.sweep_types.split(","):
     one = _random_qtensor(jax.random.key(0), qtype, (1,), d_out, d_in).nbytes
-    n_layers = 2 if F.smoke else max(4, -(-256 * 2 ** 20 // one))
+    n_layers = _layers(one)
     w = _random_qtensor(jax.random.key(0), qtype, (n_layers,), d_out, d_in)
     for n in (1, 8):
       x = jax.random.normal(jax.random.key(n), (n, d_in), "bfloat16")
@@ -216,6 +239,8 @@ def _sweep(shapes, impl, timer):
           t = timer(_program(lambda x, w, i: qmatmul(
               x, w, index=i, implementation=impl, tiles=tiles), n_layers, iters),
               (x, w)) / iters
+        except OutOfTime:
+          raise
         except Exception as e:  # a tiling Triton rejects (shared memory, registers)
           print("sweep", qtype, n, tiles, "failed:", type(e).__name__, str(e)[:200])
           return
@@ -238,11 +263,13 @@ def _sweep(shapes, impl, timer):
 
 
 def main(_):
-  res = {}
   try:
-    probe(res)
+    probe(_RES)
+  except OutOfTime:
+    _RES["out_of_time"] = f"stopped after --budget_s={F.budget_s} s; the rest is not measured"
+    print(_RES["out_of_time"], flush=True)
   finally:
-    common.write_json(F.out, res)
+    common.write_json(F.out, _RES)
     print("wrote", F.out)
 
 
