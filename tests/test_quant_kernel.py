@@ -22,6 +22,7 @@ from pallas_kernels.quant import (
     qmatmul_lora,
     qmatmul_pallas,
 )
+from pallas_kernels.quant.kernel import ROWS_MAX
 from pallas_kernels.quant.layout import flat
 
 CPU_IMPLS = ("pallas_interpret", "xla")
@@ -65,7 +66,8 @@ def bits(arr):
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 @pytest.mark.parametrize("n,dtype", [(17, F32), (1, BF16)], ids=["N17-f32", "N1-bf16"])
 def test_qmatmul_matches_float64_on_stacked_weight(impl, qtype, n, dtype):
-  """out = 40 over 16-row tiles (ragged), N = 17 over 16-row tiles (ragged) or N = 1."""
+  """out = 40 over 16-row tiles (ragged); N = 17 over 16-row tiles (ragged; the "dot" form)
+  or N = 1 (the "rows" form)."""
   qt, w64 = _weight(qtype)
   x = _x(n, qt.shape[-1], dtype)
   tiles = SMALL_TILES if impl != "xla" else None
@@ -119,24 +121,29 @@ def _lora(n, d_in, d_out, rank, dtype, on_kind, seed=2):
   return a, b, on
 
 
-LORA_CASES = [("pallas_interpret", "q5_k", "h", F32, "mixed"),
-              ("pallas_interpret", "q8_0", "a", F32, "mixed"),
-              ("pallas_interpret", "q8_0", "h", BF16, "mixed"),
-              ("pallas_interpret", "q8_0", "a", BF16, "none"),
-              ("pallas_interpret", "q8_0", "h", F32, "all"),
-              ("xla", "q5_k", "h", BF16, "mixed"), ("xla", "q5_k", "h", F32, "mixed")]
+# (impl, qtype, lora_down, dtype, on rows, N): N = 18 runs the "dot" form, N = 3 "rows".
+LORA_CASES = [("pallas_interpret", "q5_k", "h", F32, "mixed", 18),
+              ("pallas_interpret", "q8_0", "a", F32, "mixed", 18),
+              ("pallas_interpret", "q8_0", "h", BF16, "mixed", 18),
+              ("pallas_interpret", "q8_0", "a", BF16, "none", 18),
+              ("pallas_interpret", "q8_0", "h", F32, "all", 18),
+              ("pallas_interpret", "q4_k", "h", BF16, "mixed", 3),
+              ("pallas_interpret", "q8_0", "a", F32, "mixed", 3),
+              ("xla", "q5_k", "h", BF16, "mixed", 18), ("xla", "q5_k", "h", F32, "mixed", 18)]
 
 
-@pytest.mark.parametrize("impl,qtype,down,dtype,on_kind", LORA_CASES,
-                         ids=["-".join(map(str, (*c[:3], np.dtype(c[3]).name, c[4])))
+@pytest.mark.parametrize("impl,qtype,down,dtype,on_kind,n", LORA_CASES,
+                         ids=["-".join(map(str, (*c[:3], np.dtype(c[3]).name, c[4], c[5])))
                               for c in LORA_CASES])
-def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_kind):
-  n, rank, scale = 18, 12, 0.5
+def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_kind, n):
+  rank, scale = 12, 0.5
   qt, w64 = _weight(qtype)
   w = jax.device_put(qt)
   x = _x(n, qt.shape[-1], dtype)
   a, b, on = _lora(n, qt.shape[-1], OUT, rank, dtype, on_kind)
-  tiles = SMALL_TILES if impl != "xla" else None
+  tiles = None
+  if impl != "xla":  # "rows" form: one row per program; "dot": 16-row tiles, ragged
+    tiles = dict(SMALL_TILES, block_rows=1) if n <= ROWS_MAX else SMALL_TILES
   kw = dict(index=jnp.int32(1), implementation=impl, tiles=tiles)
   got = np.asarray(qmatmul_lora(jnp.asarray(x), w, jnp.asarray(a), jnp.asarray(b),
                                 jnp.asarray(on), scale=scale, lora_down=down, **kw))
@@ -191,31 +198,61 @@ def test_kernel_rejects_bad_planes_and_tiles():
                    block_out=24, interpret=True)
 
 
+@pytest.mark.parametrize("form", ["rows", "dot"])
+@pytest.mark.parametrize("qtype,dtype,lora", [(q, BF16, "a") for q in QUANT_TYPES]
+                         + [("q4_k", F32, "h"), ("q6_k", BF16, "none")])
+def test_kernel_lowers_to_triton_for_the_gpu(qtype, dtype, lora, form):
+  """Cross-lowering on CPU: every construct of the kernel has a Pallas Triton lowering rule
+  (what the interpreter cannot tell); compiling the Triton IR needs the device."""
+  qt, _ = _weight(qtype)
+  planes = flat(jax.device_put(qt))
+  d_in = qt.shape[-1]
+  kw = {}
+  if lora != "none":
+    kw = dict(on=jnp.ones((3,), jnp.int32), b=jnp.ones((OUT, 8), dtype), lora=lora)
+    kw["a" if lora == "a" else "h"] = (jnp.ones((8, d_in), dtype) if lora == "a"
+                                       else jnp.ones((3, 8), F32))
+
+  def f(x, p, i):
+    return qmatmul_pallas(x, p, i, qtype=qtype, d_out=OUT, form=form, **kw)
+
+  low = jax.jit(f).trace(jnp.ones((1, 3, d_in), dtype), planes,
+                         jnp.zeros((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
 # Compiled on the device: the same contract, larger shapes and both tilings.
-GPU_CASES = [(qt, n, dt) for qt in QUANT_TYPES for n, dt in ((1, BF16), (8, BF16), (32, BF16),
-                                                              (300, BF16), (5, F32))]
+GPU_CASES = [(qt, n, dt, form) for qt in QUANT_TYPES
+             for n, dt, form in ((1, BF16, "rows"), (1, BF16, "dot"), (3, BF16, "rows"),
+                                 (8, BF16, "rows"), (8, BF16, "dot"), (32, BF16, "dot"),
+                                 (300, BF16, "dot"), (2, F32, "rows"), (5, F32, "dot"))]
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("qtype,n,dtype", GPU_CASES,
-                         ids=[f"{c[0]}-N{c[1]}-{np.dtype(c[2]).name}" for c in GPU_CASES])
-def test_gpu_parity(qtype, n, dtype):
+@pytest.mark.parametrize("qtype,n,dtype,form", GPU_CASES,
+                         ids=[f"{c[0]}-N{c[1]}-{np.dtype(c[2]).name}-{c[3]}" for c in GPU_CASES])
+def test_gpu_parity(qtype, n, dtype, form):
   qt, w64 = _weight(qtype, lead=(3,), out=328, blocks=4, seed=11)
   x = _x(n, qt.shape[-1], dtype)
-  got = qmatmul(jnp.asarray(x), jax.device_put(qt), index=jnp.int32(2), implementation="pallas")
-  assert_close(got, _want(x, w64[2]), rel=_tol(dtype), what=f"gpu {qtype} N{n}")
+  got = qmatmul(jnp.asarray(x), jax.device_put(qt), index=jnp.int32(2), implementation="pallas",
+                tiles={"form": form})
+  assert_close(got, _want(x, w64[2]), rel=_tol(dtype), what=f"gpu {qtype} N{n} {form}")
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("down", ["h", "a"])
-@pytest.mark.parametrize("n,dtype", [(1, BF16), (8, BF16), (32, BF16), (200, BF16), (7, F32)])
-def test_gpu_lora_off_rows_bit_identical(down, n, dtype):
+@pytest.mark.parametrize("n,dtype,on_kind", [(1, BF16, "none"), (1, BF16, "all"),
+                                             (3, BF16, "mixed"), (8, BF16, "mixed"),
+                                             (32, BF16, "mixed"), (200, BF16, "mixed"),
+                                             (2, F32, "mixed"), (7, F32, "mixed")])
+def test_gpu_lora_off_rows_bit_identical(down, n, dtype, on_kind):
+  """Both forms ("rows" for N <= 4, "dot" above), both LoRA down forms, on the device."""
   qt, w64 = _weight("q4_k", lead=(2,), out=264, blocks=4, seed=12)
   w = jax.device_put(qt)
   x = _x(n, qt.shape[-1], dtype)
-  a, b, on = _lora(n, qt.shape[-1], 264, 16, dtype, "mixed" if n > 1 else "none")
+  a, b, on = _lora(n, qt.shape[-1], 264, 16, dtype, on_kind)
   kw = dict(index=jnp.int32(1), implementation="pallas")
   got = np.asarray(qmatmul_lora(jnp.asarray(x), w, jnp.asarray(a), jnp.asarray(b),
                                 jnp.asarray(on), lora_down=down, **kw))

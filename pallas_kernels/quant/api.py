@@ -85,7 +85,8 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
       stacked.
     implementation: one of CHOICES.
     precision: of the product for fp32 x (None: HIGHEST).
-    tiles: optional kernel tiling {block_rows, block_out, block_in, num_warps, num_stages}.
+    tiles: optional kernel options {form, block_rows, block_out, block_in, num_warps,
+      num_stages} (kernel.qmatmul_pallas).
 
   Returns:
     [N, out] in x.dtype.

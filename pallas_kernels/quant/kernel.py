@@ -61,6 +61,7 @@ class Tiling(NamedTuple):
   block_rows: int  # bn
   block_out: int  # bo
   unroll: int  # units per loop step (unit: a Q8_0 32-block, or a K-quant super-block)
+  form: str  # "dot" (row tiles >= 16 on the tensor cores) or "rows" (a few rows, GEMV)
   cd: object  # operand dtype of the weight product
   precision: object
   out_dtype: object
@@ -73,7 +74,7 @@ class Tiling(NamedTuple):
 
   @property
   def row_ragged(self):
-    return self.m % self.block_rows != 0
+    return self.form == "dot" and self.m % self.block_rows != 0
 
   @property
   def out_ragged(self):
@@ -188,23 +189,37 @@ def _kernel(*refs, t):
   rest = rest[len(names):]
   if t.lora == "none":
     (o_ref,) = rest
+    lora_refs = None
   else:
-    on_ref, ah_ref, b_ref, o_ref = rest
-  bn, bo, rp = t.block_rows, t.block_out, t.rank_pad
+    *lora_refs, o_ref = rest
+  bn, bo = t.block_rows, t.block_out
   j, g, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   o0, r0 = j * bo, i * bn
   o_ok = (o0 + jnp.arange(bo)) < t.d_out if t.out_ragged else None
   r_ok = (r0 + jnp.arange(bn)) < t.m if t.row_ragged else None
   s = idx_ref[g]
   tl = _Tiles({**planes, "x": x_ref}, s, g, o0, r0, o_ok, r_ok, t)
+  form = _dot_form if t.form == "dot" else _rows_form
+  form(tl, lora_refs, o_ref, t)
+
+
+def _step_tiles(tl, step, t):
+  tiles = []
+  for u in range(t.unroll):  # all of a step's loads first: more bytes in flight
+    tiles += _sub_tiles(tl, step * t.unroll + u, t)
+  return tiles
+
+
+def _dot_form(tl, lora_refs, o_ref, t):
+  """Rows padded to a >= 16-row tile; one tl.dot per weight tile (tensor cores)."""
+  bn, bo, rp = t.block_rows, t.block_out, t.rank_pad
   r_in = (jnp.arange(rp) < t.rank) if t.rank != rp else None
+  if lora_refs is not None:
+    on_ref, ah_ref, b_ref = lora_refs
 
   def body(step, carry):
     acc, h = carry
-    tiles = []
-    for u in range(t.unroll):  # all of a step's loads first: more bytes in flight
-      tiles += _sub_tiles(tl, step * t.unroll + u, t)
-    for col, w in tiles:
+    for col, w in _step_tiles(tl, step, t):
       xk = tl.x(col, w.shape[1])
       acc = acc + lax.dot_general(xk, w.astype(t.cd), _NT, precision=t.precision,
                                   preferred_element_type=_F32)
@@ -219,12 +234,12 @@ def _kernel(*refs, t):
   acc, h = lax.fori_loop(0, _units(t.qtype, t.d_in) // t.unroll, body, (acc0, h0))
   y = plain = acc.astype(t.out_dtype)
   if t.lora != "none":
-    on = _load(on_ref.at[pl.ds(r0, bn)], r_ok) != 0  # [bn]; padded rows read 0: off
+    on = _load(on_ref.at[pl.ds(tl.r0, bn)], tl.r_ok) != 0  # [bn]; padded rows read 0: off
     if t.lora == "h":
-      h = _load(ah_ref.at[pl.ds(r0, bn), pl.ds(0, rp)], _and(_col(r_ok), _row(r_in)))
+      h = _load(ah_ref.at[pl.ds(tl.r0, bn), pl.ds(0, rp)], _and(_col(tl.r_ok), _row(r_in)))
 
     def with_lora():
-      bt = _load(b_ref.at[pl.ds(o0, bo), pl.ds(0, rp)], _and(_col(o_ok), _row(r_in)))
+      bt = _load(b_ref.at[pl.ds(tl.o0, bo), pl.ds(0, rp)], _and(_col(tl.o_ok), _row(r_in)))
       delta = up_product(h, bt)  # [bn, bo] fp32
       if t.scale != 1.0:
         delta = delta * t.scale
@@ -233,22 +248,93 @@ def _kernel(*refs, t):
 
     any_on = jnp.max(on.astype(jnp.int32)) > 0
     y = lax.cond(any_on, with_lora, lambda: plain)
-  _store(o_ref.at[g, pl.ds(r0, bn), pl.ds(o0, bo)], y, _and(_col(r_ok), _row(o_ok)))
+  _store(o_ref.at[tl.g, pl.ds(tl.r0, bn), pl.ds(tl.o0, bo)], y,
+         _and(_col(tl.r_ok), _row(tl.o_ok)))
+
+
+def _rows_form(tl, lora_refs, o_ref, t):
+  """A few rows (block_rows divides M: no row masks), each a GEMV on the CUDA cores.
+
+  Row r keeps a [bo, W] fp32 accumulator of weight x activation products (both rounded to
+  the compute dtype, so each product is exact in fp32) and sums it over W once at the end:
+  no padded rows, no layout change for a dot, no per-step reductions.
+  """
+  bn, bo, rp = t.block_rows, t.block_out, t.rank_pad
+  r_in = (jnp.arange(rp) < t.rank) if t.rank != rp else None
+  if lora_refs is not None:
+    on_ref, ah_ref, b_ref = lora_refs
+  width = 16 if t.qtype == "q6_k" else 32
+
+  def xrow(r, col, w):
+    view = tl.refs["x"].at[tl.g, tl.r0 + r, pl.ds(col, w)]
+    return view[...].astype(t.cd).astype(_F32)  # [w]
+
+  def body(step, carry):
+    accs, hs = carry
+    accs, hs = list(accs), list(hs)
+    for col, w in _step_tiles(tl, step, t):
+      wc = w.astype(t.cd).astype(_F32)
+      if t.lora == "a":
+        ak = _load(ah_ref.at[pl.ds(0, rp), pl.ds(col, width)], _col(r_in)).astype(_F32)
+      for r in range(bn):
+        xr = xrow(r, col, width)
+        accs[r] = accs[r] + wc * xr[None, :]
+        if t.lora == "a":
+          hs[r] = hs[r] + ak * xr[None, :]
+    return tuple(accs), tuple(hs)
+
+  acc0 = tuple(jnp.zeros((bo, width), _F32) for _ in range(bn))
+  h0 = tuple(jnp.zeros((rp, width), _F32) for _ in range(bn if t.lora == "a" else 0))
+  accs, hs = lax.fori_loop(0, _units(t.qtype, t.d_in) // t.unroll, body, (acc0, h0))
+  accs = [jnp.sum(a, axis=1) for a in accs]  # [bo] each
+  plain = [a.astype(t.out_dtype) for a in accs]
+  ys = plain
+  if t.lora != "none":
+    ons = [on_ref[tl.r0 + r] != 0 for r in range(bn)]
+    if t.lora == "a":
+      hs = [jnp.sum(h, axis=1) for h in hs]  # [Rp]
+    else:
+      hs = [_load(ah_ref.at[tl.r0 + r, pl.ds(0, rp)], r_in) for r in range(bn)]
+
+    def with_lora():
+      bt = _load(b_ref.at[pl.ds(tl.o0, bo), pl.ds(0, rp)],
+                 _and(_col(tl.o_ok), _row(r_in))).astype(_F32)
+      out = []
+      for r in range(bn):
+        delta = jnp.sum(bt * hs[r][None, :], axis=1)  # [bo] fp32
+        if t.scale != 1.0:
+          delta = delta * t.scale
+        # A select, never acc + 0 * delta: off rows keep the plain kernel's bits.
+        out.append(jnp.where(ons[r], (accs[r] + delta).astype(t.out_dtype), plain[r]))
+      return tuple(out)
+
+    any_on = ons[0]
+    for v in ons[1:]:
+      any_on = any_on | v
+    ys = lax.cond(any_on, with_lora, lambda: tuple(plain))
+  for r in range(bn):
+    _store(o_ref.at[tl.g, tl.r0 + r, pl.ds(tl.o0, bo)], ys[r], tl.o_ok)
 
 
 def _pow2_at_least(v, lo=_MIN_TILE):
   return max(lo, pl.next_power_of_2(int(v)))
 
 
-def tiling_defaults(m, d_out, *, interpret=False):
+ROWS_MAX = 4  # "auto" form: the GEMV ("rows") form up to this many rows per group
+
+
+def tiling_defaults(m, d_out, *, form="dot", interpret=False):
   """(block_rows, block_out, block_in) when not given.
 
-  Compiled (a first guess; `experiments/bench/quant_probe.py --sweep` measures others):
-  decode-sized calls (M <= 16) take bo = 16, for many programs (out / 16) each streaming its
-  rows, and 1024 columns per loop step, for many loads in flight per program; larger M
-  take bn = 32 / 64, bo = 32 / 64 and 256 columns (tensor-core tiles). Interpret (CPU):
-  large tiles, as each interpreted grid step costs time.
+  Compiled (first guesses; `experiments/bench/quant_probe.py --sweep` times others):
+  "rows" form: all M rows in one program, bo = 32, 1024 columns per loop step (many loads in
+  flight per program). "dot" form: M <= 16 padded to one 16-row tile with bo = 16 (out / 16
+  programs) and 1024 columns a step; larger M take bn = 32 / 64, bo = 32 / 64 and 256
+  columns (tensor-core tiles). Interpret (CPU): large tiles, as each interpreted grid step
+  costs time.
   """
+  if form == "rows":
+    return m, min(128 if interpret else 32, _pow2_at_least(d_out)), 256 if interpret else 1024
   if interpret:
     return min(128, _pow2_at_least(m)), min(128, _pow2_at_least(d_out)), 256
   if m <= 16:
@@ -285,12 +371,12 @@ def check_planes(planes, qtype, d_out, d_in):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "qtype", "d_out", "lora", "scale", "block_rows", "block_out", "block_in", "num_warps",
-    "num_stages", "interpret", "precision", "out_dtype"))
+    "qtype", "d_out", "lora", "scale", "form", "block_rows", "block_out", "block_in",
+    "num_warps", "num_stages", "interpret", "precision", "out_dtype"))
 def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=None,
-                   lora="none", scale=1.0, block_rows=None, block_out=None, block_in=None,
-                   num_warps=None,
-                   num_stages=None, interpret=False, precision=None, out_dtype=None):
+                   lora="none", scale=1.0, form=None, block_rows=None, block_out=None,
+                   block_in=None, num_warps=None, num_stages=None, interpret=False,
+                   precision=None, out_dtype=None):
   """y[g] = x[g] @ W[idx[g]]^T (+ the LoRA epilogue), reading the weight stack in place.
 
   Args:
@@ -304,7 +390,10 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     b: [out, R] LoRA B, adapter scale folded in.
     lora: "none", "a" (x @ A^T inside the kernel) or "h" (h passed in).
     scale: static factor on the LoRA delta.
-    block_rows, block_out: power-of-2 tiles >= 16 over M and out (None: `tiling_defaults`).
+    form: "dot" (rows padded to tiles >= 16, tl.dot on the tensor cores), "rows" (each of
+      a few rows a GEMV on the CUDA cores, no padding) or None: "rows" for M <= ROWS_MAX.
+    block_rows: "dot": a power of 2 >= 16; "rows": rows per program (rounded down to a
+      divisor of M). block_out: a power of 2 >= 16. None: `tiling_defaults`.
     block_in: columns per loop step, a power of 2 (None: `tiling_defaults`); rounded down
       to a power-of-2 number of blocks that divides the row (at least one block).
     num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
@@ -323,13 +412,23 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   n_mats = check_planes(planes, qtype, d_out, d_in)
   if idx.shape != (groups,):
     raise ValueError(f"quant kernel: idx {idx.shape} must be [G] = [{groups}]")
-  for name, v in (("block_rows", block_rows), ("block_out", block_out), ("block_in", block_in)):
+  form = form or ("rows" if m <= ROWS_MAX else "dot")
+  if form not in ("dot", "rows"):
+    raise ValueError(f"quant kernel: form={form!r} is not 'dot' or 'rows'")
+  tiles = [("block_out", block_out), ("block_in", block_in)]
+  if form == "dot":
+    tiles.append(("block_rows", block_rows))
+  elif block_rows is not None and block_rows < 1:
+    raise ValueError(f"quant kernel: block_rows={block_rows} must be >= 1")
+  for name, v in tiles:
     if v is not None and (v < _MIN_TILE or v & (v - 1)):
       raise ValueError(f"quant kernel: {name}={v} must be a power of 2 >= {_MIN_TILE}")
   if not interpret and pltriton is None:
     raise RuntimeError("quant kernel: this JAX has no Pallas Triton backend; use 'xla'")
-  bn0, bo0, bk0 = tiling_defaults(m, d_out, interpret=interpret)
+  bn0, bo0, bk0 = tiling_defaults(m, d_out, form=form, interpret=interpret)
   bn, bo = block_rows or bn0, block_out or bo0
+  if form == "rows":  # unrolled rows: a divisor of M, so no row is ever out of range
+    bn = next(v for v in range(min(bn, max(m, 1)), 0, -1) if m % v == 0) if m else 1
   od = jnp.dtype(out_dtype or x.dtype)
   if jnp.dtype(x.dtype) in _HALF:
     cd, prec = jnp.dtype(x.dtype), lax.Precision.DEFAULT
@@ -339,7 +438,7 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   want = max(1, (block_in or bk0) // BLOCK[qtype])  # blocks per step
   unroll = next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and units % u == 0)
   t = Tiling(qtype=qtype, groups=groups, m=m, d_in=d_in, d_out=d_out, block_rows=bn,
-             block_out=bo, unroll=unroll, cd=cd, precision=prec, out_dtype=od,
+             block_out=bo, unroll=unroll, form=form, cd=cd, precision=prec, out_dtype=od,
              lora=lora, scale=float(scale))
   idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
   args = [idx, x, *(planes[n] for n in PLANES[qtype])]
