@@ -1,0 +1,168 @@
+"""Fused GDN decode kernel (gates in the kernel, invalid rows not stored): parity with
+`reference.delta_rule_step_fused`, which is the model's decode path.
+
+CPU runs the kernel under the Pallas interpreter and cross-lowers it to Triton for cuda; the
+`gpu` tests run it compiled (JAX_PLATFORMS=cuda on the device)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import KERNEL_REL, assert_close
+
+from pallas_kernels.gdn import api, reference
+from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused, sigmoid, softplus
+
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
+F32, BF16 = jnp.float32, jnp.bfloat16
+ABS = 1e-6  # fp32 kernel vs fp32 reference: summation order and the gates' formulas differ
+REL = KERNEL_REL["float32"]
+
+# (B, Hk, Hv, Dk, Dv): B = 1, 3, 5; r = 1, 2, 3; odd head counts; Dk != Dv; Dv = 8 (the
+# tiny test model's).
+SHAPES = [(1, 2, 4, 16, 8), (3, 3, 6, 32, 16), (5, 1, 3, 16, 16), (3, 2, 2, 8, 32)]
+
+
+def _id(s):
+  return "B{}-Hk{}-Hv{}-Dk{}-Dv{}".format(*s)
+
+
+def make_inputs(b, hk, hv, dk, dv, *, act=F32, seed=0):
+  """Raw q/k of any norm, raw gate inputs, the layer's A = -exp(A_log) and dt_bias, an O(1)
+  state."""
+  rng = np.random.default_rng(seed)
+  n = lambda *s: rng.standard_normal(s)
+  return (jnp.asarray(2.0 * n(b, hk, dk), act), jnp.asarray(n(b, hk, dk), act),
+          jnp.asarray(n(b, hv, dv), act), jnp.asarray(2.0 * n(b, hv), F32),
+          jnp.asarray(2.0 * n(b, hv), F32), jnp.asarray(-np.exp(n(hv)), F32),
+          jnp.asarray(n(hv), F32), jnp.asarray(n(b, hv, dv, dk), F32))
+
+
+def valid_rows(b):
+  """Every other row invalid (row 0 valid)."""
+  return jnp.asarray(np.arange(b) % 2 == 0)
+
+
+def check(got, want, what):
+  (o, s), (wo, ws) = got, want
+  assert o.dtype == s.dtype == jnp.float32
+  assert_close(o, wo, rel=REL, abs_=ABS, what=f"{what} o")
+  assert_close(s, ws, rel=REL, abs_=ABS, what=f"{what} state")
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all-valid", "masked"])
+@pytest.mark.parametrize("act", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+def test_interpret_parity(shape, act, masked):
+  args = make_inputs(*shape, act=act, seed=sum(shape))
+  valid = valid_rows(shape[0]) if masked else None
+  got = gdn_decode_fused(*args, valid, interpret=True)
+  check(got, reference.delta_rule_step_fused(*args, valid), f"{_id(shape)} {act.__name__}")
+  if masked:  # invalid rows: not stored, so the aliased state keeps them bit for bit
+    keep = ~np.asarray(valid)
+    np.testing.assert_array_equal(np.asarray(got[1])[keep], np.asarray(args[-1])[keep])
+
+
+@pytest.mark.parametrize("block_v", [1, 4, 16])
+def test_interpret_dv_tiles(block_v):
+  """Several programs per head (block_v < Dv, down to one state row) write disjoint rows."""
+  args = make_inputs(3, 2, 4, 16, 32, seed=7)
+  valid = valid_rows(3)
+  got = gdn_decode_fused(*args, valid, interpret=True, block_v=block_v)
+  check(got, reference.delta_rule_step_fused(*args, valid), f"block_v={block_v}")
+
+
+def test_gates_and_reference_are_the_model_path():
+  """The kernel's softplus / sigmoid match jax.nn's; the fused oracle is the model's gates
+  (g = A softplus(a + dt_bias), beta = sigmoid(b), zeroed for invalid rows) then
+  `delta_rule_step_raw`."""
+  x = jnp.linspace(-30.0, 30.0, 601)
+  assert_close(softplus(x), jax.nn.softplus(x), rel=REL, what="softplus")
+  assert_close(sigmoid(x), jax.nn.sigmoid(x), rel=REL, what="sigmoid")
+  q, k, v, a, b, ac, dtb, s = make_inputs(3, 2, 4, 16, 16, seed=3)
+  valid = valid_rows(3)
+  ok = valid[:, None]
+  g = jnp.where(ok, ac * jax.nn.softplus(a + dtb), 0.0)
+  beta = jnp.where(ok, jax.nn.sigmoid(b), 0.0)
+  want = reference.delta_rule_step_raw(q, k, v, g, beta, s)
+  got = reference.delta_rule_step_fused(q, k, v, a, b, ac, dtb, s, valid)
+  for x, y in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_chained_donated_steps_update_in_place():
+  """The new state feeds the next step inside a jit that donates it (the decode loop)."""
+  *inp, s0 = make_inputs(2, 2, 4, 16, 16, seed=4)
+  valid = jnp.asarray([True, False])
+  step = jax.jit(lambda s, *a: gdn_decode_fused(*a, s, valid, interpret=True),
+                 donate_argnums=0)
+  s_got, s_want = jnp.array(s0), s0
+  for _ in range(3):
+    wo, s_want = reference.delta_rule_step_fused(*inp, s_want, valid)
+    o, s_got = step(s_got, *inp)
+    assert_close(o, wo, rel=REL, abs_=ABS, what="chained o")
+  assert_close(s_got, s_want, rel=REL, abs_=ABS, what="chained state")
+  np.testing.assert_array_equal(np.asarray(s_got[1]), np.asarray(s0[1]))
+
+
+def test_step_fused_dispatch():
+  args = make_inputs(3, 2, 4, 16, 16, seed=5)
+  valid = valid_rows(3)
+  want = reference.delta_rule_step_fused(*args, valid)
+  for impl in ("pallas_fused_interpret", "xla", "pallas_interpret", None):
+    check(api.step_fused(*args, valid, implementation=impl), want, str(impl))
+  if not ON_GPU:
+    with pytest.raises(ValueError, match="needs a GPU"):
+      api.step_fused(*args, implementation="pallas_fused")
+
+
+def test_input_checks():
+  args = make_inputs(1, 2, 4, 16, 16)
+  q, k, v, a, b, ac, dtb, s = args
+  with pytest.raises(ValueError, match="Dk=24 must be a power of 2"):
+    gdn_decode_fused(*make_inputs(1, 2, 4, 24, 16), interpret=True)
+  with pytest.raises(ValueError, match="block_v=32"):
+    gdn_decode_fused(*args, interpret=True, block_v=32)
+  with pytest.raises(ValueError, match="block_v=3"):
+    gdn_decode_fused(*args, interpret=True, block_v=3)
+  with pytest.raises(ValueError, match="multiple of Hk"):
+    gdn_decode_fused(*make_inputs(1, 3, 4, 16, 16), interpret=True)
+  with pytest.raises(ValueError, match="state must be float32"):
+    gdn_decode_fused(q, k, v, a, b, ac, dtb, s.astype(BF16), interpret=True)
+  with pytest.raises(ValueError, match="a .* must be"):
+    gdn_decode_fused(q, k, v, a[:, :2], b, ac, dtb, s, interpret=True)
+  with pytest.raises(ValueError, match="dt_bias .* must be"):
+    gdn_decode_fused(q, k, v, a, b, ac, dtb[:2], s, interpret=True)
+  with pytest.raises(ValueError, match="valid .* must be"):
+    gdn_decode_fused(*args, jnp.ones((2,), bool), interpret=True)
+
+
+@pytest.mark.parametrize("block_v", [8, 32])
+def test_lowers_to_triton_for_the_gpu(block_v):
+  """Cross-lowering on CPU at the bench's sizes (bf16 q/k/v, a mask)."""
+  args = make_inputs(2, 16, 32, 128, 128, act=BF16)
+  f = lambda *a: gdn_decode_fused(*a, block_v=block_v)
+  text = jax.jit(f).trace(*args, valid_rows(2)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text
+
+
+# ---------------------------------------------------------------- compiled, on the device
+
+GPU_SHAPES = [*SHAPES, (1, 16, 32, 128, 128), (8, 16, 32, 128, 128), (32, 16, 32, 128, 128)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("block_v", [None, 1, 8, 64])
+@pytest.mark.parametrize("act", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=_id)
+def test_gpu_parity(shape, act, block_v):
+  args = make_inputs(*shape, act=act, seed=sum(shape))
+  valid = valid_rows(shape[0])
+  bv = None if block_v is None else min(block_v, shape[4])
+  with jax.default_matmul_precision("highest"):
+    want = reference.delta_rule_step_fused(*args, valid)
+  got = gdn_decode_fused(*args, valid, block_v=bv)
+  check(got, want, f"gpu {_id(shape)} block_v={bv}")
+  keep = ~np.asarray(valid)
+  np.testing.assert_array_equal(np.asarray(got[1])[keep], np.asarray(args[-1])[keep])
