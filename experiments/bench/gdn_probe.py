@@ -6,7 +6,7 @@ state, the bench-a3b head geometry (16 k-heads, 32 v-heads of 128), one process,
     ours   "pallas" (chunked_kernel.py, chunks walked in order, C = 32), "pallas_parallel"
            (parallel_kernel.py, intra-chunk work parallel, state pass fused with the outputs:
            two launches) and "pallas_split" (three launches: intra, state pass, outputs),
-           each at C = 32 and 64;
+           each at C = 32 and 64, num_stages 1 and then 2 (the state pass's loads pipelined);
     fla    chunk_gated_delta_rule(use_qk_l2norm_in_kernel=False, scale=1, state_v_first=True).
   decode (one token, batch 1/8/32, raw q/k [B, 16, 128], the state [B, 32, 128, 128]):
     ours   "xla" (gates + reference.delta_rule_step_raw in jnp), "pallas" (decode_kernel.py,
@@ -15,6 +15,9 @@ state, the bench-a3b head geometry (16 k-heads, 32 v-heads of 128), one process,
     fla    fused_recurrent_gated_delta_rule(use_qk_l2norm_in_kernel=True, state_v_first=True),
            gates precomputed ("fla") and in the kernel ("fla_gates_in_kernel").
   launch floor: a Pallas Triton call that adds 1 to 8 floats, chained, timed as ours are.
+  Both the floor and the fused decode kernel also run through the other custom call
+  ("ffi": `triton_kernel_call_ffi`, JAX 0.11's opt-in `USE_NEW_CUSTOM_CALL`), since the
+  earlier ~17 µs per Pallas call at batch 1 (pallas_kernels/gdn/README.md) is unexplained.
 
 Ours: each op chained `--steps` times (decode; 5 for chunked) inside one jitted program, the
 state carried and donated, every output kept, so one dispatch is spread over the steps: the
@@ -35,6 +38,7 @@ has passed the variants left are recorded as skipped, so the run stays under 3 m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -79,6 +83,34 @@ def chain_timer(fn, state, args, steps, reps):
     jax.block_until_ready((state, outs))
     times.append((time.perf_counter() - t) / steps)
   return statistics.median(times) * 1e6, state
+
+
+@contextlib.contextmanager
+def call_path(path):
+  """Which custom call the Pallas Triton lowering emits: "native" (`__gpu$xla.gpu.triton`,
+  XLA compiles the Triton IR into an ordinary kernel thunk; JAX 0.11's default) or "ffi"
+  (`triton_kernel_call_ffi`, Triton compiled by JAX, launched by jaxlib's FFI handler).
+  A JAX without the switch (`USE_NEW_CUSTOM_CALL`, JAX 0.11) raises for "ffi"."""
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  if path == "native":
+    yield
+    return
+  if not hasattr(reg, "USE_NEW_CUSTOM_CALL"):
+    raise RuntimeError("this JAX has no USE_NEW_CUSTOM_CALL switch")
+  old = reg.USE_NEW_CUSTOM_CALL
+  reg.USE_NEW_CUSTOM_CALL = True
+  try:
+    yield
+  finally:
+    reg.USE_NEW_CUSTOM_CALL = old
+
+
+def call_targets(fn, *args):
+  """The Triton custom-call targets in fn's lowered module."""
+  import jax
+  text = jax.jit(fn).lower(*args).as_text()
+  return sorted(t for t in ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi",
+                            "triton_kernel_call\"") if t in text)
 
 
 def run_variant(res_list, row, body):
@@ -181,20 +213,23 @@ def probe_chunked(res, fla, a):
     want = jax.jit(jax.vmap(lambda *x: reference.delta_rule_chunked(
         *(t.astype(jnp.float32) for t in x[:5]), x[5], chunk=64)))(q, k, v, g, beta, s0)
   interp = a.tiny
-  variants = [("pallas", 32, lambda c: functools.partial(gdn_chunked_pallas, chunk=c,
-                                                         interpret=interp))]
-  for c in (32, 64):
-    for name, sp in (("pallas_parallel", "fused"), ("pallas_split", "separate")):
-      variants.append((name, c, lambda c, sp=sp: functools.partial(
-          gdn_chunked_parallel, chunk=c, state_pass=sp, interpret=interp)))
-  for name, c, make in variants:
+  variants = [("pallas", 32, 1, lambda c: functools.partial(gdn_chunked_pallas, chunk=c,
+                                                            interpret=interp))]
+  for stages in (1, 2):  # 2: Triton pipelines the state pass's per-chunk loads
+    for c in (32, 64):
+      for name, sp in (("pallas_parallel", "fused"), ("pallas_split", "separate")):
+        if stages == 2 and interp:
+          continue
+        variants.append((name, c, stages, lambda c, sp=sp, st=stages: functools.partial(
+            gdn_chunked_parallel, chunk=c, state_pass=sp, interpret=interp, num_stages=st)))
+  for name, c, stages, make in variants:
     def body(row, make=make, c=c):
       fn = make(c)
       o, s = jax.jit(fn)(q, k, v, g, beta, s0)
       row.update(o_err=err(o, want[0]), state_err=err(s, want[1]))
       row["us"], _ = chain_timer(lambda st, *x: fn(*x, st), jnp.array(s0), (q, k, v, g, beta),
                                  a.chunk_steps, a.reps)
-    run_variant(res["chunked"], dict(impl=name, chunk=c, T=T, H=h), body)
+    run_variant(res["chunked"], dict(impl=name, chunk=c, stages=stages, T=T, H=h), body)
   if fla is None:
     return
 
@@ -262,9 +297,19 @@ def probe_decode(res, fla, a, sweep=False):
         row.update(o_err=err(o, want[0]), state_err=err(s, want[1]))
         row["us"], _ = chain_timer(fn, jnp.array(s0), args, a.steps, a.reps)
         row["state_GBps"] = 2 * s0.size * 4 / (row["us"] * 1e-6) / 1e9
-        if a.profile and not interp:
+        if a.profile and not interp and B in a.profile_batches:
           row["profile"] = profile(fn, jnp.array(s0), args, a.steps)
       run_variant(res["decode"], dict(impl=name, B=B, **kw), body)
+    if not interp and not sweep and "ffi" not in a.skip:
+      fused = variants[2][2]
+
+      def ffi_body(row, fused=fused, s0=s0, args=args, want=want):
+        with call_path("ffi"):
+          row["call_targets"] = call_targets(fused, jnp.array(s0), *args)
+          o, s = jax.jit(fused)(jnp.array(s0), *args)
+          row.update(o_err=err(o, want[0]), state_err=err(s, want[1]))
+          row["us"], _ = chain_timer(fused, jnp.array(s0), args, a.steps, a.reps)
+      run_variant(res["decode"], dict(impl="pallas_fused", B=B, path="ffi"), ffi_body)
     if fla is None or sweep:
       continue
 
@@ -310,11 +355,17 @@ def probe_launch_floor(res, a):
                        interpret=a.tiny, name="probe_add_one")(s)
     return o, o
 
-  def body(row):
-    row["us"], _ = chain_timer(fn, jnp.zeros((8,), jnp.float32), (), a.steps, a.reps)
-    if a.profile and not a.tiny:
-      row["profile"] = profile(fn, jnp.zeros((8,), jnp.float32), (), a.steps)
-  run_variant(res["launch_floor"], dict(impl="pallas_triton_add_one"), body)
+  def body(row, path):
+    with call_path(path):
+      x = jnp.zeros((8,), jnp.float32)
+      if not a.tiny:
+        row["call_targets"] = call_targets(fn, x)
+      row["us"], _ = chain_timer(fn, x, (), a.steps, a.reps)
+      if a.profile and not a.tiny:
+        row["profile"] = profile(fn, jnp.zeros((8,), jnp.float32), (), a.steps)
+  for path in ("native",) if a.tiny or "ffi" in a.skip else ("native", "ffi"):
+    run_variant(res["launch_floor"], dict(impl="pallas_triton_add_one", path=path),
+                functools.partial(body, path=path))
 
 
 def profile(fn, state, args, steps):
@@ -344,7 +395,8 @@ def plot(res, path):
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
   ch = [r for r in res["chunked"] if "us" in r]
   ax = axes[0]
-  ax.barh([f"{r['impl']} C={r['chunk']}" for r in ch], [r["us"] for r in ch],
+  ax.barh([f"{r['impl']} C={r['chunk']} st={r.get('stages', '-')}" for r in ch],
+          [r["us"] for r in ch],
           color=["tab:orange" if r["impl"] == "fla" else "tab:blue" for r in ch])
   ax.set_xlabel("µs per call")
   ax.set_title(f"chunked GDN, T={res['tokens']}, 32 heads of 128, bf16 q/k/v")
@@ -376,13 +428,17 @@ def main():
   ap.add_argument("--steps", type=int, default=24, help="decode steps per timed program")
   ap.add_argument("--chunk_steps", type=int, default=5, help="chunked calls per program")
   ap.add_argument("--reps", type=int, default=7)
-  ap.add_argument("--profile", action="store_true")
-  ap.add_argument("--skip", default="", help="comma list of: chunked,decode,fla,floor,sweep")
+  ap.add_argument("--profile", action="store_true",
+                  help="trace the launch floor and the decode variants at --profile_batches")
+  ap.add_argument("--profile_batches", default="1")
+  ap.add_argument("--skip", default="",
+                  help="comma list of: chunked,decode,fla,floor,sweep,ffi")
   ap.add_argument("--budget_s", type=float, default=170.0,
                   help="skip the variants left once this many seconds have passed")
   ap.add_argument("--out", default=None, help="default results/gdn_probe.json "
                   "(--tiny: results/tmp/tiny/gdn_probe.json)")
   a = ap.parse_args()
+  a.profile_batches = {int(x) for x in a.profile_batches.split(",")}
   a.out = a.out or os.path.join(common.TMP, "tiny", "gdn_probe.json") if a.tiny else (
       a.out or os.path.join(common.RESULTS, "gdn_probe.json"))
   if a.tiny:
