@@ -50,10 +50,14 @@ def check(got, want, what):
   assert_close(s, ws, rel=REL, abs_=ABS, what=f"{what} state")
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["all-valid", "masked"])
+# (shape, masked): every shape masked (valid and invalid rows), one all-valid (valid=None).
+PARITY = [(s, True) for s in SHAPES] + [(SHAPES[1], False)]
+
+
 @pytest.mark.parametrize("act", [F32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=_id)
-def test_interpret_parity(shape, act, masked):
+@pytest.mark.parametrize("shape,masked", PARITY,
+                         ids=[f"{_id(s)}-{'masked' if m else 'all-valid'}" for s, m in PARITY])
+def test_interpret_parity(shape, masked, act):
   args = make_inputs(*shape, act=act, seed=sum(shape))
   valid = valid_rows(shape[0]) if masked else None
   got = gdn_decode_fused(*args, valid, interpret=True)
@@ -114,6 +118,9 @@ def test_step_fused_dispatch():
   if not ON_GPU:
     with pytest.raises(ValueError, match="needs a GPU"):
       api.step_fused(*args, implementation="pallas_fused")
+  # step_raw (precomputed gates) under forms naming the fused kernel runs "auto"
+  assert api.resolve("pallas_fused", 1) == api.resolve("auto", 1)
+  assert api.resolve("pallas_fused_interpret", 64) == api.resolve("auto", 64)
 
 
 def test_input_checks():
@@ -166,3 +173,36 @@ def test_gpu_parity(shape, act, block_v):
   check(got, want, f"gpu {_id(shape)} block_v={bv}")
   keep = ~np.asarray(valid)
   np.testing.assert_array_equal(np.asarray(got[1])[keep], np.asarray(args[-1])[keep])
+
+
+def test_model_decode_under_fused_form_keeps_idle_rows():
+  """`steps.decode` with gdn_decode="pallas_fused_interpret" (no full-state select: the
+  kernel does not store an inactive row) leaves the inactive row's recurrent and conv state
+  bit for bit and gives the active row the state and logits of the jnp ("xla") form."""
+  import dataclasses
+
+  from model_fixtures import tiny_model
+
+  from strata_jax import steps
+  from strata_jax.forms import Forms
+  from strata_jax.state import init_state
+  model = tiny_model()
+  state = init_state(model.cfg, 2, 16)
+  rng = np.random.default_rng(0)  # a nonzero recurrent state, as after a prefill
+  state = state.replace(ssm=jnp.asarray(rng.standard_normal(state.ssm.shape), F32),
+                        conv=jnp.asarray(rng.standard_normal(state.conv.shape), F32),
+                        pos=jnp.asarray([7, 11], jnp.int32))
+  before = jax.tree.map(np.asarray, state)
+  run = {}
+  for form in ("xla", "pallas_fused_interpret"):
+    cfg = dataclasses.replace(model.cfg, forms=Forms(gdn_decode=form))
+    st = jax.tree.map(jnp.array, before)  # decode donates its state
+    run[form] = steps.decode(cfg, model.params, None, st, jnp.asarray([5, 6], jnp.int32),
+                             jnp.zeros(2, jnp.int32), jnp.asarray([1, 0], jnp.int32))
+  (lg, st), (wlg, wst) = run["pallas_fused_interpret"], run["xla"]
+  for name in ("conv", "ssm"):
+    np.testing.assert_array_equal(np.asarray(getattr(st, name))[:, 1],
+                                  getattr(before, name)[:, 1])
+  assert not np.array_equal(np.asarray(st.ssm)[:, 0], before.ssm[:, 0])
+  assert_close(st.ssm, wst.ssm, rel=REL, abs_=ABS, what="ssm vs xla form")
+  assert_close(lg[0], wlg[0], abs_=1e-5, what="active row logits vs xla form")

@@ -37,8 +37,11 @@ def _id(c):
   return "B{}-T{}-H{}-Dk{}-Dv{}-C{}".format(*c)
 
 
-@pytest.mark.parametrize("state_pass", STATE_PASSES)
-@pytest.mark.parametrize("case", CASES, ids=_id)
+# every case with the fused pass, three with the separate one
+PARITY = [(c, "fused") for c in CASES] + [(CASES[i], "separate") for i in (1, 3, 4)]
+
+
+@pytest.mark.parametrize("case,state_pass", PARITY, ids=[f"{_id(c)}-{p}" for c, p in PARITY])
 def test_interpret_parity(case, state_pass):
   b, t, h, dk, dv, c = case
   args = make_inputs(b, t, h, dk, dv, seed=sum(case))

@@ -127,7 +127,12 @@ def step(q, k, v, g, beta, state):
 
 
 def resolve(implementation, batch):
-  """The concrete implementation `step_raw` runs for this choice (None: "auto") and batch."""
+  """The concrete implementation `step_raw` runs for this choice (None: "auto") and batch.
+  The fused choices (`FUSED_CHOICES`) need the raw gates, which `step_raw` does not get:
+  there they resolve as "auto" (a caller holding only g and beta, e.g. a token-by-token
+  verification scan, still runs under forms that name the fused kernel)."""
+  if implementation in FUSED_CHOICES:
+    implementation = "auto"
   impl = check_choice("gdn", implementation or "auto", CHOICES)
   if impl == "auto":
     return "pallas" if on_gpu() and batch >= AUTO_PALLAS_MIN_BATCH else "xla"
