@@ -109,6 +109,46 @@ def test_chained_donated_steps_update_in_place():
   np.testing.assert_array_equal(np.asarray(s_got[1]), np.asarray(s0[1]))
 
 
+def test_stacked_state_scan_updates_one_layer_in_place():
+  """With `layer`, the kernel takes every layer's state [L, B, Hv, Dv, Dk] and updates layer
+  `layer` (a traced scan index) in place: a scan over the layers that carries the donated
+  stack equals the per-layer oracle, and no other layer's state (nor an invalid row's) is
+  touched."""
+  n_layers, shape = 3, (3, 2, 4, 16, 8)
+  per_layer = [make_inputs(*shape, seed=20 + i)[:7] for i in range(n_layers)]
+  xs = tuple(jnp.stack(t) for t in zip(*per_layer, strict=True))
+  stack0 = jnp.asarray(np.random.default_rng(4).standard_normal((n_layers, *shape[:1],
+                                                                  shape[2], 8, 16)), F32)
+  valid = valid_rows(3)
+
+  def run(impl, stack):
+    def body(st, x):
+      layer, inp = x
+      o, st = api.step_fused(*inp, st, valid, layer, implementation=impl)
+      return st, o
+    return jax.lax.scan(body, stack, (jnp.arange(n_layers, dtype=jnp.int32), xs))
+
+  got = jax.jit(lambda st: run("pallas_fused_interpret", st), donate_argnums=0)(
+      jnp.array(stack0))
+  want_o, want_s = [], []
+  for i in range(n_layers):
+    o, s = reference.delta_rule_step_fused(*per_layer[i], stack0[i], valid)
+    want_o.append(o)
+    want_s.append(s)
+  check(got[::-1], (jnp.stack(want_o), jnp.stack(want_s)), "scan over the stack")
+  keep = ~np.asarray(valid)
+  np.testing.assert_array_equal(np.asarray(got[0])[:, keep], np.asarray(stack0)[:, keep])
+  # the jnp form of the same call: slice, step, update
+  xla = jax.jit(lambda st: run("xla", st))(stack0)
+  assert_close(xla[0], got[0], rel=REL, abs_=ABS, what="xla stacked form")
+  # one call on layer 1 leaves layers 0 and 2 bit for bit
+  _, st = gdn_decode_fused(*per_layer[1], stack0, valid, jnp.int32(1), interpret=True)
+  for i in (0, 2):
+    np.testing.assert_array_equal(np.asarray(st[i]), np.asarray(stack0[i]))
+  with pytest.raises(ValueError, match="stack"):
+    gdn_decode_fused(*per_layer[1], stack0[0], valid, jnp.int32(1), interpret=True)
+
+
 def test_step_fused_dispatch():
   args = make_inputs(3, 2, 4, 16, 16, seed=5)
   valid = valid_rows(3)
@@ -144,12 +184,16 @@ def test_input_checks():
     gdn_decode_fused(*args, jnp.ones((2,), bool), interpret=True)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "stack36"])
 @pytest.mark.parametrize("block_v", [8, 32])
-def test_lowers_to_triton_for_the_gpu(block_v):
-  """Cross-lowering on CPU at the bench's sizes (bf16 q/k/v, a mask)."""
-  args = make_inputs(2, 16, 32, 128, 128, act=BF16)
+def test_lowers_to_triton_for_the_gpu(block_v, stacked):
+  """Cross-lowering on CPU at the bench's sizes (bf16 q/k/v, a mask; the stack of 36 layers
+  with a traced layer index)."""
+  *inp, s0 = make_inputs(2, 16, 32, 128, 128, act=BF16)
+  extra = (jnp.zeros((36, *s0.shape), F32), valid_rows(2), jnp.int32(5)) if stacked else (
+      s0, valid_rows(2))
   f = lambda *a: gdn_decode_fused(*a, block_v=block_v)
-  text = jax.jit(f).trace(*args, valid_rows(2)).lower(lowering_platforms=("cuda",)).as_text()
+  text = jax.jit(f).trace(*inp, *extra).lower(lowering_platforms=("cuda",)).as_text()
   assert "triton" in text
 
 
@@ -173,6 +217,29 @@ def test_gpu_parity(shape, act, block_v):
   check(got, want, f"gpu {_id(shape)} block_v={bv}")
   keep = ~np.asarray(valid)
   np.testing.assert_array_equal(np.asarray(got[1])[keep], np.asarray(args[-1])[keep])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_stacked_scan_donated():
+  """36 layers' states carried through a scan and donated: each layer updated in place."""
+  n_layers, b = 36, 4
+  *inp, s0 = make_inputs(b, 16, 32, 128, 128, act=BF16, seed=3)
+  stack0 = jnp.stack([s0 * (1 + 0.01 * i) for i in range(n_layers)])
+  valid = valid_rows(b)
+
+  def run(st):
+    def body(st, layer):
+      o, st = api.step_fused(*inp, st, valid, layer, implementation="pallas_fused")
+      return st, o
+    return jax.lax.scan(body, st, jnp.arange(n_layers, dtype=jnp.int32))
+  buf = jnp.array(stack0)
+  st, o = jax.jit(run, donate_argnums=0)(buf)
+  assert buf.is_deleted()
+  with jax.default_matmul_precision("highest"):
+    for i in (0, 17, 35):
+      wo, ws = reference.delta_rule_step_fused(*inp, stack0[i], valid)
+      check((o[i], st[i]), (wo, ws), f"gpu stacked layer {i}")
 
 
 def test_model_decode_under_fused_form_keeps_idle_rows():

@@ -154,11 +154,17 @@ def step_raw(q, k, v, g, beta, state, *, implementation=None):
   return reference.delta_rule_step_raw(q, k, v, g, beta, state)
 
 
-def step_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *, implementation=None):
+def step_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, layer=None, *,
+               implementation=None):
   """Decode step for a batch from raw q/k/v and raw gate inputs. Contract as
   `reference.delta_rule_step_fused`: q, k [B, Hk, Dk]; v [B, Hv, Dv]; a, b [B, Hv];
   a_coef, dt_bias [Hv]; state [B, Hv, Dv, Dk] float32; valid [B] or None -> (o [B, Hv, Dv],
   new state), float32. Rows with valid == 0 keep their state.
+
+  With `layer` (an int32 scalar, may be traced), `state` is the stack [L, B, Hv, Dv, Dk] of
+  every layer's state and the step updates layer `layer` of it, returning the whole stack:
+  the fused kernel reads and writes that layer in place (carry the stack through a layer
+  scan and donate it: no per-layer slice or restack); the jnp forms slice and update it.
 
   "pallas_fused" / "pallas_fused_interpret": `decode_fused_kernel.py`, one launch (state
   aliased: in place when donated; invalid rows are not stored). Any `step_raw` choice
@@ -166,10 +172,13 @@ def step_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *, implementat
   if implementation in FUSED_CHOICES:
     if implementation == "pallas_fused":
       require_gpu("gdn", implementation, "'pallas_fused_interpret' or 'xla'")
-    return gdn_decode_fused(q, k, v, a, b, a_coef, dt_bias, state, valid,
+    return gdn_decode_fused(q, k, v, a, b, a_coef, dt_bias, state, valid, layer,
                             interpret=implementation == "pallas_fused_interpret")
   g, beta = reference.gates(a, b, a_coef, dt_bias)
   if valid is not None:
     ok = (valid != 0)[:, None]
     g, beta = jnp.where(ok, g, 0.0), jnp.where(ok, beta, 0.0)
-  return step_raw(q, k, v, g, beta, state, implementation=implementation)
+  if layer is None:
+    return step_raw(q, k, v, g, beta, state, implementation=implementation)
+  o, s = step_raw(q, k, v, g, beta, state[layer], implementation=implementation)
+  return o, state.at[layer].set(s)

@@ -46,9 +46,16 @@ def sigmoid(x):
   return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _fused_kernel(q_ref, k_ref, v_ref, a_ref, b_ref, acoef_ref, dtb_ref, valid_ref, s_ref,
-                  o_ref, s_out_ref, *, scale):
-  """One program: batch row b, v-head h, a [block_v, Dk] tile of that head's state."""
+def _fused_kernel(q_ref, k_ref, v_ref, a_ref, b_ref, acoef_ref, dtb_ref, valid_ref, *rest,
+                  scale, stacked):
+  """One program: batch row b, v-head h, a [block_v, Dk] tile of that head's state (of
+  layer `layer_ref[0]` of the [L, block_v, Dk] stack when `stacked`)."""
+  if stacked:
+    layer_ref, s_in, o_ref, s_out = rest
+    layer = layer_ref[0]
+    s_ref, s_out_ref = s_in.at[layer], s_out.at[layer]
+  else:
+    s_ref, o_ref, s_out_ref = rest
   ok = valid_ref[...] != 0
   g = acoef_ref[...].astype(_F32) * softplus(a_ref[...].astype(_F32)
                                              + dtb_ref[...].astype(_F32))
@@ -96,8 +103,8 @@ def check_fused_inputs(q, k, v, a, b, a_coef, dt_bias, valid, state):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "num_warps"))
-def gdn_decode_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *, interpret=False,
-                     block_v=None, num_warps=None):
+def gdn_decode_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, layer=None, *,
+                     interpret=False, block_v=None, num_warps=None):
   """One gated-delta-rule decode step from raw inputs, gates and state update in one launch.
 
   Args:
@@ -105,18 +112,26 @@ def gdn_decode_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *, inter
     v: [B, Hv, Dv] any float dtype; Hv a multiple of Hk (v-head h reads k-head h // r).
     a, b: [B, Hv] raw gate inputs: g = a_coef softplus(a + dt_bias), beta = sigmoid(b).
     a_coef, dt_bias: [Hv] (the layer's `ssm_a` = -exp(A_log) and `ssm_dt.bias`).
-    state: [B, Hv, Dv, Dk] float32; aliased to the new state (in place when donated).
+    state: [B, Hv, Dv, Dk] float32; aliased to the new state (in place when donated). With
+      `layer`: the whole stack [L, B, Hv, Dv, Dk] of every layer's state, of which layer
+      `layer` is read and written in place (the others are neither read nor written).
     valid: [B] (any int or bool dtype) or None (every row valid). Rows with valid == 0 keep
       their state untouched (no store) and get o = S qn of that state.
+    layer: None, or an int32 scalar (traced: e.g. a scan's layer index) selecting the layer
+      of a stacked `state`, read in the kernel (no slice of the stack is copied).
     interpret: run the Pallas interpreter (CPU).
     block_v: power-of-2 Dv tile (<= Dv); None: 16 compiled (or Dv if smaller), Dv
       interpreted (fewer grid steps).
     num_warps: Triton warps per program; None: 4 (ignored in interpret mode).
 
   Returns:
-    (o [B, Hv, Dv] float32, new_state [B, Hv, Dv, Dk] float32).
+    (o [B, Hv, Dv] float32, new_state float32 of `state`'s shape).
   """
-  check_fused_inputs(q, k, v, a, b, a_coef, dt_bias, valid, state)
+  stacked = layer is not None
+  if stacked and state.ndim != 5:
+    raise ValueError(f"gdn decode: with `layer`, state must be the [L, B, Hv, Dv, Dk] stack, "
+                     f"got shape {state.shape}")
+  check_fused_inputs(q, k, v, a, b, a_coef, dt_bias, valid, state[0] if stacked else state)
   require_triton(interpret, "gdn decode", "'xla'")
   bsz, hk, dk = q.shape
   _, hv, dv = v.shape
@@ -133,18 +148,25 @@ def gdn_decode_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *, inter
   ab_spec = pl.BlockSpec((sq, sq), lambda i, h, j: (i, h))
   head_spec = pl.BlockSpec((sq,), lambda i, h, j: (h,))
   row_spec = pl.BlockSpec((sq,), lambda i, h, j: (i,))
-  s_spec = pl.BlockSpec((sq, sq, bv, dk), lambda i, h, j: (i, h, j, 0))
+  specs = [qk_spec, qk_spec, vo_spec, ab_spec, ab_spec, head_spec, head_spec, row_spec]
+  operands = [q, k, v, a, b, a_coef, dt_bias, valid]
+  if stacked:  # every layer in the block; the kernel indexes the one it updates
+    n_layers = state.shape[0]
+    s_spec = pl.BlockSpec((n_layers, sq, sq, bv, dk), lambda i, h, j: (0, i, h, j, 0))
+    specs.append(pl.BlockSpec((1,), lambda i, h, j: (0,)))
+    operands.append(jnp.asarray(layer, jnp.int32).reshape(1))
+  else:
+    s_spec = pl.BlockSpec((sq, sq, bv, dk), lambda i, h, j: (i, h, j, 0))
   return pl.pallas_call(
-      functools.partial(_fused_kernel, scale=dk ** -0.5),
+      functools.partial(_fused_kernel, scale=dk ** -0.5, stacked=stacked),
       grid=(bsz, hv, dv // bv),
-      in_specs=[qk_spec, qk_spec, vo_spec, ab_spec, ab_spec, head_spec, head_spec, row_spec,
-                s_spec],
+      in_specs=[*specs, s_spec],
       out_specs=[vo_spec, s_spec],
       out_shape=[jax.ShapeDtypeStruct((bsz, hv, dv), _F32),
                  jax.ShapeDtypeStruct(state.shape, _F32)],
-      input_output_aliases={8: 1},
+      input_output_aliases={len(operands): 1},
       interpret=interpret,
       # One tile per program: nothing to pipeline (num_stages 1).
       compiler_params=None if interpret else triton_params(num_warps or _NUM_WARPS, 1),
       name="gdn_decode_fused",
-  )(q, k, v, a, b, a_coef, dt_bias, valid, state)
+  )(*operands, state)
