@@ -28,8 +28,13 @@ products / reference.delta_rule_step_fused) on the same inputs (max abs error of
 and fla against the oracle. --profile adds a jax.profiler trace of each decode variant:
 GPU time per kernel and per step (launch gaps excluded).
 
+Layer scan (issue 17 item 4): one decode step of 36 GDN layers' states through the fused
+kernel in a lax.scan, the state stack carried and updated in place at the layer index
+("stack") or sliced and restacked as the model's layer scan does now ("xs").
+
 Order: the launch floor, decode (ours, then fla), chunked (ours, then fla: its first call
-autotunes, ~40 s), then the fused decode kernel's config sweep; once --budget_s (170 s)
+autotunes, ~40 s), the layer scan, then the fused decode kernel's config sweep; once
+--budget_s (150 s)
 has passed the variants left are recorded as skipped, so the run stays under 3 minutes.
 
   python experiments/bench/gdn_probe.py [--profile]   # results/gdn_probe.json + .png
@@ -341,6 +346,49 @@ def probe_decode(res, fla, a, sweep=False):
                   functools.partial(fla_body, gates_in_kernel=gik))
 
 
+def probe_layer_scan(res, a):
+  """Item 4 (states in place): one decode step of all `--layers` GDN layers' states in a
+  lax.scan over the layers, the fused kernel on each layer, two ways:
+    "stack"  the [L, B, Hv, Dv, Dk] stack is the scan's carry and the kernel updates layer l
+             in place (`layer=l`, read in the kernel);
+    "xs"     the model's current structure: the stack is the scan's xs, each layer's slice
+             goes through the kernel and comes back as ys (a slice and a restack per layer).
+  µs per layer = µs per scan / L."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused
+  hk, hv, dk, dv = (2, 4, 32, 32) if a.tiny else (HK, HV, DK, DV)
+  n_layers = 3 if a.tiny else a.layers
+  for B in [int(x) for x in a.batches.split(",")]:
+    q, k, v, av, bv_, acoef, _, dtb, s0 = decode_inputs(B, hk, hv, dk, dv, seed=B)
+    args = (q, k, v, av, bv_, acoef, dtb)
+    stack = jnp.broadcast_to(s0, (n_layers, *s0.shape))
+    kernel = functools.partial(gdn_decode_fused, interpret=a.tiny)
+
+    def stacked(st, *x):
+      def body(st, layer):
+        o, st = kernel(*x, st, None, layer)
+        return st, o
+      st, o = jax.lax.scan(body, st, jnp.arange(n_layers, dtype=jnp.int32))
+      return o, st
+
+    def sliced(st, *x):
+      def body(c, s_l):
+        o, s_l = kernel(*x, s_l)
+        return c, (o, s_l)
+      _, (o, st) = jax.lax.scan(body, 0, st)
+      return o, st
+
+    for name, fn in (("stack", stacked), ("xs", sliced)):
+      def body(row, fn=fn):
+        us, _ = chain_timer(fn, jnp.array(stack), args, a.layer_steps, a.reps)
+        row.update(us_per_scan=us, us_per_layer=us / n_layers,
+                   state_GBps=2 * stack.size * 4 / (us * 1e-6) / 1e9)
+      run_variant(res["layer_scan"], dict(impl=f"pallas_fused_{name}", B=B, layers=n_layers),
+                  body)
+
+
 def probe_launch_floor(res, a):
   """One Pallas Triton call that adds 1 to 8 floats, chained like the decode step."""
   import jax
@@ -432,8 +480,10 @@ def main():
                   help="trace the launch floor and the decode variants at --profile_batches")
   ap.add_argument("--profile_batches", default="1")
   ap.add_argument("--skip", default="",
-                  help="comma list of: chunked,decode,fla,floor,sweep,ffi")
-  ap.add_argument("--budget_s", type=float, default=170.0,
+                  help="comma list of: chunked,decode,fla,floor,sweep,ffi,layers")
+  ap.add_argument("--layers", type=int, default=36, help="GDN layers in the layer-scan probe")
+  ap.add_argument("--layer_steps", type=int, default=3, help="layer scans per timed program")
+  ap.add_argument("--budget_s", type=float, default=150.0,
                   help="skip the variants left once this many seconds have passed")
   ap.add_argument("--out", default=None, help="default results/gdn_probe.json "
                   "(--tiny: results/tmp/tiny/gdn_probe.json)")
@@ -443,13 +493,14 @@ def main():
       a.out or os.path.join(common.RESULTS, "gdn_probe.json"))
   if a.tiny:
     a.tokens, a.batches, a.steps, a.chunk_steps, a.reps = 40, "1,3", 2, 1, 1
+    a.layer_steps = 1
     global HV, DK, DV
     HV, DK, DV = 2, 16, 32
   import jax
   skip = set(filter(None, a.skip.split(",")))
   res = dict(probe="gdn", jax=jax.__version__, backend=jax.default_backend(),
              device=str(jax.devices()[0]), tokens=a.tokens, steps=a.steps, reps=a.reps,
-             chunked=[], decode=[], launch_floor=[])
+             chunked=[], decode=[], launch_floor=[], layer_scan=[])
   fla, why = (None, "skipped") if "fla" in skip or a.tiny else load_fla()
   res["fla"] = "loaded" if fla else why
   if fla:
@@ -465,6 +516,9 @@ def main():
     common.write_json(a.out, res)
   if "chunked" not in skip:
     probe_chunked(res, fla, a)
+    common.write_json(a.out, res)
+  if "layers" not in skip:
+    probe_layer_scan(res, a)
     common.write_json(a.out, res)
   if "decode" not in skip and "sweep" not in skip and not a.tiny:
     probe_decode(res, fla, a, sweep=True)
