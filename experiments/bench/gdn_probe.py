@@ -25,8 +25,9 @@ median over `--reps` calls of (call time / steps). fla: CUDA-graph replays of on
 (triton.testing.do_bench_cudagraph, median) as peer_fla_gdn.py, eager beside it.
 Correctness: every variant against the jnp oracle (reference.delta_rule_chunked with HIGHEST
 products / reference.delta_rule_step_fused) on the same inputs (max abs error of o and state),
-and fla against the oracle. --profile adds a jax.profiler trace of each decode variant:
-GPU time per kernel and per step (launch gaps excluded).
+and fla against the oracle. --profile adds a jax.profiler trace of the launch floor and of
+each decode variant at --profile_batches (1): GPU time per kernel and per step (launch gaps
+excluded), to tell a slow kernel from launch overhead.
 
 Layer scan (issue 17 item 4): one decode step of 36 GDN layers' states through the fused
 kernel in a lax.scan, the state stack carried and updated in place at the layer index
@@ -34,8 +35,8 @@ kernel in a lax.scan, the state stack carried and updated in place at the layer 
 
 Order: the launch floor, decode (ours, then fla), chunked (ours, then fla: its first call
 autotunes, ~40 s), the layer scan, then the fused decode kernel's config sweep; once
---budget_s (150 s)
-has passed the variants left are recorded as skipped, so the run stays under 3 minutes.
+--budget_s (150 s) has passed, the variants left are recorded as skipped, so the run stays
+under 3 minutes.
 
   python experiments/bench/gdn_probe.py [--profile]   # results/gdn_probe.json + .png
   JAX_PLATFORMS=cpu python experiments/bench/gdn_probe.py --tiny   # CPU smoke (interpreter)
