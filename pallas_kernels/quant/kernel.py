@@ -328,10 +328,12 @@ ROWS_MAX = 4  # "auto" form: the GEMV ("rows") form up to this many rows per gro
 def tiling_defaults(m, d_out, *, form="dot", interpret=False, groups=1):
   """(block_rows, block_out, block_in) when not given.
 
-  Compiled: "rows" form: all M rows in one program, 1024 columns per loop step, and bo = 32
-  halved (down to 4) until the grid has `ROWS_MIN_PROGRAMS` programs: a GEMV is bound by the
-  loads in flight, and the H200 run of 32-row tiles read 0.13-0.18 TB/s with 64-160
-  programs against 0.6 TB/s with 384 (quant_probe_run1.json, decode_probe_a80b_run1.json).
+  Compiled: "rows" form: all M rows in one program, 1024 columns per loop step, bo = 32; for
+  the experts (groups > 1: one matrix per (token, expert) pair) bo halves, down to 4, until
+  the grid has `ROWS_MIN_PROGRAMS` programs. On the H200 that took the 80B decode step from
+  10.9 to 8.9 ms at batch 1 (decode_probe_a80b_run1/run2.json), while a single ssm_out
+  matrix got slower with 4-row tiles (36.9 -> 49.8 us, quant_probe_run1/run2.json), so one
+  matrix keeps 32-row tiles.
   "dot" form: M <= 16 padded to one 16-row tile with bo = 16 (out / 16 programs) and 1024
   columns a step; larger M take bn = 32 / 64, bo = 32 / 64 and 256 columns (tensor-core
   tiles). Interpret (CPU): large tiles, as each interpreted grid step costs time.
@@ -341,7 +343,7 @@ def tiling_defaults(m, d_out, *, form="dot", interpret=False, groups=1):
     if interpret:
       return m, min(128, _pow2_at_least(d_out)), 256
     bo = min(32, _pow2_at_least(d_out, _MIN_ROWS_OUT))
-    while bo > _MIN_ROWS_OUT and -(-d_out // bo) * max(groups, 1) < ROWS_MIN_PROGRAMS:
+    while groups > 1 and bo > _MIN_ROWS_OUT and -(-d_out // bo) * groups < ROWS_MIN_PROGRAMS:
       bo //= 2
     return m, bo, 1024
   if interpret:
