@@ -138,7 +138,7 @@ def _state_kernel(k_ref, ubar_ref, w_ref, gc_ref, s_ref, u_ref, h_ref, s_out_ref
 
 
 def _out_kernel(q_ref, a_ref, gc_ref, u_ref, h_ref, o_ref, *, precision):
-  """One program: (b, h, chunk i): o = (e^G q) hᵢᵀ + A u, all of Dv at once."""
+  """One program: (b, h, chunk i, Dv tile): o = (e^G q) hᵢᵀ + A u for block_v columns."""
   q_dec = jnp.exp(gc_ref[...])[:, None] * q_ref[...].astype(_F32)
   o_ref[...] = (_dot(q_dec, h_ref[...], _NT, precision)
                 + _dot(a_ref[...], u_ref[...], _NN, precision))
@@ -241,13 +241,18 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
         compiler_params=params(warps, stages),
         name="gdn_chunk_state",
     )(k, ubar, w, gc, state)
-    # 3. Outputs, one program per (b, h, chunk).
+    # 3. Outputs, one program per (b, h, chunk, Dv tile); the grid's last axis enumerates
+    #    (chunk, tile) pairs (the Triton backend has at most three grid axes).
+    nv = dv // bv
+    tile = lambda d: pl.BlockSpec((sq, c, sq, d), lambda i, hh, j: (i, j // nv, hh, 0))
+    tile_v = pl.BlockSpec((sq, c, sq, bv), lambda i, hh, j: (i, j // nv, hh, j % nv))
     o = pl.pallas_call(
         functools.partial(_out_kernel, precision=precision),
-        grid=(b, h, n),
-        in_specs=[cspec(dk), cspec(c), cvec, cspec(dv),
-                  pl.BlockSpec((sq, sq, sq, dv, dk), lambda i, hh, j: (i, hh, j, 0, 0))],
-        out_specs=cspec(dv),
+        grid=(b, h, n * nv),
+        in_specs=[tile(dk), tile(c), pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j // nv, hh)),
+                  tile_v,
+                  pl.BlockSpec((sq, sq, sq, bv, dk), lambda i, hh, j: (i, hh, j // nv, j % nv, 0))],
+        out_specs=tile_v,
         out_shape=jax.ShapeDtypeStruct((b, tp, h, dv), _F32),
         interpret=interpret,
         compiler_params=params(_OUT_WARPS if num_warps is None else num_warps, stages),
