@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_gdn_chunked_kernel import TF32_REL, check, make_inputs, oracle
-from tolerances import DELTA_RULE_FP32
+from tolerances import DELTA_RULE_FP32, KERNEL_REL
 
 from pallas_kernels.gdn import api
 from pallas_kernels.gdn.parallel_kernel import STATE_PASSES, gdn_chunked_parallel
@@ -59,6 +59,16 @@ def test_interpret_dv_tiles_bf16(state_pass):
   check(got, oracle(*args, chunk=16), f"block_v=16 bf16 {state_pass}")
 
 
+@pytest.mark.parametrize("state_pass", STATE_PASSES)
+def test_interpret_bf16_intermediates(state_pass):
+  """ū, w (and u, h) kept in bf16 between the launches: within bf16 rounding of the oracle."""
+  args = make_inputs(2, 45, H, 16, 32, act=BF16, seed=6)
+  got = gdn_chunked_parallel(*args, chunk=16, interpret=True, state_pass=state_pass,
+                             inter_dtype=BF16)
+  check(got, oracle(*args, chunk=16), f"bf16 intermediates {state_pass}",
+        rel=KERNEL_REL["bfloat16"])
+
+
 def test_matches_serial_kernel_and_zero_gates_keep_state():
   """The two state passes agree with each other; g = beta = 0 leaves the state bit for bit."""
   q, k, v, g, beta, s0 = make_inputs(2, 40, H, 16, 16, seed=1)
@@ -104,12 +114,13 @@ def test_choices_and_input_checks():
     gdn_chunked_parallel(q, k, v, g, beta, s.astype(BF16), interpret=True)
 
 
+@pytest.mark.parametrize("inter", [None, BF16], ids=["f32-inter", "bf16-inter"])
 @pytest.mark.parametrize("state_pass", STATE_PASSES)
-def test_lowers_to_triton_for_the_gpu(state_pass):
+def test_lowers_to_triton_for_the_gpu(state_pass, inter):
   """Cross-lowering on CPU at the bench's head size (bf16, padded T): every construct of the
   kernels has a Pallas Triton lowering rule (what the interpreter cannot tell)."""
   args = make_inputs(1, 100, 2, 128, 128, act=BF16)
-  f = lambda *a: gdn_chunked_parallel(*a, chunk=64, state_pass=state_pass)
+  f = lambda *a: gdn_chunked_parallel(*a, chunk=64, state_pass=state_pass, inter_dtype=inter)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("triton") >= (2 if state_pass == "fused" else 3)
 
@@ -128,6 +139,15 @@ def test_gpu_parity_bench_shape(chunk, state_pass):
   run = lambda **kw: gdn_chunked_parallel(*args, chunk=chunk, state_pass=state_pass, **kw)
   check(run(precision=x3), want, f"gpu 3xtf32 C={chunk} {state_pass}", abs_=DELTA_RULE_FP32)
   check(run(), want, f"gpu tf32 C={chunk} {state_pass}", rel=TF32_REL)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("state_pass", STATE_PASSES)
+def test_gpu_bf16_intermediates(state_pass):
+  args = make_inputs(1, 2500, 32, 128, 128, act=BF16, seed=14)
+  got = gdn_chunked_parallel(*args, state_pass=state_pass, inter_dtype=BF16)
+  check(got, oracle(*args), f"gpu bf16 intermediates {state_pass}", rel=KERNEL_REL["bfloat16"])
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@ state, the bench-a3b head geometry (16 k-heads, 32 v-heads of 128), one process,
     ours   "pallas" (chunked_kernel.py, chunks walked in order, C = 32), "pallas_parallel"
            (parallel_kernel.py, intra-chunk work parallel, state pass fused with the outputs:
            two launches) and "pallas_split" (three launches: intra, state pass, outputs),
-           each at C = 32 and 64, num_stages 1 and then 2 (the state pass's loads pipelined);
+           each at C = 32 and 64, then bf16 intermediates (C = 64) and num_stages 2 (the
+           state pass's loads pipelined);
     fla    chunk_gated_delta_rule(use_qk_l2norm_in_kernel=False, scale=1, state_v_first=True).
   decode (one token, batch 1/8/32, raw q/k [B, 16, 128], the state [B, 32, 128, 128]):
     ours   "xla" (gates + reference.delta_rule_step_raw in jnp), "pallas" (decode_kernel.py,
@@ -219,23 +220,28 @@ def probe_chunked(res, fla, a):
     want = jax.jit(jax.vmap(lambda *x: reference.delta_rule_chunked(
         *(t.astype(jnp.float32) for t in x[:5]), x[5], chunk=64)))(q, k, v, g, beta, s0)
   interp = a.tiny
-  variants = [("pallas", 32, 1, lambda c: functools.partial(gdn_chunked_pallas, chunk=c,
-                                                            interpret=interp))]
-  for stages in (1, 2):  # 2: Triton pipelines the state pass's per-chunk loads
-    for c in (32, 64):
-      for name, sp in (("pallas_parallel", "fused"), ("pallas_split", "separate")):
-        if stages == 2 and interp:
-          continue
-        variants.append((name, c, stages, lambda c, sp=sp, st=stages: functools.partial(
-            gdn_chunked_parallel, chunk=c, state_pass=sp, interpret=interp, num_stages=st)))
-  for name, c, stages, make in variants:
-    def body(row, make=make, c=c):
-      fn = make(c)
+  # (impl, chunk, num_stages, intermediates dtype); stages 2: Triton pipelines the state
+  # pass's per-chunk loads; bf16 intermediates: ū, w (u, h) kept as fla keeps them.
+  plan = [("pallas", 32, 1, None)]
+  plan += [(n, c, 1, None) for c in (32, 64) for n in ("pallas_parallel", "pallas_split")]
+  if not interp:
+    plan += [(n, 64, 1, "bfloat16") for n in ("pallas_parallel", "pallas_split")]
+    plan += [(n, c, 2, None) for c in (32, 64) for n in ("pallas_parallel", "pallas_split")]
+  passes = {"pallas_parallel": "fused", "pallas_split": "separate"}
+  for name, c, stages, inter in plan:
+    if name == "pallas":
+      fn = functools.partial(gdn_chunked_pallas, chunk=c, interpret=interp)
+    else:
+      fn = functools.partial(gdn_chunked_parallel, chunk=c, state_pass=passes[name],
+                             interpret=interp, num_stages=stages, inter_dtype=inter)
+
+    def body(row, fn=fn):
       o, s = jax.jit(fn)(q, k, v, g, beta, s0)
       row.update(o_err=err(o, want[0]), state_err=err(s, want[1]))
       row["us"], _ = chain_timer(lambda st, *x: fn(*x, st), jnp.array(s0), (q, k, v, g, beta),
                                  a.chunk_steps, a.reps)
-    run_variant(res["chunked"], dict(impl=name, chunk=c, stages=stages, T=T, H=h), body)
+    run_variant(res["chunked"], dict(impl=name, chunk=c, stages=stages, inter=inter or "float32",
+                                     T=T, H=h), body)
   if fla is None:
     return
 
@@ -444,7 +450,8 @@ def plot(res, path):
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
   ch = [r for r in res["chunked"] if "us" in r]
   ax = axes[0]
-  ax.barh([f"{r['impl']} C={r['chunk']} st={r.get('stages', '-')}" for r in ch],
+  ax.barh([f"{r['impl']} C={r['chunk']} st={r.get('stages', '-')} {r.get('inter', '')}"
+           for r in ch],
           [r["us"] for r in ch],
           color=["tab:orange" if r["impl"] == "fla" else "tab:blue" for r in ch])
   ax.set_xlabel("µs per call")

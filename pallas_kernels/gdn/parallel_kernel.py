@@ -27,7 +27,8 @@ state pass walks the chunks:
 Every product is a `dot_general` on power-of-2 tiles >= 16 (tl.dot). All math is fp32
 (inputs of any float dtype are cast on load); `precision` picks the fp32 dot algorithm on
 the GPU (None: Triton's default, TF32); the interpreter (CPU) multiplies in exact fp32. The
-intermediates (ū, w, A, G, and for "separate" u and h) are fp32 arrays in HBM.
+intermediates (ū, w, A, G, and for "separate" u and h) are arrays in HBM: fp32, or ū, w, u
+and h in `inter_dtype` (bf16 halves their traffic, as fla keeps them in the input dtype).
 
 Backend and JAX 0.10/0.11 idioms as `chunked_kernel.py` (the Triton lowering).
 """
@@ -85,8 +86,10 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ubar_ref, w_ref, a_ref, 
   k = k_ref[...].astype(_F32)
   m = beta[:, None] * decay_strict * _dot(k, k, _NT, precision)  # [C, C] strictly lower
   t = _unit_lower_inverse(m, eye, c, precision)
-  w_ref[...] = _dot(t, (beta * jnp.exp(big_g))[:, None] * k, _NN, precision)
-  ubar_ref[...] = _dot(t, beta[:, None] * v_ref[...].astype(_F32), _NN, precision)
+  w = _dot(t, (beta * jnp.exp(big_g))[:, None] * k, _NN, precision)
+  w_ref[...] = w.astype(w_ref.dtype)
+  ubar = _dot(t, beta[:, None] * v_ref[...].astype(_F32), _NN, precision)
+  ubar_ref[...] = ubar.astype(ubar_ref.dtype)
   a_ref[...] = _dot(q_ref[...].astype(_F32), k, _NT, precision) * decay_causal
   gc_ref[...] = big_g
 
@@ -107,7 +110,8 @@ def _state_out_kernel(q_ref, k_ref, ubar_ref, w_ref, a_ref, gc_ref, s_ref, o_ref
     sl = pl.ds(pl.multiple_of(i * c, c), c)
     big_g = gc_ref[sl]
     g_last = _last(big_g, r, c)
-    u = ubar_ref[sl, :] - _dot(w_ref[sl, :], s, _NT, precision)  # [C, bv]
+    u = ubar_ref[sl, :].astype(_F32) - _dot(w_ref[sl, :].astype(_F32), s, _NT,
+                                            precision)  # [C, bv]
     q_dec = jnp.exp(big_g)[:, None] * q_ref[sl, :].astype(_F32)
     o = _dot(q_dec, s, _NT, precision) + _dot(a_ref[sl, :], u, _NN, precision)
     o_ref[sl, :] = o.astype(o_ref.dtype)
@@ -126,11 +130,11 @@ def _state_kernel(k_ref, ubar_ref, w_ref, gc_ref, s_ref, u_ref, h_ref, s_out_ref
 
   def body(i, s):
     sl = pl.ds(pl.multiple_of(i * c, c), c)
-    h_ref[i] = s
+    h_ref[i] = s.astype(h_ref.dtype)
     big_g = gc_ref[sl]
     g_last = _last(big_g, r, c)
-    u = ubar_ref[sl, :] - _dot(w_ref[sl, :], s, _NT, precision)
-    u_ref[sl, :] = u
+    u = ubar_ref[sl, :].astype(_F32) - _dot(w_ref[sl, :].astype(_F32), s, _NT, precision)
+    u_ref[sl, :] = u.astype(u_ref.dtype)
     k_dec = jnp.exp(g_last - big_g)[:, None] * k_ref[sl, :].astype(_F32)
     return jnp.exp(g_last) * s + _dot(u, k_dec, _TN, precision)
 
@@ -140,16 +144,16 @@ def _state_kernel(k_ref, ubar_ref, w_ref, gc_ref, s_ref, u_ref, h_ref, s_out_ref
 def _out_kernel(q_ref, a_ref, gc_ref, u_ref, h_ref, o_ref, *, precision):
   """One program: (b, h, chunk i, Dv tile): o = (e^G q) hᵢᵀ + A u for block_v columns."""
   q_dec = jnp.exp(gc_ref[...])[:, None] * q_ref[...].astype(_F32)
-  o_ref[...] = (_dot(q_dec, h_ref[...], _NT, precision)
-                + _dot(a_ref[...], u_ref[...], _NN, precision))
+  o_ref[...] = (_dot(q_dec, h_ref[...].astype(_F32), _NT, precision)
+                + _dot(a_ref[...], u_ref[...].astype(_F32), _NN, precision))
 
 
 @functools.partial(jax.jit, static_argnames=(
     "chunk", "interpret", "block_v", "num_warps", "intra_warps", "num_stages", "precision",
-    "state_pass"))
+    "state_pass", "inter_dtype"))
 def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, block_v=None,
                          num_warps=None, intra_warps=None, num_stages=None, precision=None,
-                         state_pass="fused"):
+                         state_pass="fused", inter_dtype=None):
   """Chunked gated delta rule for a batch, intra-chunk work parallel over chunks.
 
   Args and returns as `chunked_kernel.gdn_chunked_pallas` (q, k [B, T, H, Dk] normalised and
@@ -160,6 +164,9 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
     num_warps: warps of the state pass (and of the output launch); None: 4.
     intra_warps: warps of the parallel intra-chunk launch; None: 8.
     block_v: the state pass's Dv tile; None: 32 compiled, Dv interpreted.
+    inter_dtype: the dtype ū and w (and for "separate" u and h) are kept in between the
+      launches; None: float32. bfloat16 halves their HBM traffic (fla keeps them in the
+      input dtype) at bf16 rounding of those values; A, G, the state and all math stay fp32.
   """
   if state_pass not in STATE_PASSES:
     raise ValueError(f"gdn chunked: state_pass={state_pass!r}: expected one of {STATE_PASSES}")
@@ -178,6 +185,7 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   n = pl.cdiv(t, c)
   tp = n * c
   g, beta = g.astype(_F32), beta.astype(_F32)
+  inter = jnp.dtype(inter_dtype or _F32)
   # Zero padding, exact as in `gdn_chunked_pallas`: g = beta = 0 rows leave the state
   # unchanged; zero Dk / Dv columns stay zero.
   padded = (tp, dk, dv) != (t, dk0, dv0)
@@ -198,8 +206,8 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
       grid=(b, h, n),
       in_specs=[cspec(dk), cspec(dk), cspec(dv), cvec, cvec],
       out_specs=[cspec(dv), cspec(dk), cspec(c), cvec],
-      out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), _F32),
-                 jax.ShapeDtypeStruct((b, tp, h, dk), _F32),
+      out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), inter),
+                 jax.ShapeDtypeStruct((b, tp, h, dk), inter),
                  jax.ShapeDtypeStruct((b, tp, h, c), _F32),
                  jax.ShapeDtypeStruct((b, tp, h), _F32)],
       interpret=interpret,
@@ -233,8 +241,8 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
         grid=(b, h, dv // bv),
         in_specs=[seq(dk), seq_v, seq(dk), seq_g, s_spec],
         out_specs=[seq_v, h_spec, s_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), _F32),
-                   jax.ShapeDtypeStruct((b, h, n, dv, dk), _F32),
+        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), inter),
+                   jax.ShapeDtypeStruct((b, h, n, dv, dk), inter),
                    jax.ShapeDtypeStruct(state.shape, _F32)],
         input_output_aliases={4: 2},
         interpret=interpret,
