@@ -134,7 +134,7 @@ def run_variant(res_list, row, body):
     row["error"] = f"{type(e).__name__}: {e}"[:1500]
   row["wall_s"] = round(time.perf_counter() - t0, 2)
   res_list.append(row)
-  print(row, flush=True)
+  print({k: v for k, v in row.items() if k != "profile"}, flush=True)
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -441,6 +441,30 @@ def profile(fn, state, args, steps):
   return r
 
 
+def summarize(res):
+  """Best of ours against fla, per op (ratio = fla µs / ours µs: >= 1 is the issue's target),
+  each with its o error against the oracle."""
+  def best(rows, pred):
+    ok = [r for r in rows if pred(r) and "us" in r]
+    return min(ok, key=lambda r: r["us"]) if ok else None
+  out = {}
+  ours = lambda r: not r["impl"].startswith("fla")
+  pick = lambda r: None if r is None else {k: r[k] for k in (
+      "impl", "chunk", "stages", "inter", "block_v", "num_warps", "path", "us", "o_err")
+      if r.get(k) is not None}
+  o, f = best(res["chunked"], ours), best(res["chunked"], lambda r: r["impl"] == "fla")
+  out["chunked"] = dict(ours=pick(o), fla=pick(f),
+                        vs_fla=f["us"] / o["us"] if o and f else None)
+  for B in sorted({r["B"] for r in res["decode"]}):
+    at = [r for r in res["decode"] if r["B"] == B]
+    o = best(at, ours)
+    for name in ("fla", "fla_gates_in_kernel"):
+      f = best(at, lambda r, name=name: r["impl"] == name)
+      out[f"decode_b{B}_{name}"] = dict(ours=pick(o), fla=pick(f),
+                                        vs_fla=f["us"] / o["us"] if o and f else None)
+  return out
+
+
 # ----------------------------------------------------------------------------------- plot
 
 def plot(res, path):
@@ -531,6 +555,12 @@ def main():
   if "decode" not in skip and "sweep" not in skip and not a.tiny:
     probe_decode(res, fla, a, sweep=True)
   res["total_s"] = round(time.perf_counter() - t0, 1)
+  try:
+    res["summary"] = summarize(res)
+    for key, val in res["summary"].items():
+      print(key, val, flush=True)
+  except Exception as e:
+    print("summary failed:", e, flush=True)
   common.write_json(a.out, res)
   try:
     plot(res, os.path.splitext(a.out)[0] + ".png")
