@@ -6,7 +6,7 @@ Semantics (documented choices; llama.cpp and vLLM are the references):
   llama.cpp's `repeat_last_n` default) tokens of the row: the prompt's last tokens, then each
   generated token as it is chosen (llama.cpp feeds the prompt into the sampler too). For every
   distinct token of the window, with `c` its count there: `x *= repeat` if `x <= 0` else
-  `x /= repeat`, then `x -= c * frequency + presence`. Neutral values (1, 0, 0) leave the logits
+  `x /= repeat`, then `x -= c * frequency + presence` (that association). Neutral values (1, 0, 0) leave the logits
   bit-identical.
 - Order, as transformers and vLLM (and the engine before this module): penalties, then
   `/ temperature`, then top-k, then top-p (the smallest most-probable set whose probability
@@ -110,7 +110,7 @@ def penalize(logits, recent, sp: SamplingParams):
   g = jnp.take_along_axis(logits, jnp.where(valid, recent, 0), axis=1)
   rp = sp.repeat[:, None]
   g = jnp.where(g <= 0, g * rp, g / rp)
-  g = g - cnt.astype(g.dtype) * sp.frequency[:, None] - sp.presence[:, None]
+  g = g - (cnt.astype(g.dtype) * sp.frequency[:, None] + sp.presence[:, None])  # as llama.cpp
   rows = jnp.arange(logits.shape[0])[:, None]
   # duplicates of a token write the same value; empty window entries write nothing
   return logits.at[rows, jnp.where(valid, recent, V)].set(g, mode="drop")
