@@ -14,12 +14,32 @@ def _lora_args(p):
                  help="load the adapters, run with the switch off")
 
 
+def _control_vector_args(p):
+  # llama.cpp's flags; both file flags append to one list, so the files keep their order.
+  p.add_argument("--control-vector", dest="control_vectors", action="append",
+                 type=lambda v: ("plain", v), metavar="F[,F...]",
+                 help="control vector GGUF file(s) (llama.cpp's format), scale 1")
+  p.add_argument("--control-vector-scaled", dest="control_vectors", action="append",
+                 type=lambda v: ("scaled", v), metavar="F:S[,F:S...]",
+                 help="control vector file(s) with scales")
+  p.add_argument("--control-vector-layer-range", nargs=2, type=int, default=None,
+                 metavar=("START", "END"),
+                 help="layers the control vectors apply to, inclusive (default: all)")
+
+
 def _model_args(p):
   p.add_argument("--model", default=None, help="model GGUF (default: the embedded demo model)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--layer-split", default=None, help="auto | N1,N2,... layers per stage")
   p.add_argument("--split-devices", default=None, help="device indices for the stages: 0,1,...")
+  p.add_argument("--weights", default="keep", choices=["keep", "dequantize"],
+                 help="keep: Q8_0/Q4_K/Q5_K/Q6_K weights stay quantised on the device (other "
+                      "types are dequantised at load); dequantize: all in the compute dtype")
+  p.add_argument("--forms", default="", metavar="NAME=VALUE[,...]",
+                 help="implementation choices (strata_jax.forms.Forms), e.g. "
+                      "lora_branch=select,gdn_chunked=products; default: each 'auto'")
   _lora_args(p)
+  _control_vector_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,35 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
-def parse_lora(args) -> tuple[list[str], list[float]]:
-  """--lora F[,F...] and --lora-scaled F:S[,F:S...] -> (paths, scales)."""
-  from strata_jax.errors import AdapterError  # noqa: PLC0415
-  paths, scales = [], []
-  for f in (args.lora.split(",") if args.lora else []):
-    if f:
-      paths.append(f)
-      scales.append(1.0)
-  for item in (args.lora_scaled.split(",") if args.lora_scaled else []):
-    f, sep, s = item.rpartition(":")
-    try:
-      if not sep or not f:
-        raise ValueError
-      scales.append(float(s))
-    except ValueError:
-      raise AdapterError(f"--lora-scaled {item!r}: expected FILE:SCALE") from None
-    paths.append(f)
-  return paths, scales
-
-
-def load_from_args(args):
-  import strata_jax as sj  # noqa: PLC0415
-  model = sj.load_model(args.model, dtype=args.dtype, layer_split=args.layer_split,
-                        split_devices=args.split_devices)
-  paths, scales = parse_lora(args)
-  lora = sj.load_lora(model, paths, scales) if paths else None
-  return model, lora
-
-
 def cmd_generate(args) -> int:
   import numpy as np  # noqa: PLC0415
 
@@ -104,11 +95,13 @@ def cmd_generate(args) -> int:
   from strata_jax.errors import RequestError  # noqa: PLC0415
   from strata_jax.engine.engine import Request  # noqa: PLC0415
   from strata_jax.engine.sampling import check  # noqa: PLC0415
+  from strata_jax.loading import control_vector_from_args, load_from_args  # noqa: PLC0415
   check(Request(tokens=[0], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, repeat_penalty=args.repeat_penalty,
                 seed=args.seed, logprobs=args.logprobs))   # before the model is read
   model, lora = load_from_args(args)
+  cvec = control_vector_from_args(args, model)
   if args.prompt_tokens is not None:
     try:
       ids = [int(t) for t in args.prompt_tokens.split(",") if t.strip()]
@@ -122,7 +115,8 @@ def cmd_generate(args) -> int:
   use_lora = lora is not None and not args.lora_off
   # A power-of-two capacity: repeat runs with other prompt lengths reuse the compiled program.
   need = len(ids) + args.n + 1
-  engine = sj.Engine(model, lora=lora, slots=1, max_seq=max(256, 1 << (need - 1).bit_length()))
+  engine = sj.Engine(model, lora=lora, slots=1, max_seq=max(256, 1 << (need - 1).bit_length()),
+                     control_vector=cvec)
   stop = model.stop_ids()   # end-of-generation tokens end the run, as in llama.cpp and transformers
   res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -161,6 +155,10 @@ def cmd_convert(args) -> int:
   return 0
 
 
+# What `pip install 'strata-jax[serve]'` adds (fastapi brings starlette and pydantic).
+_SERVE_EXTRA = ("fastapi", "uvicorn", "starlette", "pydantic")
+
+
 def cmd_serve(args) -> int:
   import jax  # noqa: PLC0415
 
@@ -169,7 +167,16 @@ def cmd_serve(args) -> int:
     # One HTTP front would have to replay every request on every process; not built.
     raise StrataError("serve across processes (STRATA_COORDINATOR) is not supported; "
                       "use generate, or serve from one host")
-  from strata_jax.serve.app import serve_main  # noqa: PLC0415
+  try:
+    import uvicorn  # noqa: F401, PLC0415 (here, so a missing server stack is named at once)
+
+    from strata_jax.serve.app import serve_main  # noqa: PLC0415
+  except ModuleNotFoundError as e:
+    missing = (e.name or "").split(".")[0]
+    if missing not in _SERVE_EXTRA:
+      raise
+    raise StrataError(f"strata-jax serve needs the 'serve' extra ({missing} is not installed): "
+                      "pip install 'strata-jax[serve]'") from None
   return serve_main(args)
 
 

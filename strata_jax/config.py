@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from strata_jax.forms import Forms
+
 GDN = "G"   # Gated DeltaNet (linear attention) layer
 ATTN = "A"  # gated softmax attention layer
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Qwen3-Next geometry, as read from the `qwen3next.*` GGUF metadata.
+  """Qwen3-Next geometry, as read from the `qwen3next.*` GGUF metadata, plus the `Forms`.
 
   `layer_types` is the layer pattern, one letter per layer: "G" for a GDN layer, "A" for a
   gated-attention layer (e.g. "GGGA" for the default interval of 4).
@@ -36,6 +38,8 @@ class ModelConfig:
   d_ff_shared: int
   rms_eps: float = 1e-6
   context_length: int = 4096
+  # how each op is computed (implementation choices, matmul precision); see strata_jax/forms.py
+  forms: Forms = Forms()
 
   @property
   def n_layers(self) -> int:

@@ -20,3 +20,15 @@ class SessionError(StrataError):
 
 class RequestError(StrataError):
   """A generation request that is malformed or exceeds the engine's limits."""
+
+
+class DeviceMemoryError(GGUFError):
+  """A model (or one stage of it) that does not fit the free memory of its device."""
+
+
+class FormsError(StrataError):
+  """An unknown implementation choice (`strata_jax.forms.Forms`, the CLI's `--forms`)."""
+
+
+class ControlVectorError(StrataError):
+  """A control-vector GGUF (llama.cpp's format) that cannot be applied to the loaded model."""

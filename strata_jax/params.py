@@ -21,6 +21,29 @@ FP32_LEAVES = frozenset({"gdn.a", "gdn.dt_bias", "gdn.conv", "moe.router", "moe.
 
 
 @struct.dataclass
+class QGroups:
+  """A layer-stacked quantised leaf whose layers have several GGUF types (llama.cpp's K-quant
+  mixes give some layers' attn_v / ffn_down more bits): one QTensor stack per type.
+
+  Attributes:
+    parts: the stacks (`pallas_kernels.quant.layout.QTensor`), one per type.
+    group: per layer of the stage (static), which part holds it.
+    pos: per layer, its index in that part.
+  """
+  parts: tuple
+  group: tuple = struct.field(pytree_node=False, default=())
+  pos: tuple = struct.field(pytree_node=False, default=())
+
+  @property
+  def nbytes(self) -> int:
+    return sum(p.nbytes for p in self.parts)
+
+  @property
+  def shape(self) -> tuple:
+    return (len(self.group), *self.parts[0].shape[1:])
+
+
+@struct.dataclass
 class GDNParams:
   qkv: jax.Array       # [Lg, 2*Hk*Dk + Hv*Dv, D]  attn_qkv: q | k | v
   gate: jax.Array      # [Lg, Hv*Dv, D]            attn_gate (z)

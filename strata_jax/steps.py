@@ -6,6 +6,7 @@ serves every switch state and every prompt length (chunks are padded). State is 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -16,6 +17,14 @@ from strata_jax import sampling
 from strata_jax.config import ModelConfig
 from strata_jax.model import forward
 from strata_jax.state import ModelState
+
+
+def _precision(cfg: ModelConfig, state: ModelState):
+  """The matmul precision the step traces under, from `cfg.forms` and the compute dtype (the
+  K/V cache's): float32 is "highest", full-fp32 dots on every backend, where the GPU's default
+  would round fp32 operands to TF32; "tf32" only when the forms name it."""
+  p = cfg.forms.jax_precision(state.k.dtype)
+  return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
 
 def _row(a, slot):
@@ -29,7 +38,7 @@ def _set_row(a, row, slot):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("state",))
 def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_valid, switch,
-            *, all_logits: bool = False):
+            *, all_logits: bool = False, cvec=None):
   """Run one chunk of a slot's prompt.
 
   Args:
@@ -37,6 +46,8 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
       the previous stage when this stage's params have no embedding (layer split).
     n_valid: int32 [] real tokens.
     switch: int32 [] LoRA switch for this row (ignored when `lora` is None).
+    cvec: the control vector rows of this stage's layers [L, D], or None (none: the program
+      without control vectors).
   Returns:
     (logits, state): float32 [T, V] (all_logits) or [V] (after the last valid token).
   """
@@ -45,14 +56,15 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
   sw = jnp.reshape(switch, (1,)).astype(jnp.int32)
   kv = (_row(state.k, slot), _row(state.v, slot))
   gdn = (_row(state.conv, slot), _row(state.ssm, slot))
-  x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
-  x, kv, gdn = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw)
-  if params.lm_head is None:     # not the last stage of a layer split: hand the hidden on
-    logits = x[0]
-  elif all_logits:
-    logits = forward.logits_from_hidden(cfg, params, x[0])
-  else:
-    logits = forward.logits_from_hidden(cfg, params, x[0, n_valid - 1])
+  with _precision(cfg, state):
+    x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
+    x, kv, gdn = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw, cvec)
+    if params.lm_head is None:     # not the last stage of a layer split: hand the hidden on
+      logits = x[0]
+    elif all_logits:
+      logits = forward.logits_from_hidden(cfg, params, x[0])
+    else:
+      logits = forward.logits_from_hidden(cfg, params, x[0, n_valid - 1])
   state = state.replace(
       k=_set_row(state.k, kv[0], slot), v=_set_row(state.v, kv[1], slot),
       conv=_set_row(state.conv, gdn[0], slot), ssm=_set_row(state.ssm, gdn[1], slot),
@@ -61,24 +73,26 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, active):
+def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, active, *,
+           cvec=None):
   """One token for every row. tokens, switch, active: int32 [B] (tokens: the hidden [B, D]
-  from the previous stage when this stage has no embedding). Inactive rows keep their
-  state (their K/V write lands past their length and is overwritten later).
+  from the previous stage when this stage has no embedding); cvec: as in `prefill`. Inactive
+  rows keep their state (their K/V write lands past their length and is overwritten later).
   Returns (logits float32 [B, V], state)."""
   act = active.astype(bool)
-  x = forward.embed(params, tokens[:, None]) if params.embed is not None else tokens[:, None]
-  x, (k, v), (conv, ssm) = forward.run_layers(
-      cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
-      act.astype(jnp.int32), switch)
+  with _precision(cfg, state):
+    x = forward.embed(params, tokens[:, None]) if params.embed is not None else tokens[:, None]
+    x, (k, v), (conv, ssm) = forward.run_layers(
+        cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
+        act.astype(jnp.int32), switch, cvec)
+    logits = (x[:, 0] if params.lm_head is None
+              else forward.logits_from_hidden(cfg, params, x[:, 0]))
   keep = lambda new, old: jnp.where(act.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)
   state = state.replace(
       k=k, v=v, conv=keep(conv, state.conv), ssm=keep(ssm, state.ssm),
       pos=state.pos + act.astype(jnp.int32),
       lora=jnp.where(act, switch.astype(jnp.int32), state.lora))
-  if params.lm_head is None:
-    return x[:, 0], state
-  return forward.logits_from_hidden(cfg, params, x[:, 0]), state
+  return logits, state
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -121,18 +135,18 @@ def write_recurrent(state: ModelState, slot, conv, ssm, pos, switch):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps"), donate_argnames=("state",))
 def decode_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, active, *,
-                  n_steps: int):
+                  n_steps: int, cvec=None):
   """`n_steps` greedy decode steps in one program (one dispatch for many tokens).
 
   Each step is `decode` followed by an on-device argmax that feeds the next step; inactive
-  rows keep their token and state. tokens, switch, active: int32 [B].
+  rows keep their token and state. tokens, switch, active: int32 [B]; cvec: as in `prefill`.
   Returns (tokens int32 [n_steps, B] the chosen ids, state).
   """
   act = active.astype(bool)
 
   def body(carry, _):
     toks, st = carry
-    logits, st = decode(cfg, params, lora, st, toks, switch, active)
+    logits, st = decode(cfg, params, lora, st, toks, switch, active, cvec=cvec)
     nxt = jnp.where(act, jnp.argmax(logits, axis=-1).astype(jnp.int32), toks)
     return (nxt, st), nxt
 
@@ -153,20 +167,20 @@ def _choose_and_advance(logits, rows, sp, stop_ids, plan):
                    donate_argnames=("state", "rows"))
 def decode_sample(cfg: ModelConfig, params, lora, state: ModelState, rows: sampling.Rows,
                   sp: sampling.SamplingParams, switch, stop_ids, *, n_steps: int,
-                  plan: sampling.Plan, with_logits: bool = False):
+                  plan: sampling.Plan, with_logits: bool = False, cvec=None):
   """`n_steps` decode steps with on-device sampling in one program.
 
   Each step feeds every active row's last token (`decode`), chooses the next one
   (`sampling.choose`: penalties, temperature, top-k/p, min-p, seeded draw, logprobs) and
   updates the rows (`sampling.advance`): a row that emits a stop id (stop_ids [B, S], -1
   padded) or runs out of `remaining` becomes inactive, so its state never advances past the
-  stop. switch: int32 [B] LoRA switch.
+  stop. switch: int32 [B] LoRA switch; cvec: as in `prefill`.
   Returns ((emitted int32 [n, B] (-1 where the row was inactive), logprob [n, B],
   top_ids [n, B, n_top], top_lp [n, B, n_top], logits [n, B, V] or None), rows, state).
   """
   def body(carry, _):
     rows, st = carry
-    logits, st = decode(cfg, params, lora, st, rows.last, switch, rows.active)
+    logits, st = decode(cfg, params, lora, st, rows.last, switch, rows.active, cvec=cvec)
     rows, out = _choose_and_advance(logits, rows, sp, stop_ids, plan)
     return (rows, st), out + ((logits if with_logits else None),)
 

@@ -53,12 +53,11 @@ def limits():
 def main():
   path, progress, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
   sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
-  from strata_jax.session import format as session_format
-  from strata_jax.session import save_session
+  from strata_jax.session import atomic, orbax_io, save_session
 
-  session_format._checkpointer()   # import orbax before "ready"
+  orbax_io.checkpointer()   # import orbax before "ready"
   if os.environ.get("STRATA_SESSION_NO_EXCHANGE") == "1":
-    session_format._use_exchange = False   # cover the rename-to-backup path
+    atomic.use_exchange = False   # cover the rename-to-backup path
   fd = os.open(progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
   os.write(fd, b"ready\n")
   i = first

@@ -80,6 +80,21 @@ def test_errors_exit_2_without_traceback(files, args, needle):
   assert "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("module", ["fastapi", "uvicorn"])
+def test_serve_without_server_extra_names_it(module):
+  """`strata-jax serve` where the server stack is not installed: one line naming the extra."""
+  code = (f"import sys; sys.modules[{module!r}] = None; "   # `import` then fails as if absent
+          "from strata_jax.cli import main; sys.exit(main(['serve']))")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                     timeout=300)
+  assert p.returncode == 2, p.stderr[-2000:]
+  last = p.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and module in last, p.stderr[-2000:]
+  assert "pip install 'strata-jax[serve]'" in last
+  assert "Traceback" not in p.stderr
+
+
 def test_not_a_gguf_exits_2(tmp_path):
   bad = tmp_path / "bad.gguf"
   bad.write_bytes(b"not a gguf at all")

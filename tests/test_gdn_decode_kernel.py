@@ -111,16 +111,12 @@ def test_step_raw_dispatch(monkeypatch):
   want = reference.delta_rule_step_raw(*args)
   for impl in ("xla", "pallas_interpret"):
     check(api.step_raw(*args, implementation=impl), want, impl)
-  monkeypatch.delenv(api.ENV_VAR, raising=False)
-  assert api.default_implementation() == "auto"
   small, large = api.resolve(None, 1), api.resolve(None, api.AUTO_PALLAS_MIN_BATCH)
   assert (small, large) == (("xla", "pallas") if ON_GPU else ("xla", "xla"))
-  monkeypatch.setenv(api.ENV_VAR, "pallas_interpret")
-  assert api.resolve(None, 1) == "pallas_interpret"
-  assert api.resolve("xla", 64) == "xla"  # an explicit choice wins over the variable
-  monkeypatch.setenv(api.ENV_VAR, "triton")
-  with pytest.raises(ValueError, match=api.ENV_VAR):
-    api.resolve(None, 1)
+  assert api.resolve("pallas_interpret", 1) == "pallas_interpret"
+  assert api.resolve("xla", 64) == "xla"
+  with pytest.raises(ValueError, match="unknown implementation 'triton'"):
+    api.resolve("triton", 1)
   with pytest.raises(ValueError, match="unknown implementation"):
     api.step_raw(*args, implementation="cuda")
   if not ON_GPU:

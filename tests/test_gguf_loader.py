@@ -82,7 +82,7 @@ def test_tensor_type_matches_f32_twin(model, tmp_path, qtype):
                           tensor_type=tensor_type, encode=F.quantize, tokenizer_kv=model["tok_kv"])
   types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
   assert sum(t == qtype for t in types.values()) >= 10  # most matrices really are quantised
-  mf = read_model_gguf(path)
+  mf = read_model_gguf(path, weights="dequantize")
   loaded = params_to_flat(mf.params)
   for spec in names.MODEL_TENSORS:
     idx = names.layer_indices(cfg, spec.over)
@@ -250,10 +250,51 @@ def test_wrong_shape(model, tmp_path):
   raises(p, r"tensor 'blk.0.attn_qkv.weight' has shape \(256, 128\), expected \(128, 256\)")
 
 
-def test_unsupported_tensor_type(model, tmp_path):
-  p = F.write_raw_gguf(tmp_path / "q3k.gguf", model["cfg"], model["tensors"],
-                       types={"blk.0.attn_gate.weight": T.Q3_K})
-  raises(p, "tensor 'blk.0.attn_gate.weight' has unsupported type Q3_K")
+def test_undecodable_tensor_type(model, tmp_path):
+  p = F.write_raw_gguf(tmp_path / "q8k.gguf", model["cfg"], model["tensors"],
+                       types={"blk.0.attn_gate.weight": T.Q8_K})
+  raises(p, "tensor 'blk.0.attn_gate.weight' has unsupported type Q8_K: no decoder for it")
+
+
+def test_row_not_a_multiple_of_the_block(model, tmp_path):
+  """A tensor declared Q8_0 whose rows (4 conv taps) are not whole 32-value blocks (an f32
+  file with the tensor's type id patched in the header: no writer makes such a file)."""
+  p = F.write_raw_gguf(tmp_path / "rows.gguf", model["cfg"], model["tensors"])
+  data = bytearray(open(p, "rb").read())
+  name = b"blk.0.ssm_conv1d.weight"
+  at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+  n_dims = int.from_bytes(data[at:at + 4], "little")
+  type_at = at + 4 + 8 * n_dims
+  assert int.from_bytes(data[type_at:type_at + 4], "little") == int(T.F32)
+  data[type_at:type_at + 4] = int(T.Q8_0).to_bytes(4, "little")
+  (tmp_path / "rows.gguf").write_bytes(bytes(data))
+  raises(p, r"tensor 'blk.0.ssm_conv1d.weight' \(Q8_0\) has rows of 4 values, not a multiple "
+         "of the Q8_0 block of 32")
+
+
+def test_data_shorter_than_blocks(model, tmp_path):
+  p = F.write_raw_gguf(tmp_path / "q.gguf", model["cfg"], model["tensors"],
+                       types={"output.weight": T.Q6_K})
+  data = open(p, "rb").read()
+  last = max(gguf.GGUFReader(p).tensors, key=lambda t: t.data_offset)
+  short = tmp_path / "short.gguf"
+  short.write_bytes(data[:int(last.data_offset) + int(last.n_bytes) - 100])
+  raises(str(short), f"tensor '{last.name}' .*data is shorter than its blocks need")
+
+
+def test_other_types_dequantised_at_load_with_one_log_line(model, tmp_path, caplog):
+  """Q3_K is not kept on the device: dequantised per tensor, named once in the log."""
+  types = {"blk.0.attn_gate.weight": T.Q3_K, "blk.2.attn_gate.weight": T.Q3_K}
+  p = F.write_raw_gguf(tmp_path / "q3k.gguf", model["cfg"], model["tensors"], types=types)
+  with caplog.at_level("INFO", logger="strata_jax"):
+    mf = read_model_gguf(p, weights="keep")
+  lines = [r.getMessage() for r in caplog.records if "dequantised at load" in r.getMessage()]
+  assert len(lines) == 1 and all(n in lines[0] for n in types), lines
+  got = np.asarray(mf.params.layers.gdn.gate)
+  raw = gguf.GGUFReader(p).tensors
+  want = gguf.quants.dequantize(next(t for t in raw if t.name == "blk.2.attn_gate.weight").data,
+                                T.Q3_K)
+  np.testing.assert_array_equal(got[1], want)
 
 
 @pytest.mark.parametrize("key,value,pattern", [

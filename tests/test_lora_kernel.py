@@ -12,9 +12,7 @@ import pytest
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels.lora import (
-    AUTO_PALLAS_MIN_ROWS,
-    ENV_VAR,
-    default_implementation,
+    AUTO_KERNEL_MIN_ROWS,
     lora_apply,
     lora_pallas,
     lora_reference,
@@ -198,21 +196,15 @@ def test_input_checks():
     lora_apply(base, x, a, b, on, implementation="cuda")
 
 
-def test_implementation_choice(monkeypatch):
-  monkeypatch.delenv(ENV_VAR, raising=False)
-  assert default_implementation() == {"gpu": "auto", "cpu": "pallas_interpret"}.get(
-      jax.default_backend(), "xla")
-  monkeypatch.setenv(ENV_VAR, "xla")
-  assert default_implementation() == "xla"
-  monkeypatch.setenv(ENV_VAR, "triton")
-  with pytest.raises(ValueError, match=ENV_VAR):
-    default_implementation()
-  monkeypatch.setenv(ENV_VAR, "auto")
-  small, large = resolve(None, 8), resolve(None, AUTO_PALLAS_MIN_ROWS)
+def test_implementation_choice():
+  small, large = resolve(None, 8), resolve("auto", AUTO_KERNEL_MIN_ROWS)
   if ON_GPU:
-    assert (small, large) == ("xla", "pallas")
+    assert (small, large) == ("xla", "kernel")
   else:
-    assert small == large == "pallas_interpret"
+    assert small == large == "xla"
+  assert resolve("pallas_interpret", 8) == "pallas_interpret"
+  with pytest.raises(ValueError, match="unknown implementation 'triton'"):
+    resolve("triton", 8)
   assert resolve("xla", 1) == "xla"
 
 

@@ -1,6 +1,8 @@
 """The LoRA switch is data: one compiled program serves on, off and mixed rows; a row with the
 switch off is bit-identical to the model loaded with no adapter (which the engine runs as the
 same program with an all-zero adapter of the same padded rank)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,8 @@ from model_fixtures import TINY, random_lora, tiny_model
 
 import strata_jax as sj
 from strata_jax import steps
-from strata_jax.params import empty_lora, lora_rank_bucket, pad_lora_rank
+from strata_jax.forms import Forms
+from strata_jax.params import LoraSet, empty_lora, lora_rank_bucket, pad_lora_rank
 from strata_jax.state import init_state
 
 CHUNK = 64
@@ -74,6 +77,40 @@ def test_off_is_bit_identical_to_no_adapter(model, lora, T):
   assert not np.allclose(on_logits[-1], base_logits[-1]), "the adapter must change the output"
   on_again, _ = _run(model, lora, toks, 1)
   assert _bits_equal(on_again, on_logits), "switching back on re-applies the adapter"
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_select_branch_off_is_bit_identical_to_no_adapter(model, lora, T):
+  """The "select" LoRA branch (the delta computed for every row, a select keeps the base rows)
+  gives the no-adapter model's logits and state bit for bit when the switch is off."""
+  forms = Forms(lora_branch="select").resolve(jax.default_backend(), model.dtype)
+  select = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, forms=forms))
+  toks = np.random.default_rng(T).integers(0, TINY.vocab_size, T)
+  base_logits, base_state = _run(model, NO_ADAPTER, toks, 0)
+  on_logits, _ = _run(select, lora, toks, 1)
+  off_logits, off_state = _run(select, lora, toks, 0)
+  assert _bits_equal(off_logits, base_logits)
+  assert _bits_equal(base_state.replace(lora=off_state.lora), off_state)
+  assert not np.allclose(on_logits[-1], base_logits[-1]), "the adapter must change the output"
+
+
+def test_adapter_stack_beyond_the_rank_bucket_off_is_bit_identical(model):
+  """Two adapters stacked to rank 80 pad to 128, past the 64 bucket the no-adapter engine
+  runs: another program, and still off == no adapter bit for bit."""
+  one, two = random_lora(rank=40, seed=3), random_lora(rank=40, seed=4)
+  cat = lambda a, b: jnp.concatenate([a, b], axis=1 if a.shape[1] == 40 else 2)
+  stacked = LoraSet(params=jax.tree.map(cat, one.params, two.params),
+                    files=one.files + two.files, ignored=(), rank_total=80, adapter_id=0x77)
+  prompt = list(range(2, 75))
+  eng = sj.Engine(model, lora=stacked, slots=2, max_seq=128, block_size=32)
+  assert eng.stages[0].lora.gdn_a.shape[1] == lora_rank_bucket(80) == 128
+  off = eng.generate(tokens=prompt, max_tokens=3, lora=False, return_logits=True)
+  on = eng.generate(tokens=prompt, max_tokens=3, lora=True, return_logits=True)
+  bare = sj.Engine(model, slots=2, max_seq=128, block_size=32)
+  none = bare.generate(tokens=prompt, max_tokens=3, return_logits=True)
+  assert np.array_equal(off.prompt_logits, none.prompt_logits)
+  assert np.array_equal(off.step_logits, none.step_logits)
+  assert not np.allclose(on.prompt_logits[-1], none.prompt_logits[-1])
 
 
 def test_one_program_for_every_switch_state(model, lora):

@@ -44,24 +44,20 @@ def test_all_position_logits(hf, T):
   print(f"parity T={T}: max abs error {err:.2e}")
 
 
-@pytest.mark.parametrize("env", [{"STRATA_GDN_CHUNKED": "pallas_interpret"},
-                                 {"STRATA_GDN_CHUNKED": "products"},
-                                 {"STRATA_MOE_MANY": "pallas"}], ids=lambda e: str(e))
-def test_prefill_kernel_forms_match_transformers(hf, env, monkeypatch):
-  """The opt-in prefill forms (the chunked GDN kernel or the products form, the grouped MoE
-  kernel; interpreted on CPU) through the model give transformers' logits too."""
+_PALLAS = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+
+
+@pytest.mark.parametrize("forms", [sj.Forms(gdn_chunked=_PALLAS), sj.Forms(gdn_chunked="products"),
+                                   sj.Forms(moe_many=_PALLAS)], ids=str)
+def test_prefill_kernel_forms_match_transformers(hf, forms):
+  """The prefill forms (the chunked GDN kernel or the products form, the grouped MoE kernel;
+  interpreted on CPU) through an engine built with them give transformers' logits too."""
   _, hf_model, model = hf
-  for k, v in env.items():
-    monkeypatch.setenv(k, v)
-  jax.clear_caches()   # the forms are chosen at trace time: no traced program may be reused
-  try:
-    ids = _prompt(63, model.cfg.vocab_size)
-    eng = sj.Engine(model, slots=1, max_seq=128, block_size=64)
-    res = eng.generate(tokens=ids, max_tokens=1, return_logits=True)
-  finally:
-    jax.clear_caches()
+  ids = _prompt(63, model.cfg.vocab_size)
+  eng = sj.Engine(model, slots=1, max_seq=128, block_size=64, forms=forms)
+  res = eng.generate(tokens=ids, max_tokens=1, return_logits=True)
   assert_close(res.prompt_logits, _hf_logits(hf_model, ids), abs_=MODEL_LOGITS_ABS_FP32,
-               what=str(env))
+               what=str(forms))
 
 
 def test_greedy_32_tokens(hf):

@@ -10,8 +10,6 @@ import pytest
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels.moe import (
-    ENV_VAR,
-    default_implementation,
     moe_pallas,
     moe_reference,
     resolve,
@@ -170,16 +168,12 @@ def test_input_errors():
     routed_experts(x, wg, wu, wd, idx, w, implementation="cuda")
 
 
-def test_implementation_choice(monkeypatch):
-  monkeypatch.delenv(ENV_VAR, raising=False)
-  assert default_implementation() == "auto"
-  assert resolve() == ("pallas" if ON_GPU else "xla")
-  monkeypatch.setenv(ENV_VAR, "pallas_interpret")
-  assert resolve() == "pallas_interpret"
+def test_implementation_choice():
+  assert resolve() == resolve("auto") == ("pallas" if ON_GPU else "xla")
+  assert resolve("pallas_interpret") == "pallas_interpret"
   assert resolve("xla") == "xla"
-  monkeypatch.setenv(ENV_VAR, "triton")
-  with pytest.raises(ValueError, match=ENV_VAR):
-    default_implementation()
+  with pytest.raises(ValueError, match="unknown implementation 'triton'"):
+    resolve("triton")
 
 
 @pytest.mark.parametrize("act", [F32, BF16], ids=["f32", "bf16"])

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
+import tempfile
 
 import nbformat
 import pytest
@@ -18,6 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NB_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 300
+# A path to tests/ put on sys.path, or a module imported from it.
+_TESTS_IMPORT = re.compile(r"sys\.path\.\w+\(.*tests|^\s*(from|import)\s+tests\b", re.M)
 # notebook -> (variable holding the figure, image file under docs/images/)
 IMAGES = {"02_parity": ("fig", "parity_error.png"),
           "05_adapter_inspection": ("fig", "adapter_norms.png")}
@@ -33,9 +37,12 @@ def kernel_env() -> dict[str, str]:
 
 
 def execute(nb) -> None:
-  client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                          resources={"metadata": {"path": str(NB_DIR)}})
-  client.execute(env=kernel_env())
+  """Runs `nb` with its kernel in a fresh empty directory: a notebook must not depend on the
+  directory it is opened from (nor reach into tests/ through it)."""
+  with tempfile.TemporaryDirectory(prefix="strata-nb-") as cwd:
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": cwd}})
+    client.execute(env=kernel_env())
 
 
 def test_notebooks_found():
@@ -49,6 +56,9 @@ def test_notebook_runs(path):
   dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
            and (c.get("outputs") or c.get("execution_count") is not None)]
   assert not dirty, f"{path.name}: cells {dirty} were saved with outputs; strip them"
+  imports_tests = [i for i, c in enumerate(nb.cells)
+                   if c.cell_type == "code" and _TESTS_IMPORT.search(c.source)]
+  assert not imports_tests, f"{path.name}: cells {imports_tests} import from tests/"
   execute(nb)   # raises CellExecutionError, naming the cell and the traceback, on any error
 
 

@@ -25,12 +25,14 @@ from strata_jax.session import (
   KNOWN_FLAGS,
   SessionMeta,
   SessionReadLimits,
+  atomic,
   erase_session,
   load_session,
+  orbax_io,
   read_session_meta,
   save_session,
+  schema,
 )
-from strata_jax.session import format as F
 
 BF16 = ml_dtypes.bfloat16
 G, HD, K, C, HV, DV, DK = 2, 4, 4, 6, 2, 3, 3
@@ -107,7 +109,7 @@ def assert_same(a, b):
 def write_raw(path, tree, header, reseal=True):
   """An orbax checkpoint with an arbitrary header: what a buggy or hostile writer could leave."""
   if reseal:
-    header = dict(header, meta_xxh3_64=F._meta_checksum(header))
+    header = dict(header, meta_xxh3_64=schema.meta_checksum(header))
   ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(
       str(path), args=ocp.args.PyTreeSave(tree), custom_metadata=header)
 
@@ -115,7 +117,7 @@ def write_raw(path, tree, header, reseal=True):
 def tampered(path, edit, n_stages=1, n=5, **payload_kw):
   """Writes payload() at `path` with `edit(tree, header)` applied to what save_session builds."""
   stages, tokens, kw = payload(n_stages, n, **payload_kw)
-  tree, header = F._build(str(path), stages, tokens, kw["fingerprint"], kw["flags"],
+  tree, header = schema.build(str(path), stages, tokens, kw["fingerprint"], kw["flags"],
                           kw["layer_ranges"])
   header = json.loads(json.dumps(header))
   edit(tree, header)
@@ -127,10 +129,10 @@ def tampered(path, edit, n_stages=1, n=5, **payload_kw):
 def restore_calls(monkeypatch):
   """Records every array read: our single restore entry point and orbax's restore itself."""
   calls = []
-  real = F._restore_arrays
+  real = orbax_io.restore_arrays
 
   def spy(*args, **kwargs):
-    calls.append(("_restore_arrays", args))
+    calls.append(("restore_arrays", args))
     return real(*args, **kwargs)
 
   real_ocp = ocp.Checkpointer.restore
@@ -139,7 +141,7 @@ def restore_calls(monkeypatch):
     calls.append(("Checkpointer.restore", args))
     return real_ocp(self, *args, **kwargs)
 
-  monkeypatch.setattr(F, "_restore_arrays", spy)
+  monkeypatch.setattr(orbax_io, "restore_arrays", spy)
   monkeypatch.setattr(ocp.Checkpointer, "restore", spy_ocp)
   return calls
 
@@ -197,7 +199,7 @@ def test_round_trip_empty_and_replace(tmp_path):
 
 
 def test_replace_without_rename_exchange(tmp_path, monkeypatch):
-  monkeypatch.setattr(F, "_use_exchange", False)
+  monkeypatch.setattr(atomic, "use_exchange", False)
   path = tmp_path / "s"
   for seed in range(3):
     stages, tokens, kw = payload(2, seed=seed)
@@ -351,7 +353,7 @@ def test_refuses_oversized_kv(tmp_path, restore_calls):
     big = make_stage(1, 3, 12, 0)
     for key in ("k", "v"):
       tree["stage0"][key] = big[key]
-      header["stages"][0]["arrays"][key] = F._entry(big[key])
+      header["stages"][0]["arrays"][key] = schema.entry(big[key])
   path = tampered(tmp_path / "a", grow_kv)
   refused(path, limits_for(), "oversized array stage0/k: 12 entries on its token axis but the "
           "session holds 5 tokens", restore_calls)
@@ -476,6 +478,28 @@ def test_refuses_truncated_array_data(tmp_path, capfd):
   assert "Traceback" not in err and "Event loop is closed" not in err, err[:2000]
 
 
+def test_refused_read_leaves_no_process_wide_filters(tmp_path, capfd):
+  """The noise filters around orbax calls are scoped: after a refused read of damaged data,
+  the unraisable hook, warnings filters and logger filters are what they were before."""
+  import logging
+  import warnings
+  stages, tokens, kw = payload()
+  save_session(tmp_path / "s", stages, tokens, **kw)
+  for dirpath, _, fs in os.walk(tmp_path / "s" / "d"):
+    for f in fs:
+      with open(os.path.join(dirpath, f), "r+b") as fh:
+        fh.truncate(os.path.getsize(os.path.join(dirpath, f)) // 2)
+  loggers = [logging.getLogger(n) for n in ("asyncio", "absl")]
+  before = (sys.unraisablehook, list(warnings.filters), [list(lg.filters) for lg in loggers])
+  with pytest.raises(SessionError, match="truncated or corrupted session"):
+    load_session(tmp_path / "s", limits_for())
+  after = (sys.unraisablehook, list(warnings.filters), [list(lg.filters) for lg in loggers])
+  assert after == before
+  time.sleep(0.1)
+  err = capfd.readouterr().err
+  assert "Traceback" not in err and "Event loop is closed" not in err, err[:2000]
+
+
 def test_refuses_silently_corrupted_data(tmp_path):
   """Data that orbax reads without complaint but that differs from what was saved."""
   def swap(tree, header):
@@ -503,7 +527,7 @@ CRASH_POINTS = [   # (rename exchange available, step the save dies after, sessi
 @pytest.mark.parametrize("exchange,step,left", CRASH_POINTS,
                          ids=[f"{'xchg' if x else 'rename'}-{s}" for x, s, _ in CRASH_POINTS])
 def test_crash_at_each_step_keeps_a_whole_session(tmp_path, monkeypatch, exchange, step, left):
-  monkeypatch.setattr(F, "_use_exchange", exchange)
+  monkeypatch.setattr(atomic, "use_exchange", exchange)
   path = tmp_path / "s"
   old, new = payload(2, seed=1), payload(2, seed=2)
   save_session(path, old[0], old[1], **old[2])
@@ -511,10 +535,10 @@ def test_crash_at_each_step_keeps_a_whole_session(tmp_path, monkeypatch, exchang
   def die(name):
     if name == step:
       raise _Crash(name)
-  monkeypatch.setattr(F, "_step_hook", die)
+  monkeypatch.setattr(atomic, "step_hook", die)
   with pytest.raises(_Crash):
     save_session(path, new[0], new[1], **new[2])
-  monkeypatch.setattr(F, "_step_hook", None)
+  monkeypatch.setattr(atomic, "step_hook", None)
 
   want = old if left == "old" else new
   assert read_session_meta(path).n_tokens == 5      # recovers a missing path from its backup

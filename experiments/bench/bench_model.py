@@ -43,7 +43,7 @@ flags.DEFINE_integer("lora_tokens", 300, "prefill length of the LoRA-cost measur
 flags.DEFINE_integer("prefill_reps", 5, "timed rounds per prefill variant")
 flags.DEFINE_integer("compile_threads", 6, "programs compiled at once")
 flags.DEFINE_bool("single_step", True, "also time decode stepped from Python (batch 1)")
-flags.DEFINE_string("lora_impl", "", "STRATA_LORA_IMPL for the adapter programs ('' = default)")
+flags.DEFINE_string("lora_impl", "", "Forms.lora_impl for the adapter programs ('' = default)")
 flags.DEFINE_string("lora_alt_impl", "pallas", "a second LoRA implementation timed beside "
                     "the default at decode and at --lora_tokens (variants off@IMPL, on@IMPL; "
                     "'' = none)")
@@ -102,10 +102,17 @@ class Bench:
   def state_abs(self, B, S):
     return self.jax.eval_shape(lambda: self.init_state(self.cfg, B, S, self.dtype))
 
+  def with_lora_impl(self, impl):
+    """The model config with `impl` as its LoRA implementation (forms are static config)."""
+    import dataclasses
+    return dataclasses.replace(self.cfg, forms=dataclasses.replace(self.cfg.forms,
+                                                                   lora_impl=impl))
+
   def specs(self, alt=False):
     """name -> zero-argument function returning the lowered program. alt: only the adapter
     programs that --lora_alt_impl is timed with (lowered with that implementation)."""
-    jax, jnp, steps, cfg = self.jax, self.jnp, self.steps, self.cfg
+    jax, jnp, steps = self.jax, self.jnp, self.steps
+    cfg = self.with_lora_impl(F.lora_alt_impl) if alt else self.cfg
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     kinds = ("lora",) if alt else ("none", "lora")
     sfx = f"@{F.lora_alt_impl}" if alt else ""
@@ -154,20 +161,8 @@ class Bench:
     lowered = {}
     self._lower(self.specs(), lowered)
     if F.lora_alt_impl:
-      # The implementation is read from the environment when the program is traced, and
-      # traces are cached: lower the alternates with the variable set and the caches cleared.
-      from pallas_kernels.lora import api as lora_api
-      before = os.environ.get(lora_api.ENV_VAR)
-      os.environ[lora_api.ENV_VAR] = F.lora_alt_impl
-      self.jax.clear_caches()
-      try:
-        self._lower(self.specs(alt=True), lowered)
-      finally:
-        if before is None:
-          os.environ.pop(lora_api.ENV_VAR)
-        else:
-          os.environ[lora_api.ENV_VAR] = before
-        self.jax.clear_caches()
+      # The implementation is a field of the config's forms: the alternates are other programs.
+      self._lower(self.specs(alt=True), lowered)
 
     def comp(name):
       t0 = common.now()
@@ -207,8 +202,7 @@ class Bench:
     failed = [n for n, i in self.prog_info.items() if "error" in i and n.endswith("_lora")]
     if not failed or F.lora_impl == "xla":
       return
-    os.environ["STRATA_LORA_IMPL"] = "xla"
-    self.jax.clear_caches()
+    self.cfg = self.with_lora_impl("xla")
     self.res["lora_impl_fallback"] = dict(failed=failed, retried_with="xla",
                                           errors={n: self.prog_info[n]["error"] for n in failed})
     specs = self.specs()
@@ -376,9 +370,9 @@ class Bench:
     self.T = 100 if F.tiny else F.prefill_tokens
     self.T_lora = 30 if F.tiny else F.lora_tokens
     if F.lora_impl:
-      os.environ["STRATA_LORA_IMPL"] = F.lora_impl
+      self.cfg = self.with_lora_impl(F.lora_impl)
     from pallas_kernels.lora import api as lora_api
-    self.res["lora_impl"] = {str(n): lora_api.resolve(None, n)
+    self.res["lora_impl"] = {str(n): lora_api.resolve(self.cfg.forms.lora_impl, n)
                              for n in (*self.batches, self.T_lora, self.T)}
     if F.lora_alt_impl:
       self.res["lora_alt_impl"] = {str(n): lora_api.resolve(F.lora_alt_impl, n)

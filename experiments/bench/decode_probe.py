@@ -31,19 +31,27 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-# Variant parts that only set model-form environment variables (README, "Model forms").
-ENV_VARIANTS = {
-    "grouped": {"STRATA_MOE_MANY": "grouped"},
-    "moekernel": {"STRATA_MOE_MANY": "pallas"},
-    "fastgdn": {"STRATA_GDN_CHUNKED": "products"},
-    "gdnkernel": {"STRATA_GDN_CHUNKED": "pallas"},
-    "gdnkernel64": {"STRATA_GDN_CHUNKED": "pallas", "STRATA_GDN_PALLAS_CHUNK": "64"},
-    "cond": {"STRATA_LORA_BRANCH": "cond"},
-    "moe": {"STRATA_MOE_IMPL": "pallas"},
-    "gdn": {"STRATA_GDN_IMPL": "pallas"},
-    "nomoe": {"STRATA_MOE_IMPL": "xla"},
-    "nogdn": {"STRATA_GDN_IMPL": "xla"},
+# Variant parts that only choose model forms (`strata_jax.forms.Forms` fields).
+FORM_VARIANTS = {
+    "grouped": {"moe_many": "grouped"},
+    "moekernel": {"moe_many": "pallas"},
+    "fastgdn": {"gdn_chunked": "products"},
+    "gdnkernel": {"gdn_chunked": "pallas"},
+    "gdnkernel64": {"gdn_chunked": "pallas", "gdn_pallas_chunk": 64},
+    "cond": {"lora_branch": "cond"},
+    "select": {"lora_branch": "select"},
+    "moe": {"moe_few": "pallas"},
+    "gdn": {"gdn_decode": "pallas"},
+    "nomoe": {"moe_few": "xla"},
+    "nogdn": {"gdn_decode": "xla"},
 }
+
+
+def variant_cfg(cfg, variant: str):
+  """`cfg` with the variant's forms (a static field: each variant compiles its own program)."""
+  import dataclasses
+  changes = {k: v for part in variant.split("+") for k, v in FORM_VARIANTS.get(part, {}).items()}
+  return dataclasses.replace(cfg, forms=dataclasses.replace(cfg.forms, **changes))
 
 
 def patch(variant: str):
@@ -61,12 +69,6 @@ def patch(variant: str):
     setattr(mod, name, value)
     undo.append(lambda: setattr(mod, name, old))
 
-  def setenv_undo(name, value):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    undo.append(lambda: os.environ.pop(name) if old is None else os.environ.__setitem__(name,
-                                                                                       old))
-
   for part in variant.split("+"):
     if part in ("base", ""):
       continue
@@ -83,9 +85,8 @@ def patch(variant: str):
           return getattr(lax, name)
         scan = staticmethod(functools.partial(lax.scan, unroll=True))
       setattr_undo(forward, "lax", _Lax())
-    elif part in ENV_VARIANTS:
-      for name, value in ENV_VARIANTS[part].items():
-        setenv_undo(name, value)
+    elif part in FORM_VARIANTS:
+      continue   # variant_cfg
     else:
       raise SystemExit(f"unknown variant part {part!r}")
   return lambda: [u() for u in reversed(undo)]
@@ -131,7 +132,8 @@ def main():
       name, _, lstate = variant.partition("@")   # "@on" / "@off": adapter loaded
       on = lstate == "on"
       undo = patch(name)
-      jax.clear_caches()
+      jax.clear_caches()   # the monkeypatched variants change code jit cannot see
+      vcfg = variant_cfg(cfg, name)
       try:
         state = init_state(cfg, B, 512, dtype)
         toks = jnp.zeros((B,), jnp.int32)
@@ -139,7 +141,7 @@ def main():
         act = jnp.ones((B,), jnp.int32)
         lp = lora if lstate else None
         t = time.perf_counter()
-        lowered = steps.decode_greedy.lower(cfg, params, lp, state, toks, sw, act,
+        lowered = steps.decode_greedy.lower(vcfg, params, lp, state, toks, sw, act,
                                             n_steps=args.n_steps)
         compiled = lowered.compile()
         t_compile = time.perf_counter() - t
@@ -265,7 +267,8 @@ def time_prefill(args, cfg, params, lora, dtype, res):
   for variant in args.variants.split(","):
     name, _, lstate = variant.partition("@")
     undo = patch(name)
-    jax.clear_caches()
+    jax.clear_caches()   # the monkeypatched variants change code jit cannot see
+    vcfg = variant_cfg(cfg, name)
     try:
       state = init_state(cfg, 1, T + 64, dtype)
       toks = jax.random.randint(jax.random.key(3), (T,), 0, cfg.vocab_size, jnp.int32)
@@ -273,7 +276,7 @@ def time_prefill(args, cfg, params, lora, dtype, res):
       args_ = (params, lp, state, jnp.int32(0), toks, jnp.int32(T),
                jnp.int32(1 if lstate == "on" else 0))
       t = time.perf_counter()
-      compiled = steps.prefill.lower(cfg, *args_).compile()
+      compiled = steps.prefill.lower(vcfg, *args_).compile()
       t_compile = time.perf_counter() - t
       reset = jax.jit(lambda s: s.replace(pos=jnp.zeros_like(s.pos)), donate_argnums=0)
       logits, state = compiled(*args_)

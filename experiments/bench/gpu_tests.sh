@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# On the device machine: the CPU suite's model, switch and kernel checks compiled for the GPU
-# (fp32 matmuls at HIGHEST). Log to $OUT/gpu_tests.log.
+# On the device machine: the GPU test set — every kernel suite (compiled cases under the `gpu`
+# marker) and the model, switch, forms and engine checks compiled for the GPU. No precision
+# flag: float32 programs ask for full-fp32 dots through their Forms (strata_jax/forms.py).
+# Log to $OUT/gpu_tests.log, ending with pytest's summary line.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/gguf-*.whl || exit 1
+  --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
+unset JAX_DEFAULT_MATMUL_PRECISION
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${CAP:-300}" python3 -m pytest -p no:cacheprovider \
-  -W ignore -q -rf tests/test_lora_switch.py tests/test_decode_greedy.py tests/test_model_parity.py \
-  tests/test_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+TESTS=${GPU_TESTS:-"tests/test_lora_kernel.py tests/test_lora_kernel_mosaic.py tests/test_moe_kernel.py
+  tests/test_moe_grouped_kernel.py tests/test_gdn_decode_kernel.py tests/test_gdn_chunked_kernel.py
+  $(ls tests/test_quant*.py 2>/dev/null) tests/test_forms.py tests/test_lora_switch.py
+  tests/test_decode_greedy.py tests/test_model_parity.py tests/test_engine.py"}
+timeout "${CAP:-420}" python3 -m pytest -p no:cacheprovider -W ignore -q -rfs -n "${WORKERS:-6}" \
+  $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -40

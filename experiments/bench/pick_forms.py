@@ -1,6 +1,6 @@
 """Pick the model forms the benchmark runs with, from `decode_probe.py`'s measurements in the
-same session: prints `export` lines for the forms that measured faster (the code defaults
-are then set to match what was measured; experiments/bench/README.md).
+same session: prints the `--forms` value (`strata_jax.forms.Forms` fields) of the forms that
+measured faster (the code defaults are then set to match; experiments/bench/README.md).
 
   python experiments/bench/pick_forms.py PREFILL_PROBE.json DECODE_PROBE.json
 """
@@ -17,20 +17,21 @@ def rows(path):
 
 def main():
   pre, dec = rows(sys.argv[1]), rows(sys.argv[2])
+  forms = []
   ms = {k: v["ms"] for k, v in pre.items()}
   if "base" in ms:
     best = min(ms, key=ms.get)
     if "grouped" in best:
-      print("export STRATA_MOE_MANY=grouped")
+      forms.append("moe_many=grouped")
     if "fastgdn" in best:
-      print("export STRATA_GDN_CHUNKED=products")
+      forms.append("gdn_chunked=products")
   st = {k: v["ms_per_step"] for k, v in dec.items()}
   need = ("base", "base@on", "base@off", "cond@on", "cond@off")
   if all(k in st for k in need):
     sel = (st["base@on"] - st["base"]) + (st["base@off"] - st["base"])
     cond = (st["cond@on"] - st["base"]) + (st["cond@off"] - st["base"])
-    if cond < sel:
-      print("export STRATA_LORA_BRANCH=cond")
+    forms.append("lora_branch=" + ("cond" if cond < sel else "select"))
+  print(",".join(forms))
   print(f"# prefill ms {ms}; decode ms/step {st}", file=sys.stderr)
 
 

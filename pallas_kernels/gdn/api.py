@@ -13,15 +13,14 @@ and "auto": on GPU "xla" below `AUTO_PALLAS_MIN_BATCH` batch rows, where the ste
 launch-bound and XLA's fusions are cheaper than a Pallas launch, and "pallas" from there on,
 where the single pass over the state wins by ~25% (README, "Decode kernel"); "xla" on CPU,
 where the interpreter is 10-15x slower than XLA. B is static under jit, so this is still
-one program per shape. Default "auto"; the environment variable STRATA_GDN_IMPL (any of the
-four names) overrides it; an explicit `implementation=` wins over both.
+one program per shape. Default "auto"; the caller's config (`strata_jax.forms.Forms`) names
+the choice.
 """
 from __future__ import annotations
 
-import os
-
 import jax
 
+from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.gdn import chunked as chunked_form
 from pallas_kernels.gdn import reference
 from pallas_kernels.gdn.chunked_kernel import gdn_chunked_pallas
@@ -29,55 +28,38 @@ from pallas_kernels.gdn.decode_kernel import gdn_decode_pallas
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
-ENV_VAR = "STRATA_GDN_IMPL"
 AUTO_PALLAS_MIN_BATCH = 24  # H200, 32 heads of 128: tie at B = 16, Pallas 24% less time at 24
 
 
 CHUNKED_CHOICES = ("reference", "products", "pallas", "pallas_interpret", "auto")
-CHUNKED_ENV_VAR = "STRATA_GDN_CHUNKED"
 # The Pallas chunked kernel's chunk: its author's offline sm_90 compile spilled registers at 64
-# (the per-chunk [C, C] and [C, Dk] tiles), so it runs 32 unless STRATA_GDN_PALLAS_CHUNK says.
-PALLAS_CHUNK_ENV_VAR = "STRATA_GDN_PALLAS_CHUNK"
+# (the per-chunk [C, C] and [C, Dk] tiles), so it runs 32 unless the caller says otherwise.
 PALLAS_CHUNK = 32
 
 
 def chunked_implementation(implementation=None):
-  """The chunked implementation to run: `implementation`, else STRATA_GDN_CHUNKED, else
-  "auto": "pallas" on the GPU (H200, T = 2,500, 32 heads of 128: 880 us against 2,544 us
-  for "reference" and 1,632 us for "products"), "reference" elsewhere. A ValueError for any
+  """The chunked implementation to run for `implementation` (None: "auto"): "auto" is
+  "pallas" on the GPU (H200, T = 2,500, 32 heads of 128: 880 us against 2,544 us for
+  "reference" and 1,632 us for "products"), "reference" elsewhere. A ValueError for any
   other name."""
-  impl = implementation or os.environ.get(CHUNKED_ENV_VAR, "").strip() or "auto"
-  if impl not in CHUNKED_CHOICES:
-    raise ValueError(f"gdn: unknown chunked implementation {impl!r}; expected one of "
-                     f"{CHUNKED_CHOICES}")
+  impl = check_choice("gdn chunked", implementation or "auto", CHUNKED_CHOICES)
   if impl == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
-  if impl == "pallas" and jax.default_backend() != "gpu":
-    raise ValueError(f"gdn: chunked implementation 'pallas' needs a GPU backend, not "
-                     f"{jax.default_backend()!r}; use 'pallas_interpret' or 'reference'")
+    return "pallas" if on_gpu() else "reference"
+  if impl == "pallas":
+    require_gpu("gdn chunked", impl, "'pallas_interpret' or 'reference'")
   return impl
 
 
-def _pallas_chunk(chunk):
-  """The Pallas kernel's chunk: the caller's, capped at STRATA_GDN_PALLAS_CHUNK (else
-  `PALLAS_CHUNK`). Read at trace time."""
-  env = os.environ.get(PALLAS_CHUNK_ENV_VAR, "").strip()
-  try:
-    cap = int(env) if env else PALLAS_CHUNK
-  except ValueError:
-    raise ValueError(f"{PALLAS_CHUNK_ENV_VAR}={env!r}: expected a power of 2 >= 16") from None
-  return min(chunk, cap)
-
-
-def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None):
+def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
+            pallas_chunk: int = PALLAS_CHUNK):
   """Prefill form for one sequence. Shapes as in `reference` (no batch dim):
   q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H]; state [H, Dv, Dk] -> (o [T, H, Dv], state).
 
   "reference": the oracle (triangular solve, HIGHEST precision everywhere); "products":
   `chunked.py` (UT inverse by matrix products, JAX's default matmul precision); "pallas" /
   "pallas_interpret": `chunked_kernel.py` compiled for the GPU / under the interpreter (CPU).
-  Default "auto" (`chunked_implementation`); STRATA_GDN_CHUNKED overrides it,
-  `implementation=` wins over both.
+  Default "auto" (`chunked_implementation`); the Pallas forms run chunks of
+  min(chunk, pallas_chunk).
 
   The Pallas forms add a batch dim of 1 and launch the batched kernel. Under `jax.vmap` (how
   the model calls this) Pallas's batching rule folds the vmapped axis into the kernel's grid,
@@ -86,14 +68,15 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None):
   impl = chunked_implementation(implementation)
   if impl in ("pallas", "pallas_interpret"):
     o, s = gdn_chunked_pallas(q[None], k[None], v[None], g[None], beta[None], state[None],
-                              chunk=_pallas_chunk(chunk), interpret=impl == "pallas_interpret")
+                              chunk=min(chunk, pallas_chunk), interpret=impl == "pallas_interpret")
     return o[0], s[0]
   if impl == "products":
     return chunked_form.delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
   return reference.delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
 
 
-def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None):
+def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
+                    pallas_chunk: int = PALLAS_CHUNK):
   """Prefill form for a batch: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H];
   state [B, H, Dv, Dk] -> (o [B, T, H, Dv] float32, state [B, H, Dv, Dk] float32).
 
@@ -101,9 +84,9 @@ def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=
   B x H x Dv tiles), the jnp forms are vmapped over B."""
   impl = chunked_implementation(implementation)
   if impl in ("pallas", "pallas_interpret"):
-    return gdn_chunked_pallas(q, k, v, g, beta, state, chunk=_pallas_chunk(chunk),
+    return gdn_chunked_pallas(q, k, v, g, beta, state, chunk=min(chunk, pallas_chunk),
                               interpret=impl == "pallas_interpret")
-  one = lambda *a: chunked(*a, chunk=chunk, implementation=impl)
+  one = lambda *a: chunked(*a, chunk=chunk, implementation=impl, pallas_chunk=pallas_chunk)
   return jax.vmap(one)(q, k, v, g, beta, state)
 
 
@@ -112,22 +95,11 @@ def step(q, k, v, g, beta, state):
   return reference.delta_rule_step(q, k, v, g, beta, state)
 
 
-def default_implementation():
-  """STRATA_GDN_IMPL if set, else "auto"."""
-  env = os.environ.get(ENV_VAR, "").strip()
-  if env and env not in CHOICES:
-    raise ValueError(f"{ENV_VAR}={env!r}: expected one of {CHOICES}")
-  return env or "auto"
-
-
 def resolve(implementation, batch):
-  """The concrete implementation `step_raw` runs for this choice and batch size."""
-  impl = implementation or default_implementation()
+  """The concrete implementation `step_raw` runs for this choice (None: "auto") and batch."""
+  impl = check_choice("gdn", implementation or "auto", CHOICES)
   if impl == "auto":
-    on_gpu = jax.default_backend() == "gpu"
-    return "pallas" if on_gpu and batch >= AUTO_PALLAS_MIN_BATCH else "xla"
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"gdn: unknown implementation {impl!r}; expected one of {CHOICES}")
+    return "pallas" if on_gpu() and batch >= AUTO_PALLAS_MIN_BATCH else "xla"
   return impl
 
 
@@ -139,9 +111,7 @@ def step_raw(q, k, v, g, beta, state, *, implementation=None):
   the state in place when the caller donates it."""
   impl = resolve(implementation, q.shape[0])
   if impl == "pallas":
-    if jax.default_backend() != "gpu":
-      raise ValueError(f"gdn: implementation 'pallas' needs a GPU backend, not "
-                       f"{jax.default_backend()!r}; use 'pallas_interpret' or 'xla'")
+    require_gpu("gdn", impl, "'pallas_interpret' or 'xla'")
     return gdn_decode_pallas(q, k, v, g, beta, state)
   if impl == "pallas_interpret":
     return gdn_decode_pallas(q, k, v, g, beta, state, interpret=True)

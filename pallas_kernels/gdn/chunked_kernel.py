@@ -33,12 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._common import SQUEEZED, pow2, require_triton, triton_params
 from pallas_kernels.gdn.decode_kernel import check_ranks_and_dtypes
-
-try:  # Deprecated in JAX 0.11; the lowering the LoRA and decode kernels use too.
-  from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - a future JAX without the Triton backend
-  pltriton = None
 
 _F32 = jnp.float32
 _MIN_DIM = 16  # tl.dot needs every dim >= 16; Triton tiles are powers of 2
@@ -54,11 +50,6 @@ _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 _BLOCK_V = 32
 _NUM_WARPS = 4
 _NUM_STAGES = 1
-_SQUEEZED = getattr(pl, "squeezed", None)  # `None` meant a squeezed block dim before 0.10
-
-
-def _pow2(v):
-  return v >= 1 and v & (v - 1) == 0
 
 
 def _dot(a, b, dims, precision):
@@ -148,15 +139,9 @@ def head_dim_tile(d):
 def chunk_size(t, chunk):
   """The chunk the kernel runs: `chunk`, or for short inputs the smallest power of 2 >= 16
   that covers all T tokens (fewer padding rows; tl.dot needs >= 16)."""
-  if chunk < _MIN_DIM or not _pow2(chunk):
+  if chunk < _MIN_DIM or not pow2(chunk):
     raise ValueError(f"gdn chunked: chunk={chunk} must be a power of 2 >= {_MIN_DIM}")
   return min(chunk, max(_MIN_DIM, pl.next_power_of_2(max(t, 1))))
-
-
-def _triton_params(num_warps, num_stages):
-  # `CompilerParams` since JAX 0.6; the older name is kept for the odd older install.
-  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
-  return cls(num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "interpret", "block_v", "num_warps",
@@ -190,14 +175,13 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, chunk=64, interpret=False, bl
     (o [B, T, H, Dv] float32, new_state [B, H, Dv, Dk] float32).
   """
   check_chunked_inputs(q, k, v, g, beta, state)
-  if not interpret and pltriton is None:
-    raise RuntimeError("gdn chunked: this JAX has no Pallas Triton backend; use 'reference'")
+  require_triton(interpret, "gdn chunked", "'reference'")
   b, t, h, dk0 = q.shape
   dv0 = v.shape[-1]
   c = chunk_size(t, chunk)
   dk, dv = head_dim_tile(dk0), head_dim_tile(dv0)
   bv = block_v or (dv if interpret else min(_BLOCK_V, dv))
-  if bv < _MIN_DIM or not _pow2(bv) or bv > dv:
+  if bv < _MIN_DIM or not pow2(bv) or bv > dv:
     raise ValueError(f"gdn chunked: block_v={bv} must be a power of 2 in [{_MIN_DIM}, {dv}] "
                      f"(Dv={dv0} padded to a power of 2 >= {_MIN_DIM})")
   if t == 0:
@@ -214,12 +198,12 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, chunk=64, interpret=False, bl
     g, beta = (jnp.pad(x, ((0, 0), (0, tp - t), (0, 0))) for x in (g, beta))
     state = jnp.pad(state, ((0, 0), (0, 0), (0, dv - dv0), (0, dk - dk0)))
 
-  sq = _SQUEEZED
+  sq = SQUEEZED
   qk_spec = pl.BlockSpec((sq, tp, sq, dk), lambda i, hh, j: (i, 0, hh, 0))
   vo_spec = pl.BlockSpec((sq, tp, sq, bv), lambda i, hh, j: (i, 0, hh, j))
   gb_spec = pl.BlockSpec((sq, tp, sq), lambda i, hh, j: (i, 0, hh))
   s_spec = pl.BlockSpec((sq, sq, bv, dk), lambda i, hh, j: (i, hh, j, 0))
-  params = None if interpret else _triton_params(num_warps or _NUM_WARPS,
+  params = None if interpret else triton_params(num_warps or _NUM_WARPS,
                                                  num_stages or _NUM_STAGES)
   o, state = pl.pallas_call(
       functools.partial(_chunked_kernel, chunk=c, n_chunks=n, precision=precision),

@@ -18,10 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # Deprecated in JAX 0.11; the lowering the LoRA kernel uses too (its README says why).
-  from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - a future JAX without the Triton backend
-  pltriton = None
+from pallas_kernels._common import SQUEEZED, pow2, require_triton, triton_params
 
 _F32 = jnp.float32
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -31,11 +28,6 @@ _MIN_DIM = 16  # smallest Dk / Dv / block_v: Triton tiles are powers of 2, 16 ke
 # was best or tied at every batch; 16 or 64 rows were 3-8% slower, 128 rows more.
 _BLOCK_V = 32
 _NUM_WARPS = 8
-_SQUEEZED = getattr(pl, "squeezed", None)  # `None` meant a squeezed block dim before 0.10
-
-
-def _pow2(v):
-  return v >= 1 and v & (v - 1) == 0
 
 
 def _l2norm(x):
@@ -87,15 +79,9 @@ def check_decode_inputs(q, k, v, g, beta, state):
     raise ValueError(f"gdn decode: state {state.shape} must be [B, Hv, Dv, Dk] = "
                      f"{(b, hv, dv, dk)}")
   for name, d in (("Dk", dk), ("Dv", dv)):
-    if d < _MIN_DIM or not _pow2(d):
+    if d < _MIN_DIM or not pow2(d):
       raise ValueError(f"gdn decode: {name}={d} must be a power of 2 >= {_MIN_DIM} "
                        f"(Triton tiles are powers of 2)")
-
-
-def _triton_params(num_warps):
-  # `CompilerParams` since JAX 0.6; the older name is kept for the odd older install.
-  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
-  return cls(num_warps=num_warps, num_stages=1)  # one tile per program: nothing to pipeline
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "num_warps"))
@@ -117,17 +103,16 @@ def gdn_decode_pallas(q, k, v, g, beta, state, *, interpret=False, block_v=None,
     (o [B, Hv, Dv] float32, new_state [B, Hv, Dv, Dk] float32).
   """
   check_decode_inputs(q, k, v, g, beta, state)
-  if not interpret and pltriton is None:
-    raise RuntimeError("gdn decode: this JAX has no Pallas Triton backend; use 'xla'")
+  require_triton(interpret, "gdn decode", "'xla'")
   b, hk, dk = q.shape
   _, hv, dv = v.shape
   r = hv // hk
   bv = block_v or (dv if interpret else min(_BLOCK_V, dv))
-  if bv < _MIN_DIM or not _pow2(bv) or bv > dv:
+  if bv < _MIN_DIM or not pow2(bv) or bv > dv:
     raise ValueError(f"gdn decode: block_v={bv} must be a power of 2 in [{_MIN_DIM}, Dv={dv}]")
   g, beta = g.astype(_F32), beta.astype(_F32)
 
-  sq = _SQUEEZED
+  sq = SQUEEZED
   qk_spec = pl.BlockSpec((sq, sq, dk), lambda i, h, j: (i, h // r, 0))
   vo_spec = pl.BlockSpec((sq, sq, bv), lambda i, h, j: (i, h, j))
   gb_spec = pl.BlockSpec((sq, sq), lambda i, h, j: (i, h))
@@ -141,6 +126,7 @@ def gdn_decode_pallas(q, k, v, g, beta, state, *, interpret=False, block_v=None,
                  jax.ShapeDtypeStruct(state.shape, _F32)],
       input_output_aliases={5: 1},
       interpret=interpret,
-      compiler_params=None if interpret else _triton_params(num_warps or _NUM_WARPS),
+      # One tile per program: nothing to pipeline (num_stages 1).
+      compiler_params=None if interpret else triton_params(num_warps or _NUM_WARPS, 1),
       name="gdn_decode",
   )(q, k, v, g, beta, state)

@@ -1,10 +1,8 @@
 """LoRA delta as a Pallas kernel: y = select(on, base + B @ (A @ x), base) per row."""
 from pallas_kernels.lora.api import (
-    AUTO_PALLAS_MIN_ROWS,
+    AUTO_KERNEL_MIN_ROWS,
     CHOICES,
-    ENV_VAR,
     IMPLEMENTATIONS,
-    default_implementation,
     lora_apply,
     lora_xla,
     resolve,
@@ -13,11 +11,9 @@ from pallas_kernels.lora.kernel import lora_pallas, tiling
 from pallas_kernels.lora.reference import lora_reference
 
 __all__ = [
-    "AUTO_PALLAS_MIN_ROWS",
+    "AUTO_KERNEL_MIN_ROWS",
     "CHOICES",
-    "ENV_VAR",
     "IMPLEMENTATIONS",
-    "default_implementation",
     "lora_apply",
     "lora_pallas",
     "lora_reference",

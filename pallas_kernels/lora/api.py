@@ -3,60 +3,47 @@
 Implementations (all share one contract, tested by one parametrized suite):
   "pallas"            the Pallas kernel compiled for the GPU (Triton lowering; README).
   "pallas_interpret"  the same kernel under the Pallas interpreter (CPU tests).
+  "mosaic"            the Mosaic GPU port (kernel_mosaic.py: Hopper, bf16 x/a/b; README).
   "xla"               plain jnp with the kernel's numerics (native 16-bit x @ A^T, fp32
                       accumulation, fp32 h @ B^T) and the same select.
 
 And "auto", which picks one of them per call from the backend and the row count N (static
-under jit, so still one program per shape): on GPU "xla" below `AUTO_PALLAS_MIN_ROWS` rows,
-where this launch-bound op is cheaper as XLA fusions, and "pallas" from there on, where the
-kernel is faster and a switched-off block costs next to nothing (README, measured numbers).
+under jit, so still one program per shape): on GPU "xla" below `AUTO_KERNEL_MIN_ROWS` rows,
+where this launch-bound op is cheaper as XLA fusions, and from there on "mosaic" where its
+operands suit it (bf16, sizes multiples of 64; it was the fastest from 512 rows on both shapes
+timed on the H200), else "pallas" (README, measured numbers).
 
-Default: "auto" on GPU, "pallas_interpret" on CPU, "xla" elsewhere. The environment
-variable STRATA_LORA_IMPL (any of the four names) overrides the default; an explicit
-`implementation=` wins over both.
+Default "auto"; the caller's config (`strata_jax.forms.Forms.lora_impl`) names the choice.
 """
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.lora.kernel import check_lora_inputs, dot_policy, lora_pallas
+from pallas_kernels.lora.kernel_mosaic import (  # "mosaic": Hopper, bf16 (README)
+  lora_mosaic,
+  mosaic_supported,
+)
 
-IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla", "mosaic")
 CHOICES = (*IMPLEMENTATIONS, "auto")
-ENV_VAR = "STRATA_LORA_IMPL"
-AUTO_PALLAS_MIN_ROWS = 1024  # H200, 6144 -> 2560, rank 50: XLA wins at N <= 300 (README)
+# H200, rank 64, 4096 <-> 2048: XLA wins at N <= 32, Mosaic from 512 (lora_backend_probe run 2)
+AUTO_KERNEL_MIN_ROWS = 512
 _NT = (((1,), (1,)), ((), ()))
 
 
 def resolve(implementation, n_rows):
-  """The concrete implementation `lora_apply` runs for this choice and row count."""
-  impl = implementation or default_implementation()
+  """The concrete implementation `lora_apply` runs for this choice and row count ("auto":
+  on the GPU "xla" below `AUTO_KERNEL_MIN_ROWS` rows and "kernel" from there, which
+  `lora_apply` makes "mosaic" or "pallas" from the operands; elsewhere "xla", the interpreter
+  being for tests)."""
+  impl = check_choice("lora", implementation or "auto", CHOICES)
   if impl == "auto":
-    backend = jax.default_backend()
-    if backend == "gpu":
-      return "pallas" if n_rows >= AUTO_PALLAS_MIN_ROWS else "xla"
-    return "pallas_interpret" if backend == "cpu" else "xla"
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"lora: unknown implementation {impl!r}; expected one of {CHOICES}")
+    return ("kernel" if n_rows >= AUTO_KERNEL_MIN_ROWS else "xla") if on_gpu() else "xla"
   return impl
-
-
-def default_implementation():
-  """STRATA_LORA_IMPL if set, else by `jax.default_backend()`."""
-  env = os.environ.get(ENV_VAR, "").strip()
-  if env:
-    if env not in CHOICES:
-      raise ValueError(f"{ENV_VAR}={env!r}: expected one of {CHOICES}")
-    return env
-  backend = jax.default_backend()
-  if backend == "gpu":
-    return "auto"   # decode-sized calls are launch-bound: XLA below 1024 rows (README)
-  if backend == "cpu":
-    return "pallas_interpret"
-  return "xla"
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -89,17 +76,19 @@ def lora_apply(base, x, a, b, on, *, scale=1.0, implementation=None):
     b: [Dout, R] stacked LoRA B with each file's scale folded in.
     on: [N] int32 per-row switch; an off row returns base bit for bit.
     scale: static extra factor (model code passes 1.0).
-    implementation: one of CHOICES, or None for `default_implementation()`.
+    implementation: one of CHOICES (None: "auto").
 
   Returns:
     [N, Dout] in base.dtype.
   """
   impl = resolve(implementation, x.shape[0])
+  if impl == "kernel":
+    impl = "mosaic" if mosaic_supported(base, x, a, b) is None else "pallas"
   if impl == "pallas":
-    if jax.default_backend() != "gpu":
-      raise ValueError(f"lora: implementation 'pallas' needs a GPU backend, not "
-                       f"{jax.default_backend()!r}; use 'pallas_interpret' or 'xla'")
+    require_gpu("lora", impl, "'pallas_interpret' or 'xla'")
     return lora_pallas(base, x, a, b, on, scale=scale)
+  if impl == "mosaic":  # Mosaic GPU kernel; ValueError where `mosaic_supported` says no
+    return lora_mosaic(base, x, a, b, on, scale=scale)
   if impl == "pallas_interpret":
     return lora_pallas(base, x, a, b, on, scale=scale, interpret=True)
   return lora_xla(base, x, a, b, on, scale=scale)

@@ -22,10 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # Deprecated in JAX 0.11 but still the best Pallas GPU path for this op (README).
-  from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - a future JAX without the Triton backend
-  pltriton = None
+from pallas_kernels._common import SQUEEZED, pltriton, require_triton, triton_params
 
 _F32 = jnp.float32
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -39,7 +36,6 @@ _F32_CHAIN = 1024  # fp32 operands: at most this many Din columns summed in one 
 _DECODE_DOUT_SPLITS = 5  # Dout splits for one row block, and the floor otherwise
 _UP_PROGRAMS = 100  # row blocks x Dout splits to aim at when there are several row blocks
 _MAX_DIN_SPLITS = 32  # the up kernel sums the partials unrolled
-_SQUEEZED = getattr(pl, "squeezed", None)  # `None` meant a squeezed block dim before 0.10
 
 
 def dot_policy(x_dtype, a_dtype):
@@ -301,12 +297,6 @@ def _pow2_at_least(v, lo=_MIN_TILE):
   return max(lo, pl.next_power_of_2(v))
 
 
-def _triton_params(num_warps, num_stages):
-  # `CompilerParams` since JAX 0.6; the older name is kept for the odd older install.
-  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
-  return cls(num_warps=num_warps, num_stages=num_stages)
-
-
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_rows", "block_in", "block_out", "din_splits", "dout_splits", "num_warps",
     "num_stages", "interpret", "backend"))
@@ -343,8 +333,7 @@ def lora_pallas(base, x, a, b, on, *, scale=1.0, block_rows=None, block_in=None,
   for name, v in (("din_splits", din_splits), ("dout_splits", dout_splits)):
     if v is not None and v < 1:
       raise ValueError(f"lora: {name}={v} must be >= 1")
-  if not interpret and pltriton is None:
-    raise RuntimeError("lora: this JAX has no Pallas Triton backend; use implementation='xla'")
+  require_triton(interpret, "lora", "implementation='xla'")
   on = on.astype(jnp.int32)
   n, d_in = x.shape
   rank, d_out = a.shape[0], base.shape[1]
@@ -358,7 +347,7 @@ def lora_pallas(base, x, a, b, on, *, scale=1.0, block_rows=None, block_in=None,
              block_in=block_in, block_out=block_out, din_splits=din_splits,
              dout_splits=dout_splits)._replace(cd=cd, precision=precision, scale=float(scale))
   bn, rp = t.block_rows, t.rank_pad
-  params = None if interpret else _triton_params(warps, stages)
+  params = None if interpret else triton_params(warps, stages)
   call = functools.partial(pl.pallas_call, interpret=interpret, compiler_params=params)
 
   on_spec = pl.BlockSpec((bn,), lambda i, j: (i,))
@@ -382,7 +371,7 @@ def lora_pallas(base, x, a, b, on, *, scale=1.0, block_rows=None, block_in=None,
       in_specs=[on_spec,
                 pl.BlockSpec((bn, t.in_span), lambda i, k: (i, k)),  # x
                 pl.BlockSpec((rp, t.in_span), lambda i, k: (0, k))],  # a
-      out_specs=pl.BlockSpec((_SQUEEZED, bn, rp), lambda i, k: (k, i, 0)), name="lora_down",
+      out_specs=pl.BlockSpec((SQUEEZED, bn, rp), lambda i, k: (k, i, 0)), name="lora_down",
   )(on, x, a)
   return call(
       functools.partial(_split_up_kernel, t=t), grid=(t.row_blocks, t.dout_splits),

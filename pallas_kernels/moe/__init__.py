@@ -1,9 +1,7 @@
 """Routed experts of an MoE FFN at decode as a Pallas kernel that reads expert weights in place."""
 from pallas_kernels.moe.api import (
     CHOICES,
-    ENV_VAR,
     IMPLEMENTATIONS,
-    default_implementation,
     moe_xla,
     resolve,
     routed_experts,
@@ -13,9 +11,7 @@ from pallas_kernels.moe.reference import moe_reference
 
 __all__ = [
     "CHOICES",
-    "ENV_VAR",
     "IMPLEMENTATIONS",
-    "default_implementation",
     "moe_pallas",
     "moe_reference",
     "moe_xla",

@@ -7,54 +7,34 @@ Implementations (one contract, one parametrized test suite):
 
 And "auto": "pallas" on GPU, "xla" elsewhere (the interpreter is for tests, not serving).
 
-Default: "auto". The environment variable STRATA_MOE_IMPL (any of the four names) overrides
-the default; an explicit `implementation=` wins over both.
+Default: "auto"; the caller's config (`strata_jax.forms.Forms.moe_few`) names the choice.
 
 Many tokens (prefill): `routed_experts_many`, the same contract, runs the grouped-GEMM kernel
 (`grouped.py`) for "pallas" / "pallas_interpret" and `moe_reference` for "xla". Default "xla"
 (the oracle); the model chooses its many-token form itself (`strata_jax.model.moe`: this
-kernel on the GPU). STRATA_MOE_MANY_IMPL (one of the three names) overrides the default,
-`implementation=` wins over both.
+kernel on the GPU).
 "xla" gathers [N, k, F, D] per weight matrix: the oracle, not a prefill serving path (at
 N = 2500, k = 10, F = 512, D = 2048 that is 52 GB per matrix in bf16).
 """
-import os
-
 import jax
 
+from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.moe.grouped import routed_experts_grouped
 from pallas_kernels.moe.kernel import moe_pallas
 from pallas_kernels.moe.reference import moe_reference
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
-ENV_VAR = "STRATA_MOE_IMPL"
-MANY_ENV_VAR = "STRATA_MOE_MANY_IMPL"
 MANY_DEFAULT = "xla"  # the oracle; the model picks its own many-token form (model/moe.py)
 
 moe_xla = jax.jit(moe_reference, static_argnames=("precision",))
 
 
-def _env_choice(var, choices, default):
-  """The environment variable's value if set (one of `choices`), else `default`."""
-  env = os.environ.get(var, "").strip()
-  if env and env not in choices:
-    raise ValueError(f"{var}={env!r}: expected one of {choices}")
-  return env or default
-
-
-def default_implementation():
-  """STRATA_MOE_IMPL if set, else "auto"."""
-  return _env_choice(ENV_VAR, CHOICES, "auto")
-
-
 def resolve(implementation=None):
-  """The concrete implementation `routed_experts` runs for this choice."""
-  impl = implementation or default_implementation()
+  """The concrete implementation `routed_experts` runs for this choice (None: "auto")."""
+  impl = check_choice("moe", implementation or "auto", CHOICES)
   if impl == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"moe: unknown implementation {impl!r}; expected one of {CHOICES}")
+    return "pallas" if on_gpu() else "xla"
   return impl
 
 
@@ -71,7 +51,7 @@ def routed_experts(x, wg, wu, wd, idx, w, *, layer=None, implementation=None):
       [L, E, F, D] / [L, E, D, F] and layer `layer` is used. Inside a `lax.scan` over layers
       pass the stacks (closed over) and the index: the kernel then reads them in place,
       while a slice made by the scan is copied for the kernel (~200 µs a layer, README).
-    implementation: one of CHOICES, or None for `default_implementation()`.
+    implementation: one of CHOICES (None: "auto").
 
   Returns:
     [N, D] float32.
@@ -82,9 +62,7 @@ def routed_experts(x, wg, wu, wd, idx, w, *, layer=None, implementation=None):
 def _run(impl, kernel, x, wg, wu, wd, idx, w, layer):
   """`kernel` compiled ("pallas") or interpreted, or the jnp reference ("xla")."""
   if impl == "pallas":
-    if jax.default_backend() != "gpu":
-      raise ValueError(f"moe: implementation 'pallas' needs a GPU backend, not "
-                       f"{jax.default_backend()!r}; use 'pallas_interpret' or 'xla'")
+    require_gpu("moe", impl, "'pallas_interpret' or 'xla'")
     return kernel(x, wg, wu, wd, idx, w, layer=layer)
   if impl == "pallas_interpret":
     return kernel(x, wg, wu, wd, idx, w, layer=layer, interpret=True)
@@ -93,18 +71,9 @@ def _run(impl, kernel, x, wg, wu, wd, idx, w, layer):
   return moe_xla(x, wg, wu, wd, idx, w)
 
 
-def default_many_implementation():
-  """STRATA_MOE_MANY_IMPL if set, else MANY_DEFAULT ("xla")."""
-  return _env_choice(MANY_ENV_VAR, IMPLEMENTATIONS, MANY_DEFAULT)
-
-
 def resolve_many(implementation=None):
-  """The concrete implementation `routed_experts_many` runs for this choice."""
-  impl = implementation or default_many_implementation()
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"moe: unknown implementation {impl!r} for many tokens; expected one "
-                     f"of {IMPLEMENTATIONS}")
-  return impl
+  """The concrete implementation `routed_experts_many` runs (None: MANY_DEFAULT)."""
+  return check_choice("moe (many tokens)", implementation or MANY_DEFAULT, IMPLEMENTATIONS)
 
 
 def routed_experts_many(x, wg, wu, wd, idx, w, *, layer=None, implementation=None):
@@ -126,7 +95,7 @@ def routed_experts_many(x, wg, wu, wd, idx, w, *, layer=None, implementation=Non
     w: [N, k] float32 routing weights.
     layer: optional integer scalar (may be traced): wg / wu / wd are then whole layer stacks
       [L, E, F, D] / [L, E, D, F] and layer `layer` is used (read in place by the kernel).
-    implementation: one of IMPLEMENTATIONS, or None for `default_many_implementation()`.
+    implementation: one of IMPLEMENTATIONS (None: MANY_DEFAULT).
 
   Returns:
     [N, D] float32.

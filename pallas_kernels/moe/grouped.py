@@ -42,12 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._common import pow2, require_triton, triton_params
 from pallas_kernels.moe.kernel import check_moe_inputs
-
-try:  # Deprecated in JAX 0.11 but the Pallas GPU path used by this package (lora README).
-  from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - a future JAX without the Triton backend
-  pltriton = None
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # lhs @ rhs^T without materializing a transpose
@@ -81,10 +77,6 @@ class GroupedTiling(NamedTuple):
     return self.n_tiles * self.block_rows
 
 
-def _pow2(v):
-  return v >= 1 and not v & (v - 1)
-
-
 def max_tiles(n_pairs, n_experts, block_rows):
   """Static bound on the row tiles the padded groups use: each non-empty group (at most
   min(E, P) of them) pads by at most block_rows - 1 rows."""
@@ -98,7 +90,7 @@ def grouped_tiling(n, k, n_experts, f, d, *, block_rows=_BLOCK_ROWS, interpret=F
   """Given tiles win; None means the compiled defaults, or under the interpreter the whole
   dim (each interpreted grid step costs ~0.1 ms; fewer is faster). Every tile must be a
   power of 2 >= 16 (tl.dot) and no larger than its dim."""
-  if not isinstance(block_rows, int) or block_rows < _MIN_TILE or not _pow2(block_rows):
+  if not isinstance(block_rows, int) or block_rows < _MIN_TILE or not pow2(block_rows):
     raise ValueError(f"moe grouped: block_rows={block_rows} must be a power of 2 >= "
                      f"{_MIN_TILE} (tl.dot needs every dim >= 16)")
   if interpret:
@@ -112,7 +104,7 @@ def grouped_tiling(n, k, n_experts, f, d, *, block_rows=_BLOCK_ROWS, interpret=F
   for name, v in given.items():
     if v is None:
       v = dflt[name]
-    elif v < _MIN_TILE or not _pow2(v) or v > limit[name]:
+    elif v < _MIN_TILE or not pow2(v) or v > limit[name]:
       raise ValueError(f"moe grouped: {name}={v} must be a power of 2, >= {_MIN_TILE} and "
                        f"<= {limit[name]}")
     out[name] = v
@@ -200,12 +192,6 @@ def _down_kernel(n_used_ref, te_ref, first_ref, h_ref, wd_ref, y_ref, *, t):
     y_ref[...] = lax.fori_loop(0, t.f // t.chunk_f, body, zero)
 
 
-def _triton_params(num_warps, num_stages):
-  # `CompilerParams` since JAX 0.6; the older name is kept for the odd older install.
-  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
-  return cls(num_warps=num_warps, num_stages=num_stages)
-
-
 _WHOLE = pl.BlockSpec()  # the full array: indexed in the kernel by the loaded expert id
 
 
@@ -240,8 +226,7 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=_BLO
     routed [N, D] float32.
   """
   check_moe_inputs(x, wg, wu, wd, idx, w, layer)
-  if not interpret and pltriton is None:
-    raise RuntimeError("moe grouped: this JAX has no Pallas Triton backend; use 'xla'")
+  require_triton(interpret, "moe grouped", "'xla'")
   n, d = x.shape
   n_experts, f = wg.shape[-3:-1]
   k = idx.shape[1]
@@ -260,7 +245,7 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=_BLO
 
   r = route(idx, n_experts, t.block_rows, t.n_tiles)
   xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[r.row_tok]  # [R, D]; padding: 0
-  params = None if interpret else _triton_params(num_warps or _NUM_WARPS,
+  params = None if interpret else triton_params(num_warps or _NUM_WARPS,
                                                  num_stages or _NUM_STAGES)
   call = functools.partial(pl.pallas_call, interpret=interpret, compiler_params=params)
   bm = t.block_rows

@@ -33,15 +33,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # Deprecated in JAX 0.11 but the Pallas GPU path that fits this op (lora README).
-  from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - a future JAX without the Triton backend
-  pltriton = None
+from pallas_kernels._common import SQUEEZED, pow2, require_triton, triton_params
 
 _F32 = jnp.float32
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MIN_DIM = 16
-_SQUEEZED = getattr(pl, "squeezed", None)  # `None` meant a squeezed block dim before 0.10
 # Compiled defaults (H200, bench-a3b shapes N 1, k 10, F 512, D 2048; README "Tiling").
 _BLOCK_F = 16  # up: F rows per program (8 at N = 1): N * k * F / block_f programs (640 at N = 1)
 _CHUNK_D = 512  # up: D columns per loop step ([16, 512] bf16 tiles of wg and wu: 16 KiB each)
@@ -65,10 +61,6 @@ class Tiling(NamedTuple):
   cd: object = jnp.float32  # x.dtype: weights are cast to it before the products
 
 
-def _pow2(v):
-  return v >= 1 and not v & (v - 1)
-
-
 def tiling(n, k, n_experts, f, d, *, interpret=False, block_f=None, chunk_d=None,
            block_d=None, chunk_f=None):
   """Pick tiles: given values win; None means the H200 defaults (README), or on the
@@ -85,7 +77,7 @@ def tiling(n, k, n_experts, f, d, *, interpret=False, block_f=None, chunk_d=None
   for name, v in given.items():
     if v is None:
       v = dflt[name]
-    elif not _pow2(v) or v > limit[name]:
+    elif not pow2(v) or v > limit[name]:
       raise ValueError(f"moe: {name}={v} must be a power of 2 <= {limit[name]}")
     out[name] = v
   return Tiling(n=n, k=k, n_experts=n_experts, f=f, d=d, **out)
@@ -129,7 +121,7 @@ def check_moe_inputs(x, wg, wu, wd, idx, w, layer=None):
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"moe: w must be float32, got {w.dtype}")
   for name, v in (("D", d), ("F", f)):
-    if v < _MIN_DIM or not _pow2(v):
+    if v < _MIN_DIM or not pow2(v):
       raise ValueError(f"moe: {name}={v} must be a power of 2 >= {_MIN_DIM} (the kernel's "
                        f"tiles divide it exactly); use implementation='xla' otherwise")
   if e < 1:
@@ -184,12 +176,6 @@ def _down_kernel(idx_ref, first_ref, w_ref, h_ref, wd_ref, o_ref, *, t):
   o_ref[...] = lax.fori_loop(0, t.k, body, jnp.zeros((t.block_d,), _F32))
 
 
-def _triton_params(num_warps, num_stages):
-  # `CompilerParams` since JAX 0.6; the older name is kept for the odd older install.
-  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
-  return cls(num_warps=num_warps, num_stages=num_stages)
-
-
 @functools.partial(jax.jit, static_argnames=(
     "block_f", "chunk_d", "block_d", "chunk_f", "num_warps", "num_stages", "interpret"))
 def moe_pallas(x, wg, wu, wd, idx, w, layer=None, *, block_f=None, chunk_d=None, block_d=None,
@@ -217,8 +203,7 @@ def moe_pallas(x, wg, wu, wd, idx, w, layer=None, *, block_f=None, chunk_d=None,
     routed [N, D] float32.
   """
   check_moe_inputs(x, wg, wu, wd, idx, w, layer)
-  if not interpret and pltriton is None:
-    raise RuntimeError("moe: this JAX has no Pallas Triton backend; use implementation='xla'")
+  require_triton(interpret, "moe", "implementation='xla'")
   n, d = x.shape
   n_experts, f = wg.shape[-3:-1]
   k = idx.shape[1]
@@ -234,7 +219,7 @@ def moe_pallas(x, wg, wu, wd, idx, w, layer=None, *, block_f=None, chunk_d=None,
              block_d=block_d, chunk_f=chunk_f)._replace(cd=jnp.dtype(x.dtype))
   idx = idx.astype(jnp.int32)
   w = w.astype(_F32)
-  params = None if interpret else _triton_params(num_warps or _NUM_WARPS,
+  params = None if interpret else triton_params(num_warps or _NUM_WARPS,
                                                  num_stages or _NUM_STAGES)
   call = functools.partial(pl.pallas_call, interpret=interpret, compiler_params=params)
   h = _up_call(call, t, idx, first, x, wg, wu)
@@ -250,7 +235,7 @@ def _up_call(call, t, idx, first, x, wg, wu):
       functools.partial(_up_kernel, t=t), grid=(t.n, t.k, t.f // t.block_f),
       out_shape=jax.ShapeDtypeStruct((t.n, t.k, t.f), x.dtype),
       in_specs=[_WHOLE] * 5,  # idx, first, x, wg, wu
-      out_specs=pl.BlockSpec((_SQUEEZED, _SQUEEZED, t.block_f), lambda i, j, c: (i, j, c)),
+      out_specs=pl.BlockSpec((SQUEEZED, SQUEEZED, t.block_f), lambda i, j, c: (i, j, c)),
       name="moe_up",
   )(idx, first, x, wg, wu)
 
@@ -261,6 +246,6 @@ def _down_call(call, t, idx, first, w, h, wd):
       functools.partial(_down_kernel, t=t), grid=(t.n, t.d // t.block_d),
       out_shape=jax.ShapeDtypeStruct((t.n, t.d), _F32),
       in_specs=[_WHOLE] * 5,  # idx, first, w, h, wd
-      out_specs=pl.BlockSpec((_SQUEEZED, t.block_d), lambda i, c: (i, c)),
+      out_specs=pl.BlockSpec((SQUEEZED, t.block_d), lambda i, c: (i, c)),
       name="moe_down",
   )(idx, first, w, h, wd)

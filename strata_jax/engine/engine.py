@@ -20,10 +20,11 @@ from strata_jax import steps
 from strata_jax.api import model_fingerprint
 from strata_jax.engine import sampling as host_sampling
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
-from strata_jax.errors import RequestError
+from strata_jax.errors import ControlVectorError, RequestError, SessionError, StrataError
+from strata_jax.forms import Forms
 from strata_jax.parallel import distributed
 from strata_jax.parallel.plan import describe, plan_auto
-from strata_jax.parallel.split import make_stages
+from strata_jax.parallel.split import make_stages, slice_cvec
 from strata_jax.params import LORA_RANK_BUCKET, empty_lora, lora_rank_bucket, pad_lora_rank
 from strata_jax.state import init_state
 
@@ -118,7 +119,8 @@ class _Chunk:
 
 
 class Engine:
-  """Batch slots over one model (optionally split into stages) and an optional LoRA set.
+  """Batch slots over one model (optionally split into stages), an optional LoRA set and an
+  optional control vector.
 
   Decoding runs `steps.decode_sample`: several steps per dispatch with sampling, stop ids and
   length limits on the device; only token ids (and requested logprobs) come back. The next
@@ -128,6 +130,8 @@ class Engine:
   Args:
     model: a `strata_jax.Model` (from `load_model`).
     lora: a `LoraSet` from `load_lora`, or None.
+    control_vector: a `ControlVector` from `load_control_vector`, or None. It applies to every
+      row (as llama.cpp's); `set_control_vector` swaps it without recompiling.
     slots: number of rows decoding together.
     max_seq: K/V capacity per slot (tokens).
     block_size: prefix-cache block size (tokens) and the smallest prefill chunk.
@@ -146,9 +150,14 @@ class Engine:
   def __init__(self, model, lora=None, slots: int = 1, max_seq: int | None = None,
                block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 8,
                max_prefill_chunk: int = 4096, decode_steps: Sequence[int] = (1, 4, 16),
-               warmup: bool | Sequence[int] = False):
+               warmup: bool | Sequence[int] = False, forms: Forms | None = None,
+               control_vector=None):
     self.model, self.lora_set, self.n_slots = model, lora, int(slots)
-    cfg = model.cfg
+    # Forms live in the config, the steps' static argument: an engine with other forms
+    # compiles and runs its own programs beside this model's other engines.
+    cfg = model.cfg if forms is None else dataclasses.replace(
+        model.cfg, forms=forms.resolve(jax.default_backend(), model.dtype))
+    self.cfg = cfg
     self.block_size = int(block_size)
     self.state_every = max(1, int(state_every))
     cap = max_seq or min(cfg.context_length, 4096)
@@ -165,11 +174,22 @@ class Engine:
     lora_params = (pad_lora_rank(lora.params, rank) if lora is not None
                    else empty_lora(cfg, rank, model.dtype))
     ranges = model.layer_ranges
+    placed = getattr(model, "stage_params", None)   # loaded with a split: stages on devices
     if ranges == "auto":
+      if placed is not None:
+        raise StrataError("a model loaded with a layer split keeps the ranges it was loaded "
+                          "with; reload it to change them")
       ranges = plan_auto(model, model.devices, lora, self.n_slots, self.max_seq)
       log.info("layer split (auto): %s", describe(ranges, model.devices[:len(ranges)]))
+    if placed is not None and (len(placed) != len(ranges) or any(
+        p.layers.attn_norm.shape[0] != hi - lo for p, (lo, hi) in zip(placed, ranges))):
+      raise StrataError(f"layer ranges {ranges} differ from the {len(placed)} stages the model "
+                        "was loaded with; reload it to change them")
     devices = model.devices[:len(ranges)] if model.devices else None
-    self.stages = make_stages(cfg, model.params, lora_params, ranges, devices)
+    self._check_control_vector(control_vector)
+    self.control_vector = control_vector
+    self.stages = make_stages(cfg, model.params, lora_params, ranges, devices, placed,
+                              cvec=control_vector.vectors if control_vector is not None else None)
     # Stages on devices of several processes (jax.distributed): host reads are broadcasts.
     self._shared = devices is not None and distributed.multi_process()
     self._host = lambda x: distributed.to_host(x, self._shared)
@@ -187,10 +207,12 @@ class Engine:
       s = init_state(st.cfg, self.n_slots, self.max_seq, model.dtype)
       self.states.append(jax.device_put(s, st.device) if st.device is not None else s)
     self.adapter_id = lora.adapter_id if lora is not None else 0
+    self.control_vector_id = control_vector.control_vector_id if control_vector else 0
     self.prefix_cache = PrefixCache(prefix_cache_bytes, self.block_size)
-    # per slot: the tokens whose state the row holds, and the (switch, adapter id) it was under
+    # per slot: the tokens whose state the row holds, and the (switch, adapter id, control
+    # vector id) it was under
     self.slot_tokens: list[list[int]] = [[] for _ in range(self.n_slots)]
-    self.slot_key: list[tuple[int, int]] = [(0, 0)] * self.n_slots
+    self.slot_key: list[tuple[int, int, int]] = [(0, 0, 0)] * self.n_slots
     self._lru = collections.OrderedDict((s, None) for s in range(self.n_slots))
     self._pending: collections.deque = collections.deque()
     self._running: dict = {}
@@ -208,6 +230,31 @@ class Engine:
   @property
   def has_lora(self) -> bool:
     return self.lora_set is not None
+
+  def set_control_vector(self, control_vector):
+    """Apply another control vector (or None) from now on. The vector is data: a vector of
+    the same model runs the same compiled program. Slots and cached blocks computed under
+    the previous one stay keyed by its id, so they are never served under this one."""
+    if self.busy:
+      raise RequestError("set_control_vector: requests are in flight; wait until they finish")
+    self._check_control_vector(control_vector)
+    vec = control_vector.vectors if control_vector is not None else None
+    for st in self.stages:
+      st.cvec = slice_cvec(vec, *st.layers, st.device)
+    self.control_vector = control_vector
+    self.control_vector_id = control_vector.control_vector_id if control_vector else 0
+
+  def _check_control_vector(self, cv):
+    if cv is None:
+      return
+    want = (self.model.cfg.n_layers, self.model.cfg.d_model)
+    shape = tuple(getattr(getattr(cv, "vectors", None), "shape", ()))
+    if shape != want:
+      files = ", ".join(f.path for f in getattr(cv, "files", ())) or "?"
+      raise ControlVectorError(
+          f"control vector ({files}) is for {shape[0] if shape else '?'} layers of n_embd "
+          f"{shape[1] if len(shape) > 1 else '?'}; this model has {want[0]} layers of n_embd "
+          f"{want[1]}")
 
   def generate(self, prompt: str | None = None, tokens: Sequence[int] | None = None, **kw):
     """Generate for one prompt (text or token ids). Keyword arguments as in `Request`."""
@@ -298,7 +345,7 @@ class Engine:
           st = self.stages[0]
           out, self.rows, self.states[0] = distributed.call_on_stage(
               steps.decode_sample, st.device, st.cfg, st.params, st.lora, self.states[0],
-              self.rows, dev[0], dev[1], dev[2], n_steps=n, plan=plan)
+              self.rows, dev[0], dev[1], dev[2], n_steps=n, plan=plan, cvec=st.cvec)
     jax.block_until_ready(self.states)
 
   # ----- requests -------------------------------------------------------------------------
@@ -326,8 +373,8 @@ class Engine:
   def _switch(self, r: Request) -> int:
     return int(self.has_lora if r.lora is None else bool(r.lora))
 
-  def _cache_key(self, switch: int) -> tuple[int, int]:
-    return (switch, self.adapter_id if switch else 0)
+  def _cache_key(self, switch: int) -> tuple[int, int, int]:
+    return (switch, self.adapter_id if switch else 0, self.control_vector_id)
 
   def _conv_match(self, slot: int, req: Request) -> int:
     """Tokens of the slot's conversation the request can reuse (0 if none)."""
@@ -392,7 +439,8 @@ class Engine:
     start = self._conv_match(slot, req)
     aligned = start == 0
     # the chain of the prompt's full blocks, under the adapter id its switch state uses
-    hashes = block_hashes(toks, self.block_size, self._cache_key(switch)[1]) if aligned else []
+    hashes = (block_hashes(toks, self.block_size, self._cache_key(switch)[1],
+                           control_vector_id=self.control_vector_id) if aligned else [])
     if aligned:
       self._reset(slot)
       start = self._restore_prefix(slot, toks, hashes, switch) if not req.return_logits else 0
@@ -448,7 +496,8 @@ class Engine:
         x = jax.device_put(x, st.device)
       x, self.states[i] = distributed.call_on_stage(
           steps.prefill, st.device, st.cfg, st.params, st.lora, self.states[i],
-          jnp.int32(slot), x, jnp.int32(n), jnp.int32(switch), all_logits=all_logits)
+          jnp.int32(slot), x, jnp.int32(n), jnp.int32(switch), all_logits=all_logits,
+          cvec=st.cvec)
     return x
 
   def _reset(self, slot: int):
@@ -531,7 +580,8 @@ class Engine:
       if st.device is not None:
         x, sw_d, act_d = jax.device_put((x, sw_d, act_d), st.device)
       x, self.states[i] = distributed.call_on_stage(
-          steps.decode, st.device, st.cfg, st.params, st.lora, self.states[i], x, sw_d, act_d)
+          steps.decode, st.device, st.cfg, st.params, st.lora, self.states[i], x, sw_d, act_d,
+          cvec=st.cvec)
     return x
 
   def _dispatch(self) -> _Chunk | None:
@@ -553,7 +603,8 @@ class Engine:
       st = self.stages[0]
       out, self.rows, self.states[0] = distributed.call_on_stage(
           steps.decode_sample, st.device, st.cfg, st.params, st.lora, self.states[0],
-          self.rows, sp, switch, stop, n_steps=n, plan=plan, with_logits=with_logits)
+          self.rows, sp, switch, stop, n_steps=n, plan=plan, with_logits=with_logits,
+          cvec=st.cvec)
     else:   # a layer split: stage by stage, then the sampler on the last stage's device
       logits = self._decode_logits(self.rows.last, switch, self.rows.active)
       out, self.rows = self._on_last(steps.sample_step, logits, self.rows, sp, stop, plan=plan)
@@ -641,7 +692,7 @@ class Engine:
         max_tokens=self.max_seq - 1, max_stages=len(self.stages),
         stage_layers=tuple(st.layers for st in self.stages),
         stage_shapes=tuple(sess.stage_shapes_for(st.cfg, self.model.dtype) for st in self.stages),
-        fingerprint=model_fingerprint(self.model, self.lora_set),
+        fingerprint=model_fingerprint(self.model, self.lora_set, self.control_vector),
         supported_versions=frozenset(supported_versions))
 
   def save_session(self, slot: int, path) -> dict:
@@ -659,7 +710,8 @@ class Engine:
                      "conv": np.asarray(conv), "ssm": np.asarray(ssm)})
     flags = sess.FLAG_LORA_ON if self.slot_key[slot][0] else 0
     return sess.save_session(str(path), stages, np.asarray(toks, np.int32),
-                             fingerprint=model_fingerprint(self.model, self.lora_set), flags=flags,
+                             fingerprint=model_fingerprint(self.model, self.lora_set,
+                                                           self.control_vector), flags=flags,
                              layer_ranges=[st.layers for st in self.stages])
 
   def load_session(self, slot: int, path, *, supported_versions=frozenset({1, 2})) -> dict:
@@ -668,6 +720,7 @@ class Engine:
     saved with. Returns {"n_tokens", "lora", "version"}."""
     self._check_slot(slot)
     self._check_single_process("load_session")
+    self._check_session_control_vector(path)
     meta, stages, tokens = sess.load_session(str(path), self._read_limits(supported_versions))
     n = int(meta.n_tokens)
     self._reset(slot)
@@ -687,13 +740,30 @@ class Engine:
     self._lru.move_to_end(slot)
     return {"n_tokens": n, "lora": bool(switch), "version": meta.version}
 
+  def _check_session_control_vector(self, path):
+    """A session made under another control vector (or none) is refused with that reason (the
+    id is the `+cvec:<16 hex>` tail of the session's fingerprint)."""
+    try:
+      saved = sess.read_session_meta(str(path)).fingerprint
+    except SessionError:
+      return    # load_session reports it, with the limits
+    live = model_fingerprint(self.model, self.lora_set, self.control_vector)
+    split = lambda fp: fp.rpartition("+cvec:") if "+cvec:" in fp else (fp, "", "")
+    (s_base, _, s_id), (l_base, _, l_id) = split(saved), split(live)
+    if s_base != l_base or s_id == l_id:
+      return    # another model or adapter (load_session says so), or the same vector
+    said = f"with control vector {s_id}" if s_id else "without a control vector"
+    runs = f"control vector {l_id}" if l_id else "without a control vector"
+    raise SessionError(f"{path}: session was saved {said}, this engine runs {runs}; load it "
+                       "in an engine with the same control vector (same files, scales, range)")
+
   def erase_slot(self, slot: int):
     """Forget a slot's conversation (its state is cleared; nothing is cached from it)."""
     self._check_slot(slot)
     if slot in self._running:
       raise RequestError(f"slot {slot} is busy")
     self._reset(slot)
-    self.slot_key[slot] = (0, 0)
+    self.slot_key[slot] = (0, 0, 0)
 
   @staticmethod
   def erase_session(path) -> bool:

@@ -5,6 +5,9 @@ A prompt is cut into blocks of `block_size` tokens. Block 0's digest is
 (seed 0), each digest stored as 16 bytes little-endian, low 64 bits first. A non-zero adapter
 identity is prepended as 8 little-endian bytes to block 0's buffer, so every later digest of an
 adapted request differs from the base chain; id 0 hashes byte-identically to the plain chain.
+A control vector (non-zero id) puts 16 bytes there instead: the adapter id as 8 little-endian
+bytes (written even when 0), then the control vector id as 8 little-endian bytes. The three
+seeds (none, 8 bytes, 16 bytes) differ in length, so no chain of one kind equals another's.
 Because each digest covers every earlier token (and the adapter), equal digests mean equal
 prefixes, and a block can only be matched when its parent is.
 
@@ -14,22 +17,20 @@ resumes from a wrong recurrent state.
 """
 from __future__ import annotations
 
-import math
 import operator
-import os
-import struct
 from typing import Any
 
 import jax
 import numpy as np
 import xxhash
 
-from strata_jax.errors import AdapterError, RequestError, StrataError
+# Adapter ids (the `adapter_id` of block_hashes) come from the adapters' own module;
+# importable from here too.
+from strata_jax.adapter_id import adapter_identity  # noqa: F401
+from strata_jax.errors import RequestError, StrataError
 
 DIGEST_BYTES = 16
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_ADAPTER_DOMAIN = b"strata-lora-v1"
-_READ_CHUNK = 1 << 20
 
 
 def _check_int(value: Any, name: str) -> int:
@@ -65,21 +66,25 @@ def _tokens_as_int32(tokens: Any) -> np.ndarray:
   return arr.astype("<i4", copy=False)
 
 
-def block_hashes(tokens: Any, block_size: int, adapter_id: int = 0) -> list[bytes]:
+def block_hashes(tokens: Any, block_size: int, adapter_id: int = 0, *,
+                 control_vector_id: int = 0) -> list[bytes]:
   """Chained 16-byte digests of the full blocks of `tokens`, as the prefix cache computes them.
 
   Args:
     tokens: token ids [T], a sequence or array of integers in int32 range.
     block_size: tokens per block (>= 1). A partial trailing block gets no digest.
     adapter_id: 64-bit adapter identity from `adapter_identity` (0 = base model or LoRA off).
+    control_vector_id: 64-bit control vector identity (`ControlVector.control_vector_id`), 0
+      for none: then the digests are exactly those without the argument. Non-zero: block 0's
+      buffer starts with `adapter_id` (8 bytes LE, even when 0) then this id (8 bytes LE).
 
   Returns:
     `T // block_size` digests, each 16 bytes (the xxh3-128 value little-endian, low 64 bits
-    first); digest i covers blocks 0..i and the adapter id.
+    first); digest i covers blocks 0..i, the adapter id and the control vector id.
 
   Raises:
-    RequestError: tokens not 1-D integers in int32 range, block_size < 1, or adapter_id
-      outside [0, 2**64).
+    RequestError: tokens not 1-D integers in int32 range, block_size < 1, or adapter_id or
+      control_vector_id outside [0, 2**64).
   """
   block_size = _check_int(block_size, "block_size")
   if block_size < 1:
@@ -87,11 +92,16 @@ def block_hashes(tokens: Any, block_size: int, adapter_id: int = 0) -> list[byte
   adapter_id = _check_int(adapter_id, "adapter_id")
   if not 0 <= adapter_id < 2**64:
     raise RequestError(f"adapter_id must be in [0, 2**64), got {adapter_id}")
+  control_vector_id = _check_int(control_vector_id, "control_vector_id")
+  if not 0 <= control_vector_id < 2**64:
+    raise RequestError(f"control_vector_id must be in [0, 2**64), got {control_vector_id}")
   arr = _tokens_as_int32(tokens)
   n_blocks = arr.shape[0] // block_size
   buf = memoryview(arr[: n_blocks * block_size].tobytes())
   stride = 4 * block_size
   prev = adapter_id.to_bytes(8, "little") if adapter_id else b""
+  if control_vector_id:
+    prev = adapter_id.to_bytes(8, "little") + control_vector_id.to_bytes(8, "little")
   out = []
   for i in range(n_blocks):
     # xxh3_128_digest() is big-endian (canonical); the contract wants low 64 bits first.
@@ -99,67 +109,6 @@ def block_hashes(tokens: Any, block_size: int, adapter_id: int = 0) -> list[byte
     prev = value.to_bytes(DIGEST_BYTES, "little")
     out.append(prev)
   return out
-
-
-def _content_digest(source: Any, index: int) -> tuple[int, int]:
-  """(xxh3_64 of the bytes, byte length) of an adapter given as bytes or a file path."""
-  if isinstance(source, (bytes, bytearray, memoryview)):
-    data = memoryview(source).cast("B")
-    return xxhash.xxh3_64_intdigest(data, seed=0), data.nbytes
-  if isinstance(source, (str, os.PathLike)):
-    h = xxhash.xxh3_64(seed=0)
-    size = 0
-    try:
-      with open(source, "rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-          h.update(chunk)
-          size += len(chunk)
-    except OSError as e:
-      raise AdapterError(
-          f"{os.fspath(source)}: cannot read adapter file: {e.strerror or e}") from None
-    return h.intdigest(), size
-  raise AdapterError(
-      f"adapter {index}: expected file bytes or a path, got {type(source).__name__}")
-
-
-def adapter_identity(files: list[tuple[Any, float]]) -> int:
-  """Non-zero 64-bit identity of a set of LoRA adapters, for prefix-cache keys.
-
-  Derived from each file's contents (not its path, so the same adapter shares cache across
-  paths and instances, and a file rewritten in place under the same name gets a new id), its
-  byte length, its user scale, and the files' order. The encoding is domain-separated and
-  fixed-width so that no other input can produce the same hashed buffer.
-
-  Args:
-    files: `(contents_or_path, scale)` pairs in load order; contents as bytes, or a path read
-      in 1 MiB chunks.
-
-  Returns:
-    0 for an empty list (the base model), otherwise an id in [1, 2**64).
-
-  Raises:
-    AdapterError: an unreadable file, an entry that is not a pair, or a non-finite scale.
-  """
-  if not files:
-    return 0
-  h = xxhash.xxh3_64(seed=0)
-  h.update(struct.pack("<Q", len(_ADAPTER_DOMAIN)) + _ADAPTER_DOMAIN)
-  h.update(struct.pack("<Q", len(files)))
-  for i, item in enumerate(files):
-    try:
-      source, scale = item
-    except (TypeError, ValueError):
-      raise AdapterError(f"adapter {i}: expected a (contents_or_path, scale) pair") from None
-    content, size = _content_digest(source, i)
-    try:
-      scale = float(scale)
-    except (TypeError, ValueError):
-      raise AdapterError(f"adapter {i}: scale must be a number, got {scale!r}") from None
-    if not math.isfinite(scale):
-      raise AdapterError(f"adapter {i}: scale must be finite, got {scale}")
-    scale += 0.0  # -0.0 -> 0.0: the same adapter math, so the same id
-    h.update(struct.pack("<QQd", content, size, scale))
-  return h.intdigest() or 1
 
 
 def _payload_nbytes(payload: Any) -> int:

@@ -1,17 +1,23 @@
-"""Read a qwen3next model GGUF into (ModelConfig, Params, Tokenizer), checking everything first.
+"""Read a qwen3next model GGUF into (ModelConfig, Params per stage, Tokenizer), checking
+everything first.
 
-Every problem with the file surfaces as one `GGUFError` whose message starts with the path;
-no numpy/jax traceback escapes for a bad file.
+Loading streams: each tensor goes from the memory map through host memory (decoded, or
+repacked when it stays quantised) straight onto the device of the stage that owns its layer.
+Every problem with the file surfaces as one `GGUFError` whose message starts with the path,
+raised before any device memory is touched; no numpy/jax traceback escapes for a bad file.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import mmap
 import os
 import sys
 import warnings
 from typing import Any
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import xxhash
@@ -19,17 +25,30 @@ from tqdm import tqdm
 
 from strata_jax import config as config_lib
 from strata_jax.config import ModelConfig
-from strata_jax.errors import GGUFError
+from strata_jax.errors import DeviceMemoryError, GGUFError
 from strata_jax.gguf import names
 from strata_jax.gguf.tokenizer import Tokenizer, UnsupportedTokenizer
-from strata_jax.params import Params, leaf_dtype, param_shapes, params_from_flat
+from strata_jax.parallel import plan as plan_lib
+from strata_jax.params import Params, QGroups, leaf_dtype, param_shapes, params_from_flat
+
+log = logging.getLogger("strata_jax")
 
 ARCH = "qwen3next"
 GGUF_MAGIC = b"GGUF"
 T = gguf.GGMLQuantizationType
-# Dequantised at load. Q4_0/Q4_1/Q5_0/Q5_1 are llama.cpp's fallbacks inside K-quant mixes.
-SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K,
-                             T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
+FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
+# GGUF types that stay in their (repacked) blocks on the device under weights="keep": the
+# types of llama.cpp's Q4_K_M / Q5_K_M / Q6_K / Q8_0 mixes. Names as `pallas_kernels.quant`.
+KEEP_TYPES = {T.Q8_0: "q8_0", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k"}
+WEIGHTS_MODES = ("keep", "dequantize")
+# Leaves that may stay quantised: the big projections (read by the quantised matmuls) and the
+# embedding (its rows are gathered, then dequantised). Norms, conv taps, decay rates and the
+# routers are small and precision-critical: always dequantised.
+QUANT_LEAVES = frozenset({
+    "embed", "lm_head", "layers.gdn.qkv", "layers.gdn.gate", "layers.gdn.ba", "layers.gdn.out",
+    "layers.attn.q", "layers.attn.k", "layers.attn.v", "layers.attn.out",
+    "layers.moe.gate_exps", "layers.moe.up_exps", "layers.moe.down_exps",
+    "layers.moe.shared_gate", "layers.moe.shared_up", "layers.moe.shared_down"})
 # Tokenizer arrays kept out of `ModelFile.metadata` (huge; the Tokenizer holds them).
 TOKENIZER_ARRAYS = frozenset(f"tokenizer.ggml.{k}" for k in (
     "tokens", "token_type", "merges", "scores", "precompiled_charsmap"))
@@ -44,7 +63,12 @@ class ModelFile:
 
   Attributes:
     cfg: the geometry, from `qwen3next.*` metadata.
-    params: the weights, dequantised, in the requested compute dtype (FP32_LEAVES stay fp32).
+    stages: the weights, one Params per stage, each on its stage's device: layers [lo, hi) of
+      `ranges`, the embedding on the first stage, the final norm and head on the last (None
+      elsewhere). Leaves are in the compute dtype (FP32_LEAVES stay fp32), or `QTensor`s where
+      a quantised tensor stays quantised (`weights="keep"`).
+    ranges: each stage's layer range [lo, hi).
+    devices: each stage's device, or None (one stage on the default device).
     tokenizer: from `tokenizer.ggml.*`, or None when the file has none (or an unsupported one).
     metadata: every KV field as plain python values, except the big tokenizer arrays.
     fingerprint: xxh3-128 hex digest identifying the file's contents.
@@ -52,9 +76,12 @@ class ModelFile:
     add_bos: `tokenizer.ggml.add_bos_token` (False when absent).
     bos_id: `tokenizer.ggml.bos_token_id` or None.
     eos_id: `tokenizer.ggml.eos_token_id` or None.
+    file_bytes: bytes of the tensors the model reads, as stored in the file.
   """
   cfg: ModelConfig
-  params: Params
+  stages: list
+  ranges: list
+  devices: list | None
   tokenizer: Tokenizer | None
   metadata: dict[str, Any]
   fingerprint: str
@@ -62,6 +89,54 @@ class ModelFile:
   add_bos: bool
   bos_id: int | None
   eos_id: int | None
+  file_bytes: int = 0
+
+  @property
+  def params(self) -> Params:
+    """The whole model's Params (one stage only: a split has no whole copy anywhere)."""
+    if len(self.stages) != 1:
+      raise AttributeError(f"{self.path}: loaded as {len(self.stages)} stages; no whole-model "
+                           "params exist (use .stages)")
+    return self.stages[0]
+
+
+class _Reader(gguf.GGUFReader):
+  """GGUFReader that checks each tensor's type, row length and data extent first, so a bad
+  tensor is named instead of surfacing as a reshape error inside the reader."""
+
+  def _build_tensors(self, start_offs, fields):
+    size = int(self.data.shape[0])
+    for field in fields:
+      try:
+        _, name_data, _, dims, raw_dtype, offset = field.parts
+        name = bytes(name_data).decode("utf-8", "replace")
+        raw, dims, offset = int(raw_dtype[0]), [int(d) for d in dims], int(offset[0])
+      except Exception:  # noqa: BLE001 (another gguf version's layout: leave it to the reader)
+        break
+      try:
+        qt = T(raw)
+        block, type_size = gguf.GGML_QUANT_SIZES[qt]
+      except (ValueError, KeyError):
+        raise _TensorProblem(name, f"has unsupported type id {raw}: no decoder for it") from None
+      if not decodable(qt):
+        raise _TensorProblem(name, f"has unsupported type {qt.name}: no decoder for it "
+                             "(neither strata_jax nor the gguf package)")
+      row = dims[0] if dims else 1
+      if row % block:
+        raise _TensorProblem(name, f"({qt.name}) has rows of {row} values, not a multiple of "
+                             f"the {qt.name} block of {block}")
+      n_bytes = int(np.prod(dims)) // block * type_size
+      end = int(start_offs) + offset + n_bytes
+      if end > size:
+        raise _TensorProblem(name, f"({qt.name}) data is shorter than its blocks need "
+                             f"(truncated file): {n_bytes} bytes from byte "
+                             f"{end - n_bytes}, file has {size}")
+    super()._build_tensors(start_offs, fields)
+
+
+class _TensorProblem(Exception):
+  def __init__(self, name, what):
+    super().__init__(f"tensor {name!r} {what}")
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
@@ -76,7 +151,9 @@ def open_gguf(path: str) -> gguf.GGUFReader:
   if magic != GGUF_MAGIC:
     raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
   try:
-    reader = gguf.GGUFReader(path)
+    reader = _Reader(path)
+  except _TensorProblem as e:
+    raise GGUFError(f"{path}: {e}") from None
   except Exception as e:  # the reader fails in many ways on a short or damaged file
     raise GGUFError(f"{path}: truncated or corrupt GGUF file ({size} bytes): "
                     f"{type(e).__name__}: {e}") from e
@@ -194,10 +271,15 @@ def _strip_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
   return shape[i:]
 
 
+def decodable(qtype) -> bool:
+  """Whether some decoder here (ours or the `gguf` package's) turns this type into floats."""
+  return qtype in FLOAT_TYPES or qtype in KEEP_TYPES or qtype in gguf.quants._type_traits
+
+
 def _check_type(t, path: str) -> None:
-  if t.tensor_type not in SUPPORTED_TYPES:
-    raise GGUFError(f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} "
-                    f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
+  if not decodable(t.tensor_type):
+    raise GGUFError(f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name}: "
+                    "no decoder for it (neither strata_jax nor the gguf package)")
 
 
 def dequantize(t, path: str) -> np.ndarray:
@@ -220,17 +302,62 @@ def _check_shape(t, want: tuple[int, ...], path: str) -> None:
                     "(numpy order, from the metadata)")
 
 
-def load_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.float32,
-                progress: bool | None = None) -> Params:
-  """Dequantise and stack the tensors into Params (shapes checked before any data is read)."""
+# ----- the load plan: what goes where, in which form, checked before any device allocation ---
+
+@dataclasses.dataclass
+class LeafPlan:
+  """One Params leaf: its GGUF tensors and the form it takes on the device.
+
+  Attributes:
+    path: dotted leaf path ("layers.moe.gate_exps").
+    layers: absolute layer index of each entry (None for a top-level leaf).
+    tensors: the reader tensors, one per entry.
+    qtypes: per entry, the `pallas_kernels.quant` type name when the leaf stays quantised,
+      else None. Entries of several types (llama.cpp's mixes give some layers' attn_v /
+      ffn_down more bits) become a `QGroups` of one stack per type.
+    keys: per entry, the group it is stacked in (its type; for the three expert stacks the
+      triple of the layer's types, so the three share one grouping).
+    dtype: the float dtype of a dequantised leaf.
+    entry_bytes: device bytes of each entry.
+    shape: the numpy shape of one entry (one layer's tensor).
+  """
+  path: str
+  shape: tuple
+  layers: list
+  tensors: list
+  qtypes: list | None
+  dtype: object
+  entry_bytes: list[int]
+  keys: list | None = None
+
+  @property
+  def stacked(self) -> bool:
+    return self.layers != [None]
+
+
+def _quant_entry_bytes(qtype: str, shape: tuple[int, ...]) -> int:
+  """Device bytes of one tensor in the repacked layout (packing one zero row, exact per row)."""
+  from pallas_kernels.quant import layout as qlayout  # noqa: PLC0415 (kernel package is lazy)
+  rows = int(np.prod(shape[:-1]))
+  row_bytes = qlayout.file_nbytes(qtype, (1, shape[-1]))
+  one = qlayout.pack(np.zeros((1, row_bytes), np.uint8), qtype, (1, shape[-1]))
+  return rows * sum(int(a.nbytes) for a in jax.tree.leaves(one))
+
+
+def plan_leaves(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.float32,
+                weights: str = "keep") -> list[LeafPlan]:
+  """Match every leaf to its tensors and choose its device form; shapes and types are checked
+  here, before any data is read or any device memory is touched."""
+  if weights not in WEIGHTS_MODES:
+    raise GGUFError(f"{path}: weights={weights!r}: expected one of {', '.join(WEIGHTS_MODES)}")
   tensors = {t.name: t for t in reader.tensors}
   shapes = param_shapes(cfg)
-  plan = []  # (leaf path, stacked?, [(layer slot, reader tensor)])
+  plans = []
   for spec in names.MODEL_TENSORS:
     idx = names.layer_indices(cfg, spec.over)
     want = shapes[spec.path] if idx is None else shapes[spec.path][1:]
     todo = []
-    for slot, i in enumerate([None] if idx is None else idx):
+    for i in [None] if idx is None else idx:
       name = spec.gguf if i is None else spec.gguf.format(i=i)
       if name not in tensors and spec.fallback in tensors:
         name = spec.fallback
@@ -238,25 +365,207 @@ def load_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.
         raise GGUFError(f"{path}: missing tensor {name!r}")
       _check_shape(tensors[name], want, path)
       _check_type(tensors[name], path)
-      todo.append((slot, tensors[name]))
-    plan.append((spec.path, idx is not None, todo))
+      todo.append(tensors[name])
+    qtypes = None
+    if (weights == "keep" and spec.path in QUANT_LEAVES
+        and all(t.tensor_type in KEEP_TYPES for t in todo)):
+      qtypes = [KEEP_TYPES[t.tensor_type] for t in todo]
+    ldt = jnp.dtype(leaf_dtype(spec.path, dtype))
+    plans.append(LeafPlan(path=spec.path, shape=tuple(want),
+                          layers=[None] if idx is None else list(idx), tensors=todo,
+                          qtypes=qtypes, dtype=ldt, entry_bytes=[], keys=qtypes))
+  # The routed experts run as one kernel over the three stacks: all quantised, or none; the
+  # three are grouped alike, by the triple of each layer's types.
+  exps = [lp for lp in plans if lp.path.endswith("_exps")]
+  if any(lp.qtypes is None for lp in exps):
+    for lp in exps:
+      lp.qtypes = lp.keys = None
+  else:
+    trio = list(zip(*(lp.qtypes for lp in exps)))
+    for lp in exps:
+      lp.keys = trio
+  for lp in plans:
+    if lp.qtypes is None:
+      lp.entry_bytes = [int(np.prod(lp.shape)) * lp.dtype.itemsize] * len(lp.tensors)
+    else:
+      lp.entry_bytes = [_quant_entry_bytes(q, lp.shape) for q in lp.qtypes]
+  if weights == "keep":
+    dq = [t.name for lp in plans if lp.qtypes is None for t in lp.tensors
+          if t.tensor_type not in FLOAT_TYPES]
+    if dq:
+      log.info("%s: %d tensors dequantised at load to %s (a type not kept on the device, a "
+               "stack with such a tensor, or a small leaf): %s", path, len(dq),
+               jnp.dtype(dtype).name, ", ".join(dict.fromkeys(dq)))
+  return plans
 
-  total = sum(len(todo) for _, _, todo in plan)
+
+def plan_bytes(cfg: ModelConfig, plans: list[LeafPlan]) -> tuple[np.ndarray, int, int]:
+  """(device bytes of each layer's weights [L], of the embedding, of the final norm + head)."""
+  per_layer = np.zeros(cfg.n_layers, np.float64)
+  top = {}
+  for lp in plans:
+    for layer, nb in zip(lp.layers, lp.entry_bytes):
+      if layer is None:
+        top[lp.path] = nb
+      else:
+        per_layer[layer] += nb
+  return per_layer, top["embed"], top["final_norm"] + top["lm_head"]
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:.2f}"
+
+
+def _is_oom(e: Exception) -> bool:
+  msg = str(e)
+  return "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
+
+
+def _entry(lp: LeafPlan, k: int, path: str, put):
+  """Entry k on its device: decoded on the host to the leaf's dtype, or (kept quantised) its
+  raw block bytes sent as they are and repacked on the device (`device_pack`)."""
+  t = lp.tensors[k]
+  if lp.qtypes is not None:
+    from strata_jax.gguf import device_pack  # noqa: PLC0415 (imports the kernel layout)
+    raw = put(np.asarray(t.data).reshape(-1))
+    return device_pack.pack(raw, lp.qtypes[k], tuple(lp.shape))
+  return put(_host_entry(lp, t, path))
+
+
+def _host_entry(lp: LeafPlan, t, path: str):
+  """One tensor decoded on the host: a numpy array of the leaf's dtype."""
+  try:
+    x = np.reshape(dequantize(t, path), lp.shape)  # reshape drops ggml's 1-dims
+    return x.astype(lp.dtype, copy=False) if x.dtype != lp.dtype else x
+  except GGUFError:
+    raise
+  except Exception as e:
+    raise GGUFError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}) cannot be "
+                    f"decoded: {type(e).__name__}: {e}") from e
+
+
+def _release(reader: gguf.GGUFReader, t) -> None:
+  """Drop a tensor's pages from this process's mapping once read (the page cache keeps them):
+  the resident set then holds one tensor of the file at a time, not all it has read."""
+  mm = getattr(reader.data, "_mmap", None)
+  if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+    return
+  page = mmap.PAGESIZE
+  lo = int(t.data_offset) // page * page
+  hi = int(t.data_offset) + int(t.n_bytes)
+  try:
+    mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+  except (OSError, ValueError):
+    pass
+
+
+def _stack(parts, keys):
+  """Per-layer device arrays -> one stack; quantised parts of several types (keys) -> a
+  QGroups of one stack per type, in order of first appearance."""
+  if keys is None:
+    return jnp.stack(parts)
+  from pallas_kernels.quant import layout as qlayout  # noqa: PLC0415
+  order = list(dict.fromkeys(keys))
+  if len(order) == 1:
+    return qlayout.stack(parts)
+  group = tuple(order.index(k) for k in keys)
+  pos = tuple(group[:j].count(group[j]) for j in range(len(group)))
+  stacks = tuple(qlayout.stack([p for p, g in zip(parts, group) if g == n])
+                 for n in range(len(order)))
+  return QGroups(parts=stacks, group=group, pos=pos)
+
+
+def _empty_leaf(lp: LeafPlan, device):
+  """A stacked leaf with no layer on this stage (e.g. no attention layer in its range)."""
+  x = jnp.zeros((0, *lp.shape), lp.dtype)
+  return jax.device_put(x, device) if device is not None else x
+
+
+def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan], path: str,
+                 ranges: list[tuple[int, int]], devices: list | None,
+                 progress: bool | None = None) -> list[Params]:
+  """Stream every tensor from the memory map onto the device of the stage that owns it.
+
+  One tensor at a time goes through host memory (decoded there, or its raw blocks sent as they
+  are and repacked on the device); a stacked leaf is made on its device from its per-layer
+  device arrays, so a device peaks at its stage plus one
+  leaf and no buffer anywhere holds the whole model. Stage 0 gets the embedding, the last stage
+  the final norm and the head.
+  """
+  per_layer, embed_b, head_b = plan_bytes(cfg, plans)
+  last = len(ranges) - 1
+  need = [per_layer[lo:hi].sum() + (embed_b if i == 0 else 0) + (head_b if i == last else 0)
+          for i, (lo, hi) in enumerate(ranges)]
+  devs = list(devices) if devices else [None] * len(ranges)
+  for i, dev in enumerate(devs):  # refuse before placing anything
+    free = plan_lib.free_bytes(dev if dev is not None else jax.devices()[0])
+    if free is not None and need[i] > free:
+      raise DeviceMemoryError(f"{path} needs {_gib(need[i])} GiB on {_dev_name(dev)}, "
+                              f"{_gib(free)} GiB free")
+  read_total = sum(int(t.n_bytes) for lp in plans for t, layer in zip(lp.tensors, lp.layers)
+                   if _owner(layer, lp.path, ranges) is not None)
   disable = not sys.stderr.isatty() if progress is None else not progress
-  flat = {}
-  with tqdm(total=total, desc="loading", unit="tensor", disable=disable, leave=False) as bar:
-    for leaf, stacked, todo in plan:
-      out = np.empty(shapes[leaf], dtype=np.dtype(leaf_dtype(leaf, dtype)))
-      for slot, t in todo:
-        dst = out[slot] if stacked else out
-        try:
-          dst[...] = np.reshape(dequantize(t, path), dst.shape)  # reshape drops ggml's 1-dims
-        except Exception as e:
-          raise GGUFError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}) cannot be "
-                          f"decoded: {type(e).__name__}: {e}") from e
-        bar.update(1)
-      flat[leaf] = jnp.asarray(out)
-  return params_from_flat(flat)
+  stages = []
+  with tqdm(total=read_total, desc="loading", unit="B", unit_scale=True, unit_divisor=1024,
+            disable=disable, leave=False) as bar:
+    for i, ((lo, hi), dev) in enumerate(zip(ranges, devs)):
+      put = (lambda x: jax.device_put(x, dev)) if dev is not None else jax.device_put
+      flat = {}
+      try:
+        for lp in plans:
+          if not lp.stacked:
+            own = ((lp.path == "embed" and i == 0)
+                   or (lp.path in ("final_norm", "lm_head") and i == last))
+            if not own:
+              flat[lp.path] = None
+              continue
+            t = lp.tensors[0]
+            flat[lp.path] = _entry(lp, 0, path, put)
+            _release(reader, t)
+            bar.update(int(t.n_bytes))
+            continue
+          parts, keys = [], []
+          for k, (layer, t) in enumerate(zip(lp.layers, lp.tensors)):
+            if not lo <= layer < hi:
+              continue
+            parts.append(_entry(lp, k, path, put))
+            keys.append(None if lp.keys is None else lp.keys[k])
+            _release(reader, t)
+            bar.update(int(t.n_bytes))
+          flat[lp.path] = (_stack(parts, None if lp.keys is None else keys) if parts
+                           else _empty_leaf(lp, dev))
+          del parts
+      except Exception as e:
+        if not _is_oom(e):
+          raise
+        d = dev if dev is not None else jax.devices()[0]
+        free = plan_lib.free_bytes(d)
+        have = f"{_gib(free)} GiB free" if free is not None else "free memory unknown"
+        raise DeviceMemoryError(f"{path} needs {_gib(need[i])} GiB on {_dev_name(dev)}, {have} "
+                                f"(out of device memory while loading)") from None
+      stages.append(params_from_flat(flat))
+  return stages
+
+
+def _owner(layer, leaf: str, ranges) -> int | None:
+  if layer is None:
+    return 0
+  for i, (lo, hi) in enumerate(ranges):
+    if lo <= layer < hi:
+      return i
+  return None
+
+
+def _dev_name(dev) -> str:
+  d = dev if dev is not None else jax.devices()[0]
+  return f"{d.platform}:{d.id}"
+
+
+def load_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.float32,
+                progress: bool | None = None, weights: str = "dequantize") -> Params:
+  """Every leaf on the default device, one stage (kept for callers that want a Params)."""
+  plans = plan_leaves(reader, cfg, path, dtype, weights)
+  return place_stages(reader, cfg, plans, path, [(0, cfg.n_layers)], None, progress)[0]
 
 
 def fingerprint(reader: gguf.GGUFReader) -> str:
@@ -280,21 +589,30 @@ def fingerprint(reader: gguf.GGUFReader) -> str:
   return h.hexdigest()
 
 
-def read_model_gguf(path, dtype=jnp.float32, progress: bool | None = None) -> ModelFile:
-  """Load a qwen3next model GGUF.
+def read_model_gguf(path, dtype=jnp.float32, progress: bool | None = None,
+                    weights: str = "keep", layer_split=None, devices=None) -> ModelFile:
+  """Load a qwen3next model GGUF, streaming each tensor onto its stage's device.
 
   Args:
     path: the .gguf file.
     dtype: compute dtype of the weights (float32 or bfloat16); small precision-critical leaves
       (`params.FP32_LEAVES`) stay float32.
-    progress: show a tqdm bar (default: when stderr is a terminal).
+    progress: show a tqdm bar over the bytes read (default: when stderr is a terminal).
+    weights: "keep" (Q8_0/Q4_K/Q5_K/Q6_K projections stay quantised on the device as
+      `QTensor`s; other types are dequantised per tensor, named in one log line) or
+      "dequantize" (every leaf in the compute dtype).
+    layer_split: None (one stage on the default device), "auto" (ranges sized from the
+      tensors' device bytes and the devices' free memory, before any weight is placed) or
+      per-stage layer counts ("24,24" or [24, 24]).
+    devices: the stages' devices with a split (default: all devices).
 
   Returns:
     The ModelFile.
 
   Raises:
     GGUFError: the file is not a GGUF, is truncated, is not a qwen3next model, lacks a key or a
-      tensor, has a tensor of the wrong shape or an unsupported type, or inconsistent metadata.
+      tensor, has a tensor of the wrong shape, row length or an undecodable type, or
+      inconsistent metadata. DeviceMemoryError (a GGUFError): a stage does not fit its device.
   """
   path = os.fspath(path)
   reader = open_gguf(path)
@@ -319,18 +637,35 @@ def read_model_gguf(path, dtype=jnp.float32, progress: bool | None = None) -> Mo
       warnings.warn(f"{path}: tokenizer not loaded: {e}", stacklevel=2)
     except Exception as e:
       raise GGUFError(f"{path}: bad tokenizer metadata: {e}") from e
-  params = load_params(reader, cfg, path, dtype=dtype, progress=progress)
+  plans = plan_leaves(reader, cfg, path, dtype=dtype, weights=weights)
+  if layer_split is None:
+    ranges, devices = [(0, cfg.n_layers)], None
+  else:
+    devices = list(devices) if devices is not None else jax.devices()
+    spec = plan_lib.parse_split(layer_split, cfg.n_layers, len(devices))
+    if spec == "auto":
+      per_layer, embed_b, head_b = plan_bytes(cfg, plans)
+      cost = per_layer + plan_lib.stage_reserve_bytes(cfg, dtype)
+      ranges = plan_lib.plan_ranges(cost, embed_b, head_b, devices, what=path)
+      how = "auto, from the file's tensor bytes and the devices' free memory"
+    else:
+      ranges, how = spec, "given"
+    devices = devices[:len(ranges)]
+    log.info("layer split (%s): %s", how, plan_lib.describe(ranges, devices))
+  stages = place_stages(reader, cfg, plans, path, ranges, devices, progress)
 
   def opt_id(key):
     v = kv.get(f"tokenizer.ggml.{key}")
     return None if v is None or isinstance(v, list) else int(v)
 
   return ModelFile(
-      cfg=cfg, params=params, tokenizer=tokenizer,
-      metadata={k: v for k, v in kv.items() if k not in TOKENIZER_ARRAYS},
+      cfg=cfg, stages=stages, ranges=[tuple(r) for r in ranges], devices=devices,
+      tokenizer=tokenizer, metadata={k: v for k, v in kv.items() if k not in TOKENIZER_ARRAYS},
       fingerprint=fingerprint(reader), path=path,
       add_bos=bool(kv.get("tokenizer.ggml.add_bos_token", False)),
-      bos_id=opt_id("bos_token_id"), eos_id=opt_id("eos_token_id"))
+      bos_id=opt_id("bos_token_id"), eos_id=opt_id("eos_token_id"),
+      file_bytes=sum(int(t.n_bytes) for t in {id(t): t for lp in plans
+                                              for t in lp.tensors}.values()))
 
 
 def load_tokenizer(path) -> Tokenizer | None:

@@ -39,4 +39,5 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_valid, lora_a, l
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache.astype(jnp.float32)).reshape(B, T, H, Hd)
   out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype).reshape(B, T, H * Hd)
-  return out_projection(out, p.out, lora_a, lora_b, switch), k_cache, v_cache
+  return (out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl), k_cache,
+          v_cache)

@@ -1,20 +1,70 @@
-"""Small building blocks shared by the layers: projections, RMSNorm, RoPE, the LoRA hook."""
+"""Small building blocks shared by the layers: projections, RMSNorm, RoPE, the LoRA hook.
+
+A projection weight is a float array [out, in], a `QTensor` (a quantised matrix kept in its
+GGUF blocks, `pallas_kernels.quant.layout`), or a `QRef`: one matrix of a layer-stacked
+QTensor at a traced index, which the quantised matmul reads in place (no slice is copied).
+"""
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gdn.reference import l2norm as l2_norm  # noqa: F401 (the model's L2 norm)
+from pallas_kernels.quant.layout import QTensor
+
+
+@dataclasses.dataclass(frozen=True)
+class QRef:
+  """Matrix `index` (int32, traced OK; flat over the leading stack dims; None for a single
+  matrix) of QTensor `w`, multiplied by `pallas_kernels.quant.api` with `implementation`
+  (`Forms.quant_impl`). Made inside the traced step; not a pytree (it never crosses a jit
+  boundary)."""
+  w: QTensor
+  index: object = None
+  implementation: str = "auto"
+
+
+def is_quant(w) -> bool:
+  from strata_jax.params import QGroups  # noqa: PLC0415
+  return isinstance(w, (QTensor, QRef, QGroups))
+
+
+def _qparts(w):
+  """(QTensor or QGroups, index, implementation) of a QRef or a bare QTensor."""
+  return (w.w, w.index, w.implementation) if isinstance(w, QRef) else (w, None, "auto")
+
+
+def quant_call(w, index, fn):
+  """fn(qtensor, index) for a QTensor stack; for a QGroups, a switch on the layer's group
+  calling fn(that group's stack, the layer's position in it)."""
+  from strata_jax.params import QGroups  # noqa: PLC0415
+  if not isinstance(w, QGroups):
+    return fn(w, index)
+  group = jnp.asarray(w.group, jnp.int32)[index]
+  pos = jnp.asarray(w.pos, jnp.int32)[index]
+  return lax.switch(group, [lambda part=part: fn(part, pos) for part in w.parts])
 
 
 def linear(x, w):
   """x [..., in] @ w[out, in]ᵀ with float32 accumulation, result in x's dtype.
+
+  A quantised `w` (QTensor / QRef) goes to `pallas_kernels.quant.api.qmatmul`, which
+  dequantises inside the kernel.
 
   The dot returns x's dtype itself (the GEMM accumulates in fp32 and rounds once, the same
   numbers as an fp32 result cast down): asked for an fp32 result at decode, XLA rewrote some
   bf16 GEMVs to read fp32 copies of their weights (H200: 7.30 -> 6.56 ms a token,
   experiments/bench/README.md).
   """
+  if is_quant(w):
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+    qt, index, impl = _qparts(w)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = quant_call(qt, index, lambda q, i: quant_api.qmatmul(x2, q, index=i,
+                                                             implementation=impl))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
   return lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                          preferred_element_type=x.dtype)
 
@@ -41,17 +91,29 @@ def rope_neox(x, positions, n_rot, base):
   return out.astype(x.dtype)
 
 
-def out_projection(x, w, lora_a, lora_b, switch):
+def out_projection(x, w, lora_a, lora_b, switch, implementation=None):
   """The mixer output projection with the LoRA hook.
 
   x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None; switch [B] int32.
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
+  `implementation`: the LoRA kernel's (`Forms.lora_impl`). A quantised `w` (QRef) runs the
+  LoRA delta inside the quantised matmul (`qmatmul_lora`) instead.
   """
+  if lora_a is not None and is_quant(w):
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
+    qt, index, impl = _qparts(w)
+    B, T, _ = x.shape
+    on = jnp.repeat(switch.astype(jnp.int32), T)                             # [B*T]
+    x2 = x.reshape(B * T, -1)
+    y = quant_call(qt, index, lambda q, i: quant_api.qmatmul_lora(
+        x2, q, lora_a, lora_b, on, index=i, implementation=impl))
+    return y.reshape(B, T, -1)
   y = linear(x, w)
   if lora_a is None:
     return y
   from pallas_kernels.lora import api as lora_api  # noqa: PLC0415 (kernel package loads lazily)
   B, T, _ = x.shape
   on = jnp.repeat(switch.astype(jnp.int32), T)                               # [B*T]
-  out = lora_api.lora_apply(y.reshape(B * T, -1), x.reshape(B * T, -1), lora_a, lora_b, on)
+  out = lora_api.lora_apply(y.reshape(B * T, -1), x.reshape(B * T, -1), lora_a, lora_b, on,
+                            implementation=implementation)
   return out.reshape(y.shape)

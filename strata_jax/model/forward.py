@@ -1,17 +1,19 @@
 """The layer stack: embedding -> layers (a lax.scan over repeats of the layer pattern) -> logits."""
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from strata_jax.config import ATTN, ModelConfig
+from pallas_kernels.quant.layout import QTensor
+from strata_jax.config import ATTN, GDN, ModelConfig
 from strata_jax.model.attention import attn_mixer
-from strata_jax.model.common import linear, rms_norm
+from strata_jax.model.common import QRef, linear, rms_norm
 from strata_jax.model.gdn import gdn_mixer
 from strata_jax.model.moe import moe
+from strata_jax.params import QGroups
 
 
 def pattern_period(layer_types: str) -> int:
@@ -28,19 +30,36 @@ def _blocks(tree, n_blocks):
   return jax.tree.map(lambda a: a.reshape(n_blocks, a.shape[0] // n_blocks, *a.shape[1:]), tree)
 
 
+def _is_q(a):
+  return isinstance(a, (QTensor, QGroups))
+
+
+def _split_quant(tree):
+  """(tree with QTensor leaves set to None, tree with only the QTensor leaves)."""
+  dense = jax.tree.map(lambda a: None if _is_q(a) else a, tree, is_leaf=_is_q)
+  quant = jax.tree.map(lambda a: a if _is_q(a) else None, tree, is_leaf=_is_q)
+  return dense, quant
+
+
+def _layer(cfg, dense, quant, i, index):
+  """One layer's params: slot `i` of the scanned (dense) block, and `QRef(stack, index)` for
+  each quantised stack, which the quantised matmul reads in place at the traced `index`."""
+  p = jax.tree.map(lambda a: a[i], dense)
+  impl = cfg.forms.quant_impl
+  fields = {f.name: QRef(getattr(quant, f.name), index, impl) for f in dataclasses.fields(quant)
+            if _is_q(getattr(quant, f.name))}
+  return p.replace(**fields) if fields else p
+
+
 def _unblocks(tree):
   return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
-# How an adapter program skips the adapter for rows whose switch is off: "select" (the delta
-# is computed for every row and a select keeps the base rows) or "cond" (`run_layers`).
-# Environment variable overrides; read at trace time.
-LORA_BRANCH = "cond"
-LORA_BRANCH_ENV_VAR = "STRATA_LORA_BRANCH"
-
-
-def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
-  """`layers_scan` with the adapter; under LORA_BRANCH "cond", one of three branches.
+def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch,
+               cvec=None):
+  """`layers_scan` with the adapter; under `cfg.forms.lora_branch` "cond", one of three
+  branches ("select": one scan, the delta computed for every row and a select keeping the base
+  rows).
 
   Rows whose switch is off must come out bit-identical to the model with no adapter, in any
   batch. On the GPU, XLA tunes each GEMM it compiles by timing, so two different layer
@@ -53,15 +72,12 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
   An inactive row (n_valid 0) leaves its K/V, conv and recurrent state untouched, so the two
   passes compose; rows are independent, so an off row's numbers do not depend on the others.
   """
-  branch = os.environ.get(LORA_BRANCH_ENV_VAR, "").strip() or LORA_BRANCH
-  if branch not in ("select", "cond"):
-    raise ValueError(f"{LORA_BRANCH_ENV_VAR}={branch!r}: expected 'select' or 'cond'")
-  if lora is None or branch == "select":
-    return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch)
+  if lora is None or cfg.forms.lora_branch == "select":
+    return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch, cvec)
   switch = jnp.broadcast_to(switch, n_valid.shape)
   on = (switch != 0) & (n_valid > 0)
   off = (switch == 0) & (n_valid > 0)
-  scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch)
+  scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch, cvec)
 
   def mixed():
     x_off, kv1, gs1 = scan(None, kv, gdn_state, jnp.where(off, n_valid, 0))
@@ -74,12 +90,15 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
                             lambda: scan(lora, kv, gdn_state, n_valid), mixed])
 
 
-def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch):
+def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch,
+                cvec=None):
   """Apply every layer of `cfg.layer_types`.
 
   layers: LayerParams; lora: LoraParams or None; kv: (k, v) [La, B, S, G, Hd];
   gdn_state: (conv [Lg, B, K-1, C], ssm [Lg, B, Hv, Dv, Dk]); x [B, T, D]; pos, n_valid,
-  switch [B]. Returns (x, kv, gdn_state).
+  switch [B]; cvec: the control vector [L, D] (row il added to layer il's output, after its
+  MoE residual add, as llama.cpp's `build_cvec`), or None: then nothing is added and the
+  program is the one without control vectors. Returns (x, kv, gdn_state).
 
   The scan runs over repeats of the pattern's period (e.g. 12 x "GGGA"); the period's
   layers are unrolled in the body, so compile time does not grow with depth.
@@ -87,52 +106,73 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
   period = pattern_period(cfg.layer_types)
   n_blocks = cfg.n_layers // period
   block_types = cfg.layer_types[:period]
-  norms = _blocks((layers.attn_norm, layers.post_norm, layers.moe), n_blocks)
-  gdn_p = _blocks(layers.gdn, n_blocks)
-  attn_p = _blocks(layers.attn, n_blocks)
+  # Quantised stacks are not scanned (a scan slices its xs, copying each layer's matrix):
+  # the body reads them in place at the traced layer index.
+  moe_d, moe_q = _split_quant(layers.moe)
+  gdn_d, gdn_q = _split_quant(layers.gdn)
+  attn_d, attn_q = _split_quant(layers.attn)
+  norms = _blocks((layers.attn_norm, layers.post_norm, moe_d), n_blocks)
+  gdn_p = _blocks(gdn_d, n_blocks)
+  attn_p = _blocks(attn_d, n_blocks)
+  n_g, n_a = block_types.count(GDN), block_types.count(ATTN)
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
   kv_b, gdn_b = _blocks(kv, n_blocks), _blocks(gdn_state, n_blocks)
+  cvec_b = _blocks(cvec, n_blocks)   # [n_blocks, period, D], or None
   B, T, D = x.shape
   # The expert stacks whole, for the few-token MoE kernel (reads layer `blk * period + li`).
   stacks = (layers.moe.gate_exps, layers.moe.up_exps, layers.moe.down_exps)
 
   def body(x, xs):
-    blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in = xs
+    blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in, cv = xs
     (kc, vc), (conv, ssm) = map(list, kv_in), map(list, gdn_in)
     gi = ai = 0
     for li, kind in enumerate(block_types):
       h = rms_norm(x, attn_norm[li], cfg.rms_eps)
       if kind == ATTN:
-        p = jax.tree.map(lambda a: a[ai], ap)
+        p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
         y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, n_valid, *la_i,
                                         switch)
         ai += 1
       else:
-        p = jax.tree.map(lambda a: a[gi], gp)
+        p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi)
         lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
         y, conv[gi], ssm[gi] = gdn_mixer(cfg, p, h, conv[gi], ssm[gi], n_valid, *lg_i, switch)
         gi += 1
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
-      x = x + moe(cfg, jax.tree.map(lambda a: a[li], moe_p), h, stacks,
+      x = x + moe(cfg, _layer(cfg, moe_p, moe_q, li, blk * period + li), h, stacks,
                   blk * period + li).reshape(B, T, D)
+      if cv is not None:
+        x = x + cv[li].astype(x.dtype)
     restack = lambda new, old: jnp.stack(new) if new else old   # a kind may be absent
     return x, ((restack(kc, kv_in[0]), restack(vc, kv_in[1])),
                (restack(conv, gdn_in[0]), restack(ssm, gdn_in[1])))
 
   x, (kv_b, gdn_b) = lax.scan(body, x, (jnp.arange(n_blocks, dtype=jnp.int32), norms, gdn_p,
-                                         attn_p, lora_g, lora_a, kv_b, gdn_b))
+                                         attn_p, lora_g, lora_a, kv_b, gdn_b, cvec_b))
   return x, _unblocks(kv_b), _unblocks(gdn_b)
 
 
 def embed(params, tokens):
-  """tokens [B, T] -> [B, T, D]."""
+  """tokens [B, T] -> [B, T, D]. A quantised table: the rows are gathered in their blocks,
+  then dequantised (exactly) to the compute dtype."""
+  if _is_q(params.embed):
+    from pallas_kernels.quant.reference import dequantize  # noqa: PLC0415
+    qt = params.embed
+    flat_ids = tokens.reshape(-1)
+    rows = QTensor(**{n: jnp.take(p, flat_ids, axis=0) for n, p in qt.planes.items()},
+                   qtype=qt.qtype, shape=(flat_ids.shape[0], qt.shape[-1]))
+    x = dequantize(rows, jnp.float32).astype(params.layers.attn_norm.dtype)
+    return x.reshape(*tokens.shape, qt.shape[-1])
   return jnp.take(params.embed, tokens, axis=0)
 
 
 def logits_from_hidden(cfg: ModelConfig, params, x):
   """x [..., D] -> float32 logits [..., V]."""
   h = rms_norm(x, params.final_norm, cfg.rms_eps)
-  return linear(h, params.lm_head).astype(jnp.float32)
+  w = params.lm_head
+  if _is_q(w):
+    w = QRef(w, None, cfg.forms.quant_impl)
+  return linear(h, w).astype(jnp.float32)

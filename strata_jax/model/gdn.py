@@ -1,6 +1,8 @@
 """Gated DeltaNet mixer (Qwen3-Next linear attention)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -50,12 +52,16 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
   beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
   if T == 1:
     # One fused step (L2 norms, head expansion, the delta rule) on the GPU.
-    o, ssm = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm)
+    o, ssm = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm,
+                               implementation=cfg.forms.gdn_decode)
     o = o[:, None]
   else:
     q = jnp.repeat(l2_norm(q_raw) * (Dk ** -0.5), r, axis=2)   # v-head h <- k-head h//r
     k = jnp.repeat(l2_norm(k_raw), r, axis=2)
-    o, ssm = jax.vmap(gdn_api.chunked)(q, k, v, g, beta, ssm)
+    chunked = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
+                                pallas_chunk=cfg.forms.gdn_pallas_chunk)
+    o, ssm = jax.vmap(chunked)(q, k, v, g, beta, ssm)
   o = rms_norm(o, p.norm, cfg.rms_eps).astype(jnp.float32)                   # [B, T, Hv, Dv]
   o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, Hv * Dv)
-  return out_projection(o, p.out, lora_a, lora_b, switch), conv_state, ssm
+  return (out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl), conv_state,
+          ssm)

@@ -1,14 +1,13 @@
 """Mixture of experts with a shared expert (softmax router, top-k renormalised, SiLU-GLU)."""
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import linear
+from strata_jax.model.common import is_quant, linear
+from strata_jax.params import QGroups
 
 
 def _glu(x, wg, wu, wd):
@@ -41,20 +40,12 @@ def routed_grouped(x, wg, wu, wd, idx, w):
   return jnp.zeros((N, wd.shape[1]), jnp.float32).at[order // k].add(y)
 
 
-# Many-token MoE form: "dense" (every expert on every token), "grouped" (sorted pairs and
-# `ragged_dot`: 3.3x slower than dense on the H200) or "pallas" (sorted pairs and the grouped
-# Pallas kernel, experts read in place). "auto" (default): "pallas" on the GPU (bench-a3b
-# prefill of 2,500 tokens on the H200: 160 ms against 258 ms dense), "dense" elsewhere (the
-# Pallas interpreter is for tests). The environment variable overrides; read at trace time.
-MANY_TOKENS = "auto"
-MANY_TOKENS_ENV_VAR = "STRATA_MOE_MANY"
-
-
-def many_tokens_form():
-  form = os.environ.get(MANY_TOKENS_ENV_VAR, "").strip() or MANY_TOKENS
-  if form not in ("auto", "dense", "grouped", "pallas"):
-    raise ValueError(f"{MANY_TOKENS_ENV_VAR}={form!r}: expected 'auto', 'dense', 'grouped' or "
-                     f"'pallas'")
+def many_tokens_form(form: str) -> str:
+  """`Forms.moe_many` made concrete. "dense" (every expert on every token), "grouped" (sorted
+  pairs and `ragged_dot`: 3.3x slower than dense on the H200), "pallas" / "pallas_interpret"
+  (sorted pairs and the grouped Pallas kernel, experts read in place). "auto": "pallas" on the
+  GPU (bench-a3b prefill of 2,500 tokens on the H200: 160 ms against 258 ms dense), "dense"
+  elsewhere (the Pallas interpreter is for tests)."""
   if form == "auto":
     return "pallas" if jax.default_backend() == "gpu" else "dense"
   return form
@@ -74,15 +65,30 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None):
   # layer's arrays.
   ew, at = (stacks, layer) if stacks is not None else (
       (p.gate_exps, p.up_exps, p.down_exps), None)
-  form = "few" if N * k <= cfg.n_experts else many_tokens_form()
-  if form == "few":
+  form = "few" if N * k <= cfg.n_experts else many_tokens_form(cfg.forms.moe_many)
+  if is_quant(p.gate_exps):
+    # Quantised expert stacks: every token count goes through the quantised experts kernel,
+    # which reads only the chosen experts' blocks of layer `layer`, in place.
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
+    wg, wu, wd = stacks if stacks is not None else (p.gate_exps.w, p.up_exps.w, p.down_exps.w)
+    layer = layer if stacks is not None else p.gate_exps.index
+    impl = cfg.forms.quant_impl
+    if isinstance(wg, QGroups):  # the three stacks are grouped alike (by the layer's types)
+      group = jnp.asarray(wg.group, jnp.int32)[layer]
+      pos = jnp.asarray(wg.pos, jnp.int32)[layer]
+      routed = jax.lax.switch(group, [
+          lambda g=g, u=u, d=d: quant_api.experts(x, g, u, d, idx, w, layer=pos,
+                                                  implementation=impl)
+          for g, u, d in zip(wg.parts, wu.parts, wd.parts)])
+    else:
+      routed = quant_api.experts(x, wg, wu, wd, idx, w, layer=layer, implementation=impl)
+  elif form == "few":
     # Few tokens: read only the chosen experts' weights, in place on the GPU (Pallas kernel).
-    routed = moe_api.routed_experts(x, *ew, idx, w, layer=at)
+    routed = moe_api.routed_experts(x, *ew, idx, w, layer=at, implementation=cfg.forms.moe_few)
   elif form == "grouped":
     routed = routed_grouped(x, p.gate_exps, p.up_exps, p.down_exps, idx, w)
-  elif form == "pallas":
-    impl = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
-    routed = moe_api.routed_experts_many(x, *ew, idx, w, layer=at, implementation=impl)
+  elif form in ("pallas", "pallas_interpret"):
+    routed = moe_api.routed_experts_many(x, *ew, idx, w, layer=at, implementation=form)
   else:
     # Many tokens: every expert over every token, weighted by the (sparse) routing weights.
     dense_w = jnp.zeros((N, cfg.n_experts), jnp.float32).at[jnp.arange(N)[:, None], idx].set(w)

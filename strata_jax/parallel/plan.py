@@ -3,7 +3,9 @@
 `auto` counts, per layer, its weights, its LoRA A/B and its per-slot state (K/V at the
 configured context for attention layers, conv + recurrent state for GDN layers), plus the
 embedding on the first device and the head on the last, and cuts the layers into contiguous
-ranges in proportion to each device's free memory.
+ranges in proportion to each device's free memory. At load (`load_model`) the weights' bytes
+come from the file's tensors (as they will sit on the device) and the state and adapter are a
+reserve (`stage_reserve_bytes`), since no weight is placed before the ranges are known.
 """
 from __future__ import annotations
 
@@ -53,26 +55,52 @@ def parse_split(layer_split, n_layers: int, n_devices: int):
     raise StrataError(str(e)) from None
 
 
-def layer_bytes(model, lora=None, slots: int = 1, max_seq: int = 4096) -> np.ndarray:
-  """Device bytes each layer needs: weights + LoRA + per-slot state."""
-  cfg = model.cfg
-  item = np.dtype(model.dtype).itemsize
-  layers = model.params.layers
-  every = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
-              for a in jax.tree.leaves((layers.attn_norm, layers.post_norm, layers.moe)))
-  per_kind = {}
-  kinds = (("G", layers.gdn, ("gdn_a", "gdn_b")), ("A", layers.attn, ("attn_a", "attn_b")))
-  for kind, sub, lora_ab in kinds:
-    w = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize for a in jax.tree.leaves(sub))
-    if lora is not None:
-      w += sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
-               for a in (getattr(lora.params, n) for n in lora_ab))
-    per_kind[kind] = w
+def _per_layer(tree) -> int:
+  """Bytes of one layer of layer-stacked leaves (arrays or QTensor planes: each leaf's leading
+  axis is the layer)."""
+  return sum(int(a.nbytes) // max(int(a.shape[0]), 1) for a in jax.tree.leaves(tree))
+
+
+def state_bytes(cfg, dtype, slots: int = 1, max_seq: int = 4096) -> np.ndarray:
+  """Per-layer device bytes of the per-slot state: K/V for attention, conv + recurrent for GDN."""
+  item = np.dtype(dtype).itemsize
   kv = 2 * max_seq * cfg.n_kv_head * cfg.head_dim * item * slots
   rec = ((cfg.conv_kernel - 1) * cfg.gdn_conv_dim * item
          + cfg.gdn_n_v_heads * cfg.gdn_d_v * cfg.gdn_d_k * 4) * slots
-  return np.array([every + per_kind[t] + (kv if t == ATTN else rec) for t in cfg.layer_types],
-                  np.float64)
+  return np.array([kv if t == ATTN else rec for t in cfg.layer_types], np.float64)
+
+
+def lora_bytes(cfg, rank: int, dtype) -> np.ndarray:
+  """Per-layer device bytes of stacked LoRA A/B of rank `rank` on the mixer output."""
+  item = np.dtype(dtype).itemsize
+  g = rank * (cfg.gdn_value_dim + cfg.d_model) * item
+  a = rank * (cfg.attn_out_dim + cfg.d_model) * item
+  return np.array([a if t == ATTN else g for t in cfg.layer_types], np.float64)
+
+
+def stage_reserve_bytes(cfg, dtype, slots: int = 1, max_seq: int | None = None) -> np.ndarray:
+  """What a split made at load (before the engine exists) reserves per layer beside its
+  weights: one slot's state at min(context, 4096) tokens and a rank-64 adapter (the engine
+  always runs at least the all-zero rank-64 one)."""
+  from strata_jax.params import LORA_RANK_BUCKET  # noqa: PLC0415
+  seq = max_seq or min(cfg.context_length, 4096)
+  return state_bytes(cfg, dtype, slots, seq) + lora_bytes(cfg, LORA_RANK_BUCKET, dtype)
+
+
+def layer_bytes(model, lora=None, slots: int = 1, max_seq: int = 4096) -> np.ndarray:
+  """Device bytes each layer needs: weights + LoRA + per-slot state (an in-memory model)."""
+  cfg = model.cfg
+  layers = model.params.layers
+  every = _per_layer((layers.attn_norm, layers.post_norm, layers.moe))
+  per_kind = {}
+  kinds = (("G", layers.gdn, ("gdn_a", "gdn_b")), ("A", layers.attn, ("attn_a", "attn_b")))
+  for kind, sub, lora_ab in kinds:
+    w = _per_layer(sub)
+    if lora is not None:
+      w += _per_layer([getattr(lora.params, n) for n in lora_ab])
+    per_kind[kind] = w
+  return (np.array([every + per_kind[t] for t in cfg.layer_types], np.float64)
+          + state_bytes(cfg, model.dtype, slots, max_seq))
 
 
 def free_bytes(dev) -> float | None:
@@ -85,19 +113,20 @@ def free_bytes(dev) -> float | None:
   return float(st["bytes_limit"] - st.get("bytes_in_use", 0))
 
 
-def plan_auto(model, devices, lora=None, slots: int = 1, max_seq: int = 4096):
-  """Contiguous ranges, one per device, sized by free memory (equal when unknown)."""
-  cost = layer_bytes(model, lora, slots, max_seq)
+def plan_ranges(cost, embed: float, head: float, devices, what: str = "the model"):
+  """Contiguous ranges, one per device, sized by free memory (equal when unknown).
+
+  cost: per-layer device bytes; embed / head: bytes of the embedding (first stage) and of the
+  final norm + head (last stage)."""
+  cost = np.asarray(cost, np.float64)
   n = min(len(devices), len(cost))
   free = [free_bytes(d) for d in devices[:n]]
   cap = np.array([f if f is not None else 1.0 for f in free], np.float64)
   if any(f is None for f in free):
     cap[:] = 1.0
-  embed = model.params.embed.size * model.params.embed.dtype.itemsize
-  head = model.params.lm_head.size * model.params.lm_head.dtype.itemsize
   total = embed + cost.sum() + head
   if all(f is not None for f in free) and total > cap.sum():
-    raise StrataError(f"the model needs {total / 2**30:.1f} GiB but the {n} devices have "
+    raise StrataError(f"{what} needs {total / 2**30:.1f} GiB but the {n} devices have "
                       f"{cap.sum() / 2**30:.1f} GiB free")
   # Bytes held once layers [0, i] are placed, the embedding counted on the first device and
   # the head on the last; each cut goes where that total is nearest the device's share.
@@ -114,6 +143,15 @@ def plan_auto(model, devices, lora=None, slots: int = 1, max_seq: int = 4096):
   return parse_ranges(len(cost), counts)
 
 
+def plan_auto(model, devices, lora=None, slots: int = 1, max_seq: int = 4096):
+  """`plan_ranges` for an in-memory model (its params whole on one device)."""
+  cost = layer_bytes(model, lora, slots, max_seq)
+  p = model.params
+  head = sum(int(a.nbytes) for a in jax.tree.leaves((p.final_norm, p.lm_head)))
+  embed = sum(int(a.nbytes) for a in jax.tree.leaves(p.embed))
+  return plan_ranges(cost, embed, head, devices)
+
+
 def describe(ranges, devices) -> str:
   """'layers 0-23 (dev0), 24-47 (dev1)'."""
   parts = [f"{lo}-{hi - 1} (dev{getattr(d, 'id', i)})" for i, ((lo, hi), d) in
@@ -122,10 +160,13 @@ def describe(ranges, devices) -> str:
 
 
 def plan_layer_split(model, layer_split, split_devices=None):
-  """At load: returns (ranges or 'auto', devices). 'auto' is resolved by the engine, which
-  knows the adapter, the slots and the context it must hold."""
+  """For an in-memory model: returns (ranges or 'auto', devices); 'auto' is then resolved by
+  the engine, which knows the adapter, the slots and the context it must hold. (`load_model`
+  resolves the split itself, from the file, before placing any weight.) `model` may be a
+  ModelConfig."""
   devs = select_devices(split_devices)
-  spec = parse_split(layer_split, model.cfg.n_layers, len(devs))
+  cfg = getattr(model, "cfg", model)
+  spec = parse_split(layer_split, cfg.n_layers, len(devs))
   if spec == "auto":
     return "auto", devs
   log.info("layer split: %s", describe(spec, devs[:len(spec)]))

@@ -1,4 +1,4 @@
-"""Slicing params, adapters and state into per-stage pieces placed on their devices.
+"""Slicing params, adapters, control vectors and state into per-stage pieces on their devices.
 
 A stage owns layers [lo, hi). Stage 0 also holds the embedding; the last stage the final norm
 and the LM head. Each stage's arrays are committed to its device; the engine hands the
@@ -21,6 +21,7 @@ class Stage:
   params: Params
   lora: LoraParams | None
   device: object | None
+  cvec: jax.Array | None = None   # the control vector rows of layers [lo, hi): [hi - lo, D]
 
 
 def _kind_range(cfg: ModelConfig, lo: int, hi: int, kind: str) -> slice:
@@ -55,19 +56,41 @@ def parse_ranges(n_layers: int, counts: list[int]) -> list[tuple[int, int]]:
   return out
 
 
-def make_stages(cfg: ModelConfig, params: Params, lora: LoraParams | None,
-                ranges: list[tuple[int, int]], devices: list | None) -> list[Stage]:
-  """Cut the model into stages; with `devices`, commit each stage's arrays to its device."""
+def slice_cvec(cvec: jax.Array | None, lo: int, hi: int, device=None) -> jax.Array | None:
+  """A control vector's rows [lo, hi) (None stays None), committed to `device` when given."""
+  if cvec is None:
+    return None
+  rows = cvec[lo:hi]
+  return jax.device_put(rows, device) if device is not None else rows
+
+
+def make_stages(cfg: ModelConfig, params: Params | None, lora: LoraParams | None,
+                ranges: list[tuple[int, int]], devices: list | None,
+                stage_params: list[Params] | None = None,
+                cvec: jax.Array | None = None) -> list[Stage]:
+  """Cut the model into stages; with `devices`, commit each stage's arrays to its device.
+
+  `stage_params`: each stage's Params, already placed (a model loaded with a split has no
+  whole-model params); then only the adapter is cut and placed. `cvec`: the control vector
+  [L, D] or None."""
+  if stage_params is not None and len(stage_params) != len(ranges):
+    raise ValueError(f"{len(stage_params)} loaded stages but {len(ranges)} layer ranges")
   stages = []
   last = len(ranges) - 1
   for i, (lo, hi) in enumerate(ranges):
-    p = Params(embed=params.embed if i == 0 else None,
-               final_norm=params.final_norm if i == last else None,
-               lm_head=params.lm_head if i == last else None,
-               layers=slice_layers(cfg, params.layers, lo, hi))
+    if stage_params is not None:
+      p = stage_params[i]
+    else:
+      p = Params(embed=params.embed if i == 0 else None,
+                 final_norm=params.final_norm if i == last else None,
+                 lm_head=params.lm_head if i == last else None,
+                 layers=slice_layers(cfg, params.layers, lo, hi))
     lr = slice_lora(cfg, lora, lo, hi)
     dev = devices[i] if devices else None
     if dev is not None:
-      p, lr = jax.device_put((p, lr), dev)
-    stages.append(Stage(layers=(lo, hi), cfg=cfg.stage(lo, hi), params=p, lora=lr, device=dev))
+      if stage_params is None:
+        p = jax.device_put(p, dev)
+      lr = jax.device_put(lr, dev)
+    stages.append(Stage(layers=(lo, hi), cfg=cfg.stage(lo, hi), params=p, lora=lr, device=dev,
+                        cvec=slice_cvec(cvec, lo, hi, dev)))
   return stages

@@ -1,0 +1,36 @@
+"""What every kernel file shares: the Triton lowering's import, its compiler parameters across
+JAX versions, and the power-of-two tile check.
+
+Every kernel here lowers through Pallas's Triton backend (`jax.experimental.pallas.triton`),
+deprecated in JAX 0.11; each kernel's README says why it still uses it. Without it (a future
+JAX) the kernels run only in interpret mode, and the compiled path says so.
+"""
+from __future__ import annotations
+
+from jax.experimental import pallas as pl
+
+try:  # Deprecated in JAX 0.11; the kernels' READMEs say why they use it.
+  from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a future JAX without the Triton backend
+  pltriton = None
+
+# A squeezed block dimension: `pl.squeezed` since JAX 0.10, `None` before.
+SQUEEZED = getattr(pl, "squeezed", None)
+
+
+def pow2(v: int) -> bool:
+  """Whether `v` is a power of two (Triton tiles are)."""
+  return v >= 1 and not v & (v - 1)
+
+
+def triton_params(num_warps: int, num_stages: int):
+  """Compiler parameters of the Triton lowering."""
+  # `CompilerParams` since JAX 0.6; the older name is kept for the odd older install.
+  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
+  return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def require_triton(interpret: bool, op: str, instead: str):
+  """The compiled path needs the Triton backend; without it, name the implementation to use."""
+  if not interpret and pltriton is None:
+    raise RuntimeError(f"{op}: this JAX has no Pallas Triton backend; use {instead}")

@@ -1,0 +1,215 @@
+"""Matmuls over quantised weights: the entry points model code calls.
+
+Implementations (one contract, one parametrized test suite):
+  "pallas"            the Pallas kernel (kernel.py) compiled for the GPU (Triton lowering).
+  "pallas_interpret"  the same kernel under the Pallas interpreter (CPU tests).
+  "xla"               dequantise the selected matrix to the compute dtype, then one XLA dot
+                      with fp32 accumulation (the kernel's numerics; a dense weight per call).
+And "auto": "pallas" on GPU, "xla" elsewhere. Every choice is an argument; nothing is read
+from the environment.
+
+Compute dtype: x's for 16-bit x (weights rounded to it after an exact fp32 dequantisation,
+fp32 accumulation); fp32 x: fp32 weights and precision HIGHEST unless `precision` is given.
+"""
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.lora.kernel import dot_policy
+from pallas_kernels.quant.kernel import qmatmul_pallas
+from pallas_kernels.quant.layout import QTensor, flat
+from pallas_kernels.quant.reference import dequantize, select_matrix
+
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
+CHOICES = (*IMPLEMENTATIONS, "auto")
+LORA_DOWN = ("h", "a")  # x @ A^T once outside the kernel, or inside every program
+_F32 = jnp.float32
+_HI = lax.Precision.HIGHEST
+_NT = (((1,), (1,)), ((), ()))
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def resolve(implementation="auto"):
+  """The concrete implementation for this choice on this backend."""
+  if implementation == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"quant: unknown implementation {implementation!r}; expected one of "
+                     f"{CHOICES}")
+  if implementation == "pallas" and jax.default_backend() != "gpu":
+    raise ValueError(f"quant: implementation 'pallas' needs a GPU backend, not "
+                     f"{jax.default_backend()!r}; use 'pallas_interpret' or 'xla'")
+  return implementation
+
+
+def _compute(x_dtype, precision):
+  """(operand dtype, precision) of the weight product for activations of `x_dtype`."""
+  if jnp.dtype(x_dtype) in _HALF:
+    return jnp.dtype(x_dtype), lax.Precision.DEFAULT
+  return jnp.dtype(_F32), precision or _HI
+
+
+def _check(x, w, index):
+  if not isinstance(w, QTensor):
+    raise ValueError(f"quant: w must be a QTensor, got {type(w).__name__}")
+  if x.ndim != 2 or x.shape[1] != w.shape[-1]:
+    raise ValueError(f"quant: x {x.shape} must be [N, in] with in = {w.shape[-1]} "
+                     f"(w {w.qtype} {w.shape})")
+  if w.lead and index is None:
+    raise ValueError(f"quant: w {w.shape} is stacked; pass index (flat over the leading dims)")
+
+
+def _index(w, index):
+  return jnp.reshape(jnp.asarray(0 if index is None else index, jnp.int32), (1,))
+
+
+def _xla_acc(x, w, index, precision):
+  """fp32 [N, out] = x @ W^T as the kernel computes it (dense weight of the compute dtype)."""
+  cd, prec = _compute(x.dtype, precision)
+  wd = dequantize(select_matrix(w, 0 if index is None else index), _F32).astype(cd)
+  return lax.dot_general(x.astype(cd), wd, _NT, precision=prec, preferred_element_type=_F32)
+
+
+def _kernel_kw(impl, tiles):
+  return dict(interpret=impl == "pallas_interpret", **(tiles or {}))
+
+
+def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=None):
+  """y = x @ W^T, fp32 accumulation, y in x.dtype.
+
+  Args:
+    x: [N, in] activations (float32 / bfloat16 / float16).
+    w: QTensor of logical shape [..., out, in].
+    index: int32 scalar (traced OK) choosing the matrix of the flattened leading dims (e.g.
+      layer, or layer * E + expert); the kernel reads the stack in place. Required iff w is
+      stacked.
+    implementation: one of CHOICES.
+    precision: of the product for fp32 x (None: HIGHEST).
+    tiles: optional kernel options {form, block_rows, block_out, block_in, num_warps,
+      num_stages} (kernel.qmatmul_pallas).
+
+  Returns:
+    [N, out] in x.dtype.
+  """
+  _check(x, w, index)
+  impl = resolve(implementation)
+  if impl == "xla":
+    return _xla_acc(x, w, index, precision).astype(x.dtype)
+  y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=w.shape[-2],
+                     precision=precision, **_kernel_kw(impl, tiles))
+  return y[0]
+
+
+def _lora_h(x, a):
+  """h = x @ A^T [N, R] fp32, as the LoRA kernel computes it (`dot_policy`)."""
+  cd, prec = dot_policy(x.dtype, a.dtype)
+  return lax.dot_general(x.astype(cd), a.astype(cd), _NT, precision=prec,
+                         preferred_element_type=_F32)
+
+
+def qmatmul_lora(x, w, a, b, on, *, scale=1.0, index=None, implementation="auto",
+                 precision=None, lora_down="h", tiles=None):
+  """y = W x + where(on, scale * B (A x)) per row: a select, so off rows are `qmatmul`'s.
+
+  Args:
+    x: [N, in]; w: QTensor [..., out, in]; index: as `qmatmul`.
+    a: [R, in] LoRA A; b: [out, R] LoRA B (adapter scales folded in).
+    on: [N] bool / int32 switch per row.
+    scale: static factor on the delta.
+    lora_down: "h" computes h = x @ A^T once in XLA and the kernel adds B h in its epilogue;
+      "a" computes h inside the kernel's K loop (no extra op, but every output tile's
+      program reads all of A). Both are the same numbers.
+    implementation, precision, tiles: as `qmatmul`.
+
+  Returns:
+    [N, out] in x.dtype; rows with on == 0 are bit-identical to `qmatmul(x, w, ...)`.
+  """
+  _check(x, w, index)
+  n, d_in = x.shape
+  d_out = w.shape[-2]
+  if a.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, a.shape[0]):
+    raise ValueError(f"quant: LoRA a {a.shape} must be [R, {d_in}] and b {b.shape} "
+                     f"[{d_out}, R]")
+  if on.shape != (n,):
+    raise ValueError(f"quant: on {on.shape} must be [N] = [{n}]")
+  if lora_down not in LORA_DOWN:
+    raise ValueError(f"quant: lora_down={lora_down!r} is not one of {LORA_DOWN}")
+  impl = resolve(implementation)
+  on = on.astype(jnp.int32)
+  if impl == "xla":
+    acc = _xla_acc(x, w, index, precision)
+    delta = lax.dot_general(_lora_h(x, a), b.astype(_F32), _NT, precision=_HI,
+                            preferred_element_type=_F32)
+    if scale != 1.0:
+      delta = delta * scale
+    return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype), acc.astype(x.dtype))
+  kw = dict(on=on, b=b, scale=scale, lora=lora_down)
+  if lora_down == "h":
+    kw["h"] = _lora_h(x, a)
+  else:
+    kw["a"] = a
+  y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=d_out,
+                     precision=precision, **kw, **_kernel_kw(impl, tiles))
+  return y[0]
+
+
+def _expert_rows(idx, layer, n_layers, n_experts):
+  """Flat matrix index layer * E + e per (token, slot); ids wrap / clamp as jnp indexing."""
+  e = jnp.where(idx < 0, idx + n_experts, idx)
+  e = jnp.clip(e, 0, n_experts - 1)
+  lay = jnp.clip(jnp.asarray(layer, jnp.int32), 0, n_layers - 1)
+  return (lay * n_experts + e).astype(jnp.int32)
+
+
+def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precision=None,
+            tiles=None):
+  """Few-token routed experts over quantised stacks, reading only the chosen experts.
+
+  out[n] = sum_j weights[n, j] * Wd_e (silu(Wg_e x[n]) * (Wu_e x[n])), e = idx[n, j] of layer
+  `layer`. h = silu(g) * u is rounded to x.dtype between the two products (as the dense
+  model does); the result is float32.
+
+  Args:
+    x: [N, D] activations.
+    wg, wu: QTensor [L, E, F, D]; wd: QTensor [L, E, D, F].
+    idx: [N, k] int32 expert ids; weights: [N, k] routing weights.
+    layer: int32 scalar (traced OK).
+    implementation, precision, tiles: as `qmatmul`. The kernel runs three launches (gate,
+      up, down) over all N * k (token, expert) pairs, one pair per row group.
+
+  Returns:
+    [N, D] float32.
+  """
+  for name, w in (("wg", wg), ("wu", wu), ("wd", wd)):
+    if not isinstance(w, QTensor) or w.ndim != 4:
+      raise ValueError(f"quant experts: {name} must be a 4-D QTensor [L, E, ., .]")
+  n_layers, n_experts, f, d = wg.shape
+  if wu.shape != wg.shape or wd.shape != (n_layers, n_experts, d, f):
+    raise ValueError(f"quant experts: wg {wg.shape}, wu {wu.shape}, wd {wd.shape} must be "
+                     f"[L, E, F, D], [L, E, F, D], [L, E, D, F]")
+  if x.ndim != 2 or x.shape[1] != d:
+    raise ValueError(f"quant experts: x {x.shape} must be [N, {d}]")
+  if idx.ndim != 2 or idx.shape[0] != x.shape[0] or weights.shape != idx.shape:
+    raise ValueError(f"quant experts: idx {idx.shape} and weights {weights.shape} must be "
+                     f"[N, k] with N = {x.shape[0]}")
+  impl = resolve(implementation)
+  n, k = idx.shape
+  cd, prec = _compute(x.dtype, precision)
+  rows = _expert_rows(idx, layer, n_layers, n_experts).reshape(n * k)  # [P]
+  xp = jnp.repeat(x, k, axis=0)  # [P, D]: pair p = n * k + j
+  if impl == "xla":
+    def proj(w, v):  # gather the chosen experts' planes, dequantise, multiply
+      sel = QTensor(**{name: p.reshape(-1, *p.shape[2:])[rows] for name, p in w.planes.items()},
+                    qtype=w.qtype, shape=(n * k, *w.shape[2:]))
+      wm = dequantize(sel, _F32).astype(cd)  # [P, out, in]
+      return jnp.einsum("pi,poi->po", v.astype(cd), wm, precision=prec,
+                        preferred_element_type=_F32)
+  else:
+    def proj(w, v):
+      y = qmatmul_pallas(v[:, None, :], flat(w), rows, qtype=w.qtype, d_out=w.shape[-2],
+                         precision=precision, out_dtype=_F32, **_kernel_kw(impl, tiles))
+      return y[:, 0, :]
+  g, u = proj(wg, xp), proj(wu, xp)  # [P, F] fp32
+  h = jax.nn.silu(g).astype(x.dtype) * u.astype(x.dtype)
+  y = proj(wd, h)  # [P, D] fp32
+  return jnp.sum(y.reshape(n, k, d) * weights.astype(_F32)[..., None], axis=1)

@@ -1,0 +1,471 @@
+"""Pallas kernel: y = x @ W^T with W in the repacked quant layout, dequantised inside the kernel.
+
+Shapes: x [G, M, in] (G groups of M rows), planes [S, out, cols] (the weight stack with its
+leading dims flattened), idx [G] int32 (the matrix of each group), y [G, M, out] in x.dtype.
+A plain projection is G = 1; the MoE experts are G = token x expert pairs of M = 1 row.
+
+Grid (out tiles, G, row tiles). Program (j, g, i) reads s = idx[g] from memory, then loops
+over the `in` axis one super-block (Q8_0: up to 8 blocks) per step; each step loads the
+[block_out, W]-column tiles of the quant planes of matrix s straight from the whole stack
+(`ref.at[s, rows, cols]`: a pointer offset, no slice copy), dequantises each tile to the
+compute dtype and multiplies it with the matching [block_rows, W] tile of x, summing in fp32.
+W is one sub-block (32 columns; Q6_K 16), so every scale is a per-row vector broadcast along
+the tile's columns: no reshapes, gathers or shuffles on chip. The layout (layout.py) pairs
+weight j with weight j + 128 of a block in one byte, so one byte tile serves two sub-blocks.
+
+Compute dtype: 16-bit x: weights are dequantised in fp32 (exact), rounded to x.dtype and
+multiplied on the tensor cores with fp32 accumulation. fp32 x: fp32 weights and an IEEE fp32
+product (precision HIGHEST) unless `precision` says otherwise.
+
+LoRA epilogue (`lora` != "none"): y = where(on[m], (acc + scale * h @ B^T), acc) per row,
+a select, so an off row is the plain kernel's value bit for bit (the acc is computed by the
+same code). h = x @ A^T is either computed inside the same K loop from A ("a": x tiles are
+reused, but every program reads all of A) or passed in ("h": computed once outside). A row
+block with no row on skips the B loads (`lax.cond`).
+
+Every tile is a power of 2 (>= 16) and every load / store of a ragged edge is masked; the
+`in` axis never is (it is whole blocks).
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.lora.kernel import dot_policy, up_product
+from pallas_kernels.quant.layout import BLOCK, PLANES
+
+try:  # Deprecated in JAX 0.11 but the Pallas GPU path the other kernels use (lora README).
+  from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a future JAX without the Triton backend
+  pltriton = None
+
+_F32 = jnp.float32
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_FLOATS = (jnp.dtype(jnp.float32), *_HALF)
+_NT = (((1,), (1,)), ((), ()))  # lhs @ rhs^T
+_MIN_TILE = 16  # tl.dot needs every dim >= 16
+_WHOLE = pl.BlockSpec()  # a whole array (a pointer): the kernel indexes it itself
+LORA_MODES = ("none", "a", "h")
+
+
+class Tiling(NamedTuple):
+  """Static description of one call; the kernel body closes over it."""
+  qtype: str
+  groups: int  # G
+  m: int  # rows per group
+  d_in: int
+  d_out: int
+  block_rows: int  # bn
+  block_out: int  # bo
+  unroll: int  # units per loop step (unit: a Q8_0 32-block, or a K-quant super-block)
+  form: str  # "dot" (row tiles >= 16 on the tensor cores) or "rows" (a few rows, GEMV)
+  cd: object  # operand dtype of the weight product
+  precision: object
+  out_dtype: object
+  lora: str = "none"
+  rank: int = 0
+  rank_pad: int = 0
+  a_cd: object = None  # operand dtype / precision of x @ A^T ("a" mode)
+  a_precision: object = None
+  scale: float = 1.0
+
+  @property
+  def row_ragged(self):
+    return self.form == "dot" and self.m % self.block_rows != 0
+
+  @property
+  def out_ragged(self):
+    return self.d_out % self.block_out != 0
+
+
+def _and(a, b):
+  if a is None:
+    return b
+  return a if b is None else a & b
+
+
+def _load(view, mask):
+  """Masked load: out-of-range elements read as 0."""
+  if mask is None:
+    return view[...]
+  zero = jnp.zeros((), view.dtype)
+  if pltriton is None:  # interpret-only fallback: the interpreter pads out-of-range reads
+    return jnp.where(mask, view[...], zero)
+  return pltriton.load(view, mask=mask, other=zero)
+
+
+def _store(view, val, mask):
+  if mask is None:
+    view[...] = val
+  elif pltriton is None:
+    view[...] = jnp.where(mask, val, view[...])
+  else:
+    pltriton.store(view, val, mask=mask)
+
+
+def _col(v):
+  return None if v is None else v[:, None]
+
+
+def _row(v):
+  return None if v is None else v[None, :]
+
+
+class _Tiles:
+  """Loads of one program's tiles: rows [o0, o0 + bo) of matrix s, rows [r0, r0 + bn) of x."""
+
+  def __init__(self, refs, s, g, o0, r0, o_ok, r_ok, t):
+    self.refs, self.s, self.g, self.o0, self.r0 = refs, s, g, o0, r0
+    self.o_ok, self.r_ok, self.t = o_ok, r_ok, t
+
+  def vec(self, name, col):
+    """[bo] column `col` of a plane, as fp32."""
+    view = self.refs[name].at[self.s, pl.ds(self.o0, self.t.block_out), col]
+    return _load(view, self.o_ok).astype(_F32)
+
+  def tile(self, name, col, width):
+    """[bo, width] tile of a plane from column `col` (raw integer values, int32)."""
+    view = self.refs[name].at[self.s, pl.ds(self.o0, self.t.block_out), pl.ds(col, width)]
+    return _load(view, _col(self.o_ok)).astype(jnp.int32)
+
+  def x(self, col, width):
+    """[bn, width] tile of x in the compute dtype."""
+    view = self.refs["x"].at[self.g, pl.ds(self.r0, self.t.block_rows), pl.ds(col, width)]
+    return _load(view, _col(self.r_ok)).astype(self.t.cd)
+
+
+def _sub_tiles(tl, b, t):
+  """The weight tiles of unit b (a Q8_0 block or a K-quant super-block):
+  [(x column, [bo, W] weights in fp32)].
+
+  Every product here is exact in fp32 (f16 scale x integer sub-scale x integer quant value:
+  at most 23 significant bits), so these are the exact dequantised weights.
+  """
+  q = t.qtype
+  if q == "q8_0":
+    return [(b * 32, tl.vec("d", b)[:, None] * tl.tile("qs", b * 32, 32).astype(_F32))]
+  c0 = b * 256  # first column of super-block b
+  d = tl.vec("d", b)
+  if q in ("q4_k", "q5_k"):
+    dmin = tl.vec("dmin", b)
+    qh = tl.tile("qh", b * 32, 32) if q == "q5_k" else None  # bit i: weight 32 i + l
+    out = []
+    for k in range(4):
+      byte = tl.tile("qs", b * 128 + 32 * k, 32)  # weights 32k + l (low), 128 + 32k + l
+      for half in range(2):
+        sub = 4 * half + k  # sub-block of 32 weights
+        v = byte & 15 if half == 0 else byte >> 4
+        if qh is not None:
+          v = v | (((qh >> sub) & 1) << 4)
+        scale = d * tl.vec("sc", b * 8 + sub)
+        mins = dmin * tl.vec("mn", b * 8 + sub)
+        out.append((c0 + 32 * sub, scale[:, None] * v.astype(_F32) - mins[:, None]))
+    return out
+  # q6_k: 16-column tiles; weight 128 h + 16 u + l (u < 8, l < 16) has its low 4 bits in byte
+  # 16 u + l (nibble h) and its top 2 in byte 32 h + 16 (u % 2) + l (bits 2 (u // 2)).
+  qh = [[tl.tile("qh", b * 64 + 32 * half + 16 * p, 16) for p in range(2)] for half in range(2)]
+  out = []
+  for u in range(8):
+    byte = tl.tile("qs", b * 128 + 16 * u, 16)
+    for half in range(2):
+      v = byte & 15 if half == 0 else byte >> 4
+      v = v | (((qh[half][u % 2] >> (2 * (u // 2))) & 3) << 4)
+      scale = d * tl.vec("sc", b * 16 + 8 * half + u)
+      out.append((c0 + 128 * half + 16 * u, scale[:, None] * (v - 32).astype(_F32)))
+  return out
+
+
+def _units(qtype, d_in):
+  return d_in // BLOCK[qtype]
+
+
+def _kernel(*refs, t):
+  names = PLANES[t.qtype]
+  idx_ref, x_ref, *rest = refs
+  planes = dict(zip(names, rest[:len(names)]))
+  rest = rest[len(names):]
+  if t.lora == "none":
+    (o_ref,) = rest
+    lora_refs = None
+  else:
+    *lora_refs, o_ref = rest
+  bn, bo = t.block_rows, t.block_out
+  j, g, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  o0, r0 = j * bo, i * bn
+  o_ok = (o0 + jnp.arange(bo)) < t.d_out if t.out_ragged else None
+  r_ok = (r0 + jnp.arange(bn)) < t.m if t.row_ragged else None
+  s = idx_ref[g]
+  tl = _Tiles({**planes, "x": x_ref}, s, g, o0, r0, o_ok, r_ok, t)
+  form = _dot_form if t.form == "dot" else _rows_form
+  form(tl, lora_refs, o_ref, t)
+
+
+def _step_tiles(tl, step, t):
+  tiles = []
+  for u in range(t.unroll):  # all of a step's loads first: more bytes in flight
+    tiles += _sub_tiles(tl, step * t.unroll + u, t)
+  return tiles
+
+
+def _dot_form(tl, lora_refs, o_ref, t):
+  """Rows padded to a >= 16-row tile; one tl.dot per weight tile (tensor cores)."""
+  bn, bo, rp = t.block_rows, t.block_out, t.rank_pad
+  r_in = (jnp.arange(rp) < t.rank) if t.rank != rp else None
+  if lora_refs is not None:
+    on_ref, ah_ref, b_ref = lora_refs
+
+  def body(step, carry):
+    acc, h = carry
+    for col, w in _step_tiles(tl, step, t):
+      xk = tl.x(col, w.shape[1])
+      acc = acc + lax.dot_general(xk, w.astype(t.cd), _NT, precision=t.precision,
+                                  preferred_element_type=_F32)
+      if t.lora == "a":
+        ak = _load(ah_ref.at[pl.ds(0, rp), pl.ds(col, w.shape[1])], _col(r_in))
+        h = h + lax.dot_general(xk.astype(t.a_cd), ak.astype(t.a_cd), _NT,
+                                precision=t.a_precision, preferred_element_type=_F32)
+    return acc, h
+
+  acc0 = jnp.zeros((bn, bo), _F32)
+  h0 = jnp.zeros((bn, rp), _F32) if t.lora == "a" else jnp.zeros((), _F32)
+  acc, h = lax.fori_loop(0, _units(t.qtype, t.d_in) // t.unroll, body, (acc0, h0))
+  y = plain = acc.astype(t.out_dtype)
+  if t.lora != "none":
+    on = _load(on_ref.at[pl.ds(tl.r0, bn)], tl.r_ok) != 0  # [bn]; padded rows read 0: off
+    if t.lora == "h":
+      h = _load(ah_ref.at[pl.ds(tl.r0, bn), pl.ds(0, rp)], _and(_col(tl.r_ok), _row(r_in)))
+
+    def with_lora():
+      bt = _load(b_ref.at[pl.ds(tl.o0, bo), pl.ds(0, rp)], _and(_col(tl.o_ok), _row(r_in)))
+      delta = up_product(h, bt)  # [bn, bo] fp32
+      if t.scale != 1.0:
+        delta = delta * t.scale
+      # A select, never acc + 0 * delta: off rows keep the plain kernel's bits.
+      return jnp.where(on[:, None], (acc + delta).astype(t.out_dtype), plain)
+
+    any_on = jnp.max(on.astype(jnp.int32)) > 0
+    y = lax.cond(any_on, with_lora, lambda: plain)
+  _store(o_ref.at[tl.g, pl.ds(tl.r0, bn), pl.ds(tl.o0, bo)], y,
+         _and(_col(tl.r_ok), _row(tl.o_ok)))
+
+
+def _rows_form(tl, lora_refs, o_ref, t):
+  """A few rows (block_rows divides M: no row masks), each a GEMV on the CUDA cores.
+
+  Row r keeps a [bo, W] fp32 accumulator of weight x activation products (both rounded to
+  the compute dtype, so each product is exact in fp32) and sums it over W once at the end:
+  no padded rows, no layout change for a dot, no per-step reductions.
+  """
+  bn, bo, rp = t.block_rows, t.block_out, t.rank_pad
+  r_in = (jnp.arange(rp) < t.rank) if t.rank != rp else None
+  if lora_refs is not None:
+    on_ref, ah_ref, b_ref = lora_refs
+  width = 16 if t.qtype == "q6_k" else 32
+
+  def xrow(r, col, w):
+    view = tl.refs["x"].at[tl.g, tl.r0 + r, pl.ds(col, w)]
+    return view[...].astype(t.cd).astype(_F32)  # [w]
+
+  def body(step, carry):
+    accs, hs = carry
+    accs, hs = list(accs), list(hs)
+    for col, w in _step_tiles(tl, step, t):
+      wc = w.astype(t.cd).astype(_F32)
+      if t.lora == "a":
+        ak = _load(ah_ref.at[pl.ds(0, rp), pl.ds(col, width)], _col(r_in)).astype(_F32)
+      for r in range(bn):
+        xr = xrow(r, col, width)
+        accs[r] = accs[r] + wc * xr[None, :]
+        if t.lora == "a":
+          hs[r] = hs[r] + ak * xr[None, :]
+    return tuple(accs), tuple(hs)
+
+  acc0 = tuple(jnp.zeros((bo, width), _F32) for _ in range(bn))
+  h0 = tuple(jnp.zeros((rp, width), _F32) for _ in range(bn if t.lora == "a" else 0))
+  accs, hs = lax.fori_loop(0, _units(t.qtype, t.d_in) // t.unroll, body, (acc0, h0))
+  accs = [jnp.sum(a, axis=1) for a in accs]  # [bo] each
+  plain = [a.astype(t.out_dtype) for a in accs]
+  ys = plain
+  if t.lora != "none":
+    ons = [on_ref[tl.r0 + r] != 0 for r in range(bn)]
+    if t.lora == "a":
+      hs = [jnp.sum(h, axis=1) for h in hs]  # [Rp]
+    else:
+      hs = [_load(ah_ref.at[tl.r0 + r, pl.ds(0, rp)], r_in) for r in range(bn)]
+
+    def with_lora():
+      bt = _load(b_ref.at[pl.ds(tl.o0, bo), pl.ds(0, rp)],
+                 _and(_col(tl.o_ok), _row(r_in))).astype(_F32)
+      out = []
+      for r in range(bn):
+        delta = jnp.sum(bt * hs[r][None, :], axis=1)  # [bo] fp32
+        if t.scale != 1.0:
+          delta = delta * t.scale
+        # A select, never acc + 0 * delta: off rows keep the plain kernel's bits.
+        out.append(jnp.where(ons[r], (accs[r] + delta).astype(t.out_dtype), plain[r]))
+      return tuple(out)
+
+    any_on = ons[0]
+    for v in ons[1:]:
+      any_on = any_on | v
+    ys = lax.cond(any_on, with_lora, lambda: tuple(plain))
+  for r in range(bn):
+    _store(o_ref.at[tl.g, tl.r0 + r, pl.ds(tl.o0, bo)], ys[r], tl.o_ok)
+
+
+def _pow2_at_least(v, lo=_MIN_TILE):
+  return max(lo, pl.next_power_of_2(int(v)))
+
+
+ROWS_MAX = 4  # "auto" form: the GEMV ("rows") form up to this many rows per group
+
+
+def tiling_defaults(m, d_out, *, form="dot", interpret=False):
+  """(block_rows, block_out, block_in) when not given.
+
+  Compiled (first guesses; `experiments/bench/quant_probe.py --sweep` times others):
+  "rows" form: all M rows in one program, bo = 32, 1024 columns per loop step (many loads in
+  flight per program). "dot" form: M <= 16 padded to one 16-row tile with bo = 16 (out / 16
+  programs) and 1024 columns a step; larger M take bn = 32 / 64, bo = 32 / 64 and 256
+  columns (tensor-core tiles). Interpret (CPU): large tiles, as each interpreted grid step
+  costs time.
+  """
+  if form == "rows":
+    return m, min(128 if interpret else 32, _pow2_at_least(d_out)), 256 if interpret else 1024
+  if interpret:
+    return min(128, _pow2_at_least(m)), min(128, _pow2_at_least(d_out)), 256
+  if m <= 16:
+    bn, bo, bk = 16, 16, 1024
+  elif m <= 32:
+    bn, bo, bk = 32, 32, 512
+  else:
+    bn, bo, bk = 64, 64, 256
+  return bn, min(bo, _pow2_at_least(d_out)), bk
+
+
+def _triton_params(num_warps, num_stages):
+  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
+  return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def check_planes(planes, qtype, d_out, d_in):
+  """Plane shapes [S, out, cols] against the logical [out, in]."""
+  from pallas_kernels.quant.layout import PLANE_RATIO
+  if qtype not in PLANES:
+    raise ValueError(f"quant kernel: unknown quant type {qtype!r}")
+  if d_in % BLOCK[qtype]:
+    raise ValueError(f"quant kernel: in={d_in} is not a multiple of {qtype}'s block "
+                     f"{BLOCK[qtype]}")
+  s = None
+  for name in PLANES[qtype]:
+    p = planes[name]
+    want = (d_out, int(d_in * PLANE_RATIO[qtype][name]))
+    if p.ndim != 3 or tuple(p.shape[1:]) != want or (s is not None and p.shape[0] != s):
+      raise ValueError(f"quant kernel: plane {name} has shape {p.shape}, expected "
+                       f"[S, {want[0]}, {want[1]}]")
+    s = p.shape[0]
+  return s
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "qtype", "d_out", "lora", "scale", "form", "block_rows", "block_out", "block_in",
+    "num_warps", "num_stages", "interpret", "precision", "out_dtype"))
+def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=None,
+                   lora="none", scale=1.0, form=None, block_rows=None, block_out=None,
+                   block_in=None, num_warps=None, num_stages=None, interpret=False,
+                   precision=None, out_dtype=None):
+  """y[g] = x[g] @ W[idx[g]]^T (+ the LoRA epilogue), reading the weight stack in place.
+
+  Args:
+    x: [G, M, in] float32 / bfloat16 / float16 activations (sets y's dtype).
+    planes: {name: [S, out, cols]} repacked planes (layout.py) of a flattened weight stack.
+    idx: [G] int32 matrix of each group (clamped to [0, S)).
+    qtype: one of layout.QUANT_TYPES.
+    d_out: out (the planes' second dim; static).
+    on: [M] int32 LoRA switch per row (lora != "none"; G must be 1).
+    a: [R, in] LoRA A (lora="a"); h: [M, R] fp32 x @ A^T computed outside (lora="h").
+    b: [out, R] LoRA B, adapter scale folded in.
+    lora: "none", "a" (x @ A^T inside the kernel) or "h" (h passed in).
+    scale: static factor on the LoRA delta.
+    form: "dot" (rows padded to tiles >= 16, tl.dot on the tensor cores), "rows" (each of
+      a few rows a GEMV on the CUDA cores, no padding) or None: "rows" for M <= ROWS_MAX.
+    block_rows: "dot": a power of 2 >= 16; "rows": rows per program (rounded down to a
+      divisor of M). block_out: a power of 2 >= 16. None: `tiling_defaults`.
+    block_in: columns per loop step, a power of 2 (None: `tiling_defaults`); rounded down
+      to a power-of-2 number of blocks that divides the row (at least one block).
+    num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
+    interpret: run the Pallas interpreter (CPU).
+    precision: of the weight product for fp32 x (None: HIGHEST, IEEE fp32).
+    out_dtype: of y (None: x.dtype); the accumulation is fp32 either way.
+
+  Returns:
+    [G, M, out] in out_dtype.
+  """
+  if lora not in LORA_MODES:
+    raise ValueError(f"quant kernel: lora={lora!r} is not one of {LORA_MODES}")
+  if x.ndim != 3 or jnp.dtype(x.dtype) not in _FLOATS:
+    raise ValueError(f"quant kernel: x must be [G, M, in] float, got {x.shape} {x.dtype}")
+  groups, m, d_in = x.shape
+  n_mats = check_planes(planes, qtype, d_out, d_in)
+  if idx.shape != (groups,):
+    raise ValueError(f"quant kernel: idx {idx.shape} must be [G] = [{groups}]")
+  form = form or ("rows" if m <= ROWS_MAX else "dot")
+  if form not in ("dot", "rows"):
+    raise ValueError(f"quant kernel: form={form!r} is not 'dot' or 'rows'")
+  tiles = [("block_out", block_out), ("block_in", block_in)]
+  if form == "dot":
+    tiles.append(("block_rows", block_rows))
+  elif block_rows is not None and block_rows < 1:
+    raise ValueError(f"quant kernel: block_rows={block_rows} must be >= 1")
+  for name, v in tiles:
+    if v is not None and (v < _MIN_TILE or v & (v - 1)):
+      raise ValueError(f"quant kernel: {name}={v} must be a power of 2 >= {_MIN_TILE}")
+  if not interpret and pltriton is None:
+    raise RuntimeError("quant kernel: this JAX has no Pallas Triton backend; use 'xla'")
+  bn0, bo0, bk0 = tiling_defaults(m, d_out, form=form, interpret=interpret)
+  bn, bo = block_rows or bn0, block_out or bo0
+  if form == "rows":  # unrolled rows: a divisor of M, so no row is ever out of range
+    bn = next(v for v in range(min(bn, max(m, 1)), 0, -1) if m % v == 0) if m else 1
+  od = jnp.dtype(out_dtype or x.dtype)
+  if jnp.dtype(x.dtype) in _HALF:
+    cd, prec = jnp.dtype(x.dtype), lax.Precision.DEFAULT
+  else:
+    cd, prec = jnp.dtype(_F32), precision or lax.Precision.HIGHEST
+  units = _units(qtype, d_in)
+  want = max(1, (block_in or bk0) // BLOCK[qtype])  # blocks per step
+  unroll = next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and units % u == 0)
+  t = Tiling(qtype=qtype, groups=groups, m=m, d_in=d_in, d_out=d_out, block_rows=bn,
+             block_out=bo, unroll=unroll, form=form, cd=cd, precision=prec, out_dtype=od,
+             lora=lora, scale=float(scale))
+  idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
+  args = [idx, x, *(planes[n] for n in PLANES[qtype])]
+  if lora != "none":
+    if groups != 1:
+      raise ValueError("quant kernel: the LoRA epilogue needs G = 1")
+    rank = b.shape[1]
+    if b.shape != (d_out, rank) or on.shape != (m,):
+      raise ValueError(f"quant kernel: b {b.shape} must be [out, R], on {on.shape} [M]")
+    t = t._replace(rank=rank, rank_pad=_pow2_at_least(rank))
+    if lora == "a":
+      if a.shape != (rank, d_in):
+        raise ValueError(f"quant kernel: a {a.shape} must be [R, in] = {(rank, d_in)}")
+      a_cd, a_prec = dot_policy(x.dtype, a.dtype)
+      t = t._replace(a_cd=jnp.dtype(a_cd), a_precision=a_prec)
+      args += [on.astype(jnp.int32), a, b]
+    else:
+      if h.shape != (m, rank):
+        raise ValueError(f"quant kernel: h {h.shape} must be [M, R] = {(m, rank)}")
+      args += [on.astype(jnp.int32), h.astype(_F32), b]
+  if groups == 0 or m == 0 or d_out == 0:
+    return jnp.zeros((groups, m, d_out), od)
+  params = None if interpret else _triton_params(num_warps or 4, num_stages or 3)
+  return pl.pallas_call(
+      functools.partial(_kernel, t=t),
+      grid=(pl.cdiv(d_out, bo), groups, pl.cdiv(m, bn)),
+      out_shape=jax.ShapeDtypeStruct((groups, m, d_out), od),
+      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
+      interpret=interpret, compiler_params=params, name=f"qmatmul_{qtype}",
+  )(*args)

@@ -1,0 +1,118 @@
+"""How each op is computed: one frozen, hashable value, a static field of `ModelConfig`.
+
+Every implementation choice the model makes (LoRA branch and kernel, GDN chunked and decode
+kernels, MoE forms, matmul precision) is a field here. It travels inside `ModelConfig`, the
+static argument of the jitted steps, so two `Forms` give two compiled programs: a notebook can
+hold two engines with different forms in one process, and nothing read while tracing escapes
+jit's cache key (no environment variables).
+
+"auto" fields are resolved once per backend and compute dtype by `resolve` (what `load_model`
+and `Engine` do); the two decode kernels whose best choice depends on the batch size keep
+"auto" and choose per shape (static under jit), as their `api.py` says.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from strata_jax.errors import FormsError
+
+# field -> the accepted values ("auto" first). The defaults are what measured fastest on the
+# H200 (experiments/bench/README.md).
+CHOICES: dict[str, tuple] = {
+    # an adapter program: "cond" runs the adapter-free layers for an all-off batch, the adapter
+    # layers for an all-on batch and both passes for a mixed batch; "select" one pass that
+    # always computes the adapter. Off rows are bit-identical to no adapter either way.
+    "lora_branch": ("cond", "select"),
+    # the LoRA delta: "auto" = XLA below 512 rows on the GPU, a kernel above (Mosaic or Triton).
+    "lora_impl": ("auto", "xla", "pallas", "mosaic", "pallas_interpret"),
+    # prefill's chunked delta rule: "auto" = the Pallas kernel on the GPU, the oracle elsewhere.
+    "gdn_chunked": ("auto", "reference", "products", "pallas", "pallas_interpret"),
+    # the Pallas chunked kernel's chunk (a power of 2 >= 16; 64 spilled registers on sm_90).
+    "gdn_pallas_chunk": (32, 16, 64, 128),
+    # the decode delta rule step: "auto" = XLA below batch 24 on the GPU, the Pallas kernel above.
+    "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret"),
+    # MoE with more (token, expert) pairs than experts: "auto" = the grouped Pallas kernel on the
+    # GPU, every expert on every token ("dense") elsewhere; "grouped" = XLA's ragged dot.
+    "moe_many": ("auto", "dense", "grouped", "pallas", "pallas_interpret"),
+    # MoE with few tokens: "auto" = the in-place Pallas expert kernel on the GPU, XLA elsewhere.
+    "moe_few": ("auto", "xla", "pallas", "pallas_interpret"),
+    # matmuls over weights kept quantised (weights="keep"): "auto" = the Pallas kernel that
+    # dequantises in-kernel on the GPU, dequantise + XLA dot elsewhere.
+    "quant_impl": ("auto", "xla", "pallas", "pallas_interpret"),
+    # fp32 matmuls: "auto" = "highest" (full fp32) for a float32 compute dtype, the dtype's own
+    # for bfloat16; "tf32" is the GPU's faster reduced fp32, only ever chosen by name.
+    "matmul_precision": ("auto", "highest", "tf32", "default"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Forms:
+  """Implementation choices of every op; see `CHOICES` for each field's values."""
+  lora_branch: str = "cond"
+  lora_impl: str = "auto"
+  gdn_chunked: str = "auto"
+  gdn_pallas_chunk: int = 32
+  gdn_decode: str = "auto"
+  moe_many: str = "auto"
+  moe_few: str = "auto"
+  quant_impl: str = "auto"
+  matmul_precision: str = "auto"
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if value not in CHOICES[f.name]:
+        raise FormsError(f"forms: {f.name}={value!r}: expected one of {CHOICES[f.name]}")
+
+  def resolve(self, backend: str, compute_dtype) -> Forms:
+    """These forms with "auto" replaced by the concrete choice for `backend` ("cpu", "gpu",
+    ...) and the compute dtype. On the GPU the LoRA and GDN decode kernels keep "auto" (their
+    choice depends on the batch size, static under jit). Idempotent."""
+    gpu = backend == "gpu"
+    auto = lambda value, on_gpu, elsewhere: value if value != "auto" else (
+        on_gpu if gpu else elsewhere)
+    precision = self.matmul_precision
+    if precision == "auto":
+      precision = "highest" if _dtype_name(compute_dtype) == "float32" else "default"
+    return dataclasses.replace(
+        self,
+        # the Pallas interpreter on CPU keeps the kernel's code path under test
+        lora_impl=auto(self.lora_impl, "auto", "pallas_interpret" if backend == "cpu"
+                       else "xla"),
+        gdn_chunked=auto(self.gdn_chunked, "pallas", "reference"),
+        gdn_decode=auto(self.gdn_decode, "auto", "xla"),
+        moe_many=auto(self.moe_many, "pallas", "dense"),
+        moe_few=auto(self.moe_few, "pallas", "xla"),
+        quant_impl=auto(self.quant_impl, "pallas", "xla"),
+        matmul_precision=precision)
+
+  def jax_precision(self, compute_dtype) -> str | None:
+    """The `jax.default_matmul_precision` the steps trace under for this compute dtype (None:
+    JAX's default). Unresolved "auto" decides here, so a config built by hand is full fp32
+    in float32 too."""
+    precision = self.matmul_precision
+    if precision == "auto":
+      precision = "highest" if _dtype_name(compute_dtype) == "float32" else "default"
+    return {"highest": "highest", "tf32": "tensorfloat32"}.get(precision)
+
+
+def _dtype_name(dtype) -> str:
+  return np.dtype(dtype).name
+
+
+def parse_forms(spec: str, base: Forms | None = None) -> Forms:
+  """`"lora_branch=select,gdn_chunked=products"` -> Forms (the CLI's `--forms`).
+
+  Raises FormsError (a ValueError) naming an unknown field or value."""
+  base = base or Forms()
+  changes = {}
+  for item in filter(None, (s.strip() for s in spec.split(","))):
+    name, sep, value = item.partition("=")
+    name, value = name.strip(), value.strip()
+    if not sep or name not in CHOICES:
+      raise FormsError(f"forms: {item!r}: expected NAME=VALUE with NAME one of "
+                       f"{tuple(CHOICES)}")
+    changes[name] = int(value) if isinstance(CHOICES[name][0], int) and value.isdigit() else value
+  return dataclasses.replace(base, **changes)

@@ -1,0 +1,74 @@
+"""A model and its adapters from parsed command-line arguments (`generate`, `serve`).
+
+Below both the CLI and the server: `cli` parses, `serve.app` serves, and both load through here.
+"""
+from __future__ import annotations
+
+from strata_jax.errors import AdapterError, ControlVectorError
+
+
+def parse_lora(args) -> tuple[list[str], list[float]]:
+  """--lora F[,F...] and --lora-scaled F:S[,F:S...] -> (paths, scales)."""
+  paths, scales = [], []
+  for f in (args.lora.split(",") if args.lora else []):
+    if f:
+      paths.append(f)
+      scales.append(1.0)
+  for item in (args.lora_scaled.split(",") if args.lora_scaled else []):
+    f, sep, s = item.rpartition(":")
+    try:
+      if not sep or not f:
+        raise ValueError
+      scales.append(float(s))
+    except ValueError:
+      raise AdapterError(f"--lora-scaled {item!r}: expected FILE:SCALE") from None
+    paths.append(f)
+  return paths, scales
+
+
+def load_from_args(args):
+  """(Model, LoraSet or None) from --model, --dtype, --layer-split, --split-devices, --forms,
+  --weights, --lora*."""
+  from strata_jax.api import load_lora, load_model  # noqa: PLC0415 (keeps import light)
+  from strata_jax.forms import parse_forms  # noqa: PLC0415
+  model = load_model(args.model, dtype=args.dtype, layer_split=args.layer_split,
+                     split_devices=args.split_devices, forms=parse_forms(args.forms),
+                     weights=getattr(args, "weights", "keep"))
+  paths, scales = parse_lora(args)
+  lora = load_lora(model, paths, scales) if paths else None
+  return model, lora
+
+
+def parse_control_vectors(args) -> tuple[list[str], list[float]]:
+  """--control-vector F[,F...] and --control-vector-scaled F:S[,F:S...] (each may repeat; the
+  files keep their command-line order) -> (paths, scales)."""
+  paths, scales = [], []
+  for kind, value in getattr(args, "control_vectors", None) or []:
+    for item in value.split(","):
+      if not item:
+        continue
+      if kind == "plain":
+        paths.append(item)
+        scales.append(1.0)
+        continue
+      f, sep, s = item.rpartition(":")
+      try:
+        if not sep or not f:
+          raise ValueError
+        scales.append(float(s))
+      except ValueError:
+        raise ControlVectorError(
+            f"--control-vector-scaled {item!r}: expected FILE:SCALE") from None
+      paths.append(f)
+  return paths, scales
+
+
+def control_vector_from_args(args, model):
+  """The `ControlVector` of --control-vector*, or None when no file is given (then, as in
+  llama.cpp, --control-vector-layer-range alone does nothing)."""
+  from strata_jax.api import load_control_vector  # noqa: PLC0415 (keeps import light)
+  paths, scales = parse_control_vectors(args)
+  if not paths:
+    return None
+  rng = getattr(args, "control_vector_layer_range", None)
+  return load_control_vector(model, paths, scales, tuple(rng) if rng else None)

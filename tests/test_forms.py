@@ -1,0 +1,80 @@
+"""`Forms`: implementation choices are configuration that jit keys its programs on."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_fixtures import TINY, tiny_model
+
+import strata_jax as sj
+from strata_jax import steps
+from strata_jax.forms import CHOICES, Forms, parse_forms
+from strata_jax.params import empty_lora
+from strata_jax.state import init_state
+
+
+def test_unknown_form_value_is_refused_naming_the_field():
+  with pytest.raises(ValueError, match="lora_branch='maybe'"):
+    Forms(lora_branch="maybe")
+
+
+def test_parse_forms_reads_name_value_pairs_and_refuses_unknown_names():
+  f = parse_forms("lora_branch=select, gdn_chunked=products,gdn_pallas_chunk=64")
+  assert (f.lora_branch, f.gdn_chunked, f.gdn_pallas_chunk) == ("select", "products", 64)
+  with pytest.raises(ValueError, match="expected NAME=VALUE"):
+    parse_forms("speed=fast")
+  with pytest.raises(ValueError, match="gdn_chunked='fast'"):
+    parse_forms("gdn_chunked=fast")
+
+
+def test_resolve_replaces_auto_per_backend_and_dtype():
+  cpu = Forms().resolve("cpu", jnp.float32)
+  assert (cpu.gdn_chunked, cpu.gdn_decode, cpu.moe_many, cpu.moe_few, cpu.lora_impl) == (
+      "reference", "xla", "dense", "xla", "pallas_interpret")
+  assert cpu.matmul_precision == "highest" and cpu.jax_precision(jnp.float32) == "highest"
+  assert Forms().jax_precision(jnp.float32) == "highest", "unresolved auto: fp32 is full fp32"
+  gpu = Forms().resolve("gpu", jnp.bfloat16)
+  assert (gpu.gdn_chunked, gpu.moe_many, gpu.moe_few) == ("pallas", "pallas", "pallas")
+  assert gpu.gdn_decode == gpu.lora_impl == "auto"   # chosen per batch size, as the api says
+  assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
+  tf32 = Forms(matmul_precision="tf32").resolve("gpu", jnp.float32)
+  assert tf32.jax_precision(jnp.float32) == "tensorfloat32"
+  assert cpu.resolve("cpu", jnp.float32) == cpu
+  assert all(getattr(Forms(), f) == CHOICES[f][0] for f in CHOICES)
+
+
+def test_two_engines_with_different_forms_run_their_own_programs():
+  """No cache clearing: an engine built with other forms compiles its own programs, and each
+  engine keeps getting its own numbers afterwards."""
+  model = tiny_model()
+  prompt = list(range(3, 70))
+  ref = sj.Engine(model, slots=1, max_seq=128, block_size=32)
+  prod = sj.Engine(model, slots=1, max_seq=128, block_size=32,
+                   forms=Forms(gdn_chunked="products"))
+  assert prod.cfg != ref.cfg and ref.cfg == model.cfg
+  a = ref.generate(tokens=prompt, max_tokens=2, return_logits=True)
+  n = steps.prefill._cache_size()
+  b = prod.generate(tokens=prompt, max_tokens=2, return_logits=True)
+  assert steps.prefill._cache_size() > n, "other forms compile another program"
+  # the products form rounds differently from the reference triangular solve
+  assert not np.array_equal(a.prompt_logits, b.prompt_logits)
+  np.testing.assert_allclose(a.prompt_logits, b.prompt_logits, atol=1e-4)
+  again = ref.generate(tokens=prompt, max_tokens=2, return_logits=True)
+  assert np.array_equal(again.prompt_logits, a.prompt_logits)
+
+
+def _dot_precisions(forms):
+  cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), jnp.float32))
+  model = tiny_model()
+  state = init_state(cfg, 2, 64)
+  text = steps.decode.lower(cfg, model.params, empty_lora(cfg), state, jnp.zeros(2, jnp.int32),
+                            jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32)).as_text()
+  return [line for line in text.splitlines() if "dot_general" in line]
+
+
+def test_float32_programs_ask_for_full_fp32_dots_unless_tf32_is_named():
+  full = _dot_precisions(Forms())
+  assert full and all("HIGHEST" in line for line in full), "every fp32 dot at HIGHEST"
+  tf32 = _dot_precisions(Forms(matmul_precision="tf32"))
+  assert any("HIGHEST" not in line for line in tf32), "tf32 leaves the model's dots reduced"

@@ -1,0 +1,61 @@
+"""experiments/bench/make_gguf.py writes valid GGUFs (every mix, the tiny geometry) that the
+loader reads with the geometry and types asked for; load_80b.py --smoke runs end to end."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from strata_jax.gguf.reader import read_model_gguf
+
+ROOT = pathlib.Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "experiments" / "bench"))
+import make_gguf  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("quant", make_gguf.QUANTS)
+def test_make_gguf_tiny_is_valid(tmp_path, quant):
+  path = str(tmp_path / f"{quant}.gguf")
+  info = make_gguf.write(path, "tiny", quant, progress=False, threads=3)
+  types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+  if quant == "q4_k_m":
+    assert types["blk.0.attn_qkv.weight"] == T.Q5_K and types["output.weight"] == T.Q6_K
+    assert types["blk.3.attn_output.weight"] == T.Q4_K
+    # llama.cpp's use_more_bits over 8 layers: 0, 3, 6, 7 get Q6_K for ffn_down*
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] == T.Q6_K for i in range(8)] == [
+        True, False, False, True, False, False, True, True]
+    # attention layers 3, 7 are attn_v's 0 and 1 of 2: only the last eighth gets more bits
+    assert (types["blk.3.attn_v.weight"], types["blk.7.attn_v.weight"]) == (T.Q4_K, T.Q6_K)
+  assert types["blk.0.ssm_a"] == T.F32 and types["blk.0.ffn_gate_inp.weight"] == T.F32
+  mf = read_model_gguf(path, weights="dequantize")
+  want = make_gguf.model_config("tiny")
+  assert (mf.cfg.layer_types, mf.cfg.d_model, mf.cfg.n_experts, mf.cfg.head_dim) == (
+      want.layer_types, want.d_model, want.n_experts, want.head_dim)
+  assert mf.file_bytes == info["tensor_bytes"]
+  for leaf in mf.params.layers.moe.gate_exps, mf.params.lm_head, mf.params.layers.gdn.a:
+    x = np.asarray(leaf)
+    assert np.isfinite(x).all() and 0 < np.abs(x).max() < 4
+
+
+def test_load_80b_smoke(tmp_path):
+  out = tmp_path / "a80b.json"
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, str(ROOT / "experiments/bench/load_80b.py"), "--smoke",
+                         "--out", str(out)], capture_output=True, text=True, env=env,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  res = json.loads(out.read_text())
+  got = {e["name"]: e for e in res["entries"]}
+  assert got["a80b_q4km_fits_one_h200"]["measured"] is True
+  assert 1.0 <= got["a80b_q4km_device_bytes_ratio"]["measured"] <= 1.1
+  assert got["a80b_q4km_decode_tok_s_b1"]["measured"] > 0
+  assert set(got) >= {"a80b_host_peak_gib", "a80b_load_s",
+                      "a80b_q4km_decode_b1_roofline_fraction"}
+  assert all(set(e) == {"name", "measured", "target", "unit", "met", "command"}
+             for e in res["entries"])

@@ -1,0 +1,281 @@
+"""Quant matmul kernel: parity against float64 math on the gguf-dequantised weights, the stack
+read at a traced index, the LoRA epilogue's off-row bit identity, and the MoE experts.
+
+Every contract test runs against each implementation (tokamax style): "pallas_interpret" and
+"xla" on CPU, the compiled "pallas" under the `gpu` marker on the device.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from quant_fixtures import gguf_dequantize, random_raw
+from tolerances import KERNEL_REL, assert_close
+
+from pallas_kernels.quant import (
+    BLOCK,
+    QUANT_TYPES,
+    experts,
+    pack,
+    qmatmul,
+    qmatmul_lora,
+    qmatmul_pallas,
+)
+from pallas_kernels.quant.kernel import ROWS_MAX
+from pallas_kernels.quant.layout import flat
+
+CPU_IMPLS = ("pallas_interpret", "xla")
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
+F32, BF16 = jnp.float32, jnp.bfloat16
+OUT = 40  # not a multiple of the 16-row tiles the odd-shape cases force
+SMALL_TILES = {"block_rows": 16, "block_out": 16, "block_in": 512}  # ragged, 2 blocks a step
+
+
+def _in(qtype, blocks=2):
+  return blocks * BLOCK[qtype] if qtype != "q8_0" else 96  # Q8_0: 3 blocks, no 2^k step
+
+
+@functools.lru_cache(maxsize=None)
+def _weight(qtype, lead=(2,), out=OUT, blocks=2, seed=0):
+  """(QTensor of numpy planes, float64 dense weights) for a [*lead, out, in] stack."""
+  shape = (*lead, out, _in(qtype, blocks))
+  raw = random_raw(qtype, shape, seed=seed)
+  return pack(raw, qtype, shape), gguf_dequantize(raw, qtype).astype(np.float64)
+
+
+def _x(n, d_in, dtype, seed=1):
+  return np.asarray(jnp.asarray(np.random.default_rng(seed).standard_normal((n, d_in)), dtype))
+
+
+def _want(x, w64):
+  return np.asarray(x, np.float64) @ w64.T
+
+
+def _tol(dtype):
+  return KERNEL_REL[np.dtype(dtype).name]
+
+
+def bits(arr):
+  arr = np.asarray(arr)
+  return arr.view({2: np.uint16, 4: np.uint32}[arr.dtype.itemsize])
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("n,dtype", [(17, F32), (1, BF16)], ids=["N17-f32", "N1-bf16"])
+def test_qmatmul_matches_float64_on_stacked_weight(impl, qtype, n, dtype):
+  """out = 40 over 16-row tiles (ragged); N = 17 over 16-row tiles (ragged; the "dot" form)
+  or N = 1 (the "rows" form)."""
+  qt, w64 = _weight(qtype)
+  x = _x(n, qt.shape[-1], dtype)
+  tiles = SMALL_TILES if impl != "xla" else None
+  w = jax.device_put(qt)
+  got = qmatmul(jnp.asarray(x), w, index=jnp.int32(1), implementation=impl, tiles=tiles)
+  assert got.shape == (n, OUT) and got.dtype == x.dtype
+  assert_close(got, _want(x, w64[1]), rel=_tol(dtype), what=f"{impl} {qtype} N{n}")
+  if impl != "xla" and dtype == BF16:
+    # Same numerics as "xla" (weights rounded to bf16, fp32 sums): only the order differs.
+    want = qmatmul(jnp.asarray(x), w, index=jnp.int32(1), implementation="xla")
+    assert_close(got, want, rel=_tol(dtype), what=f"{qtype} kernel vs xla")
+
+
+@pytest.mark.parametrize("qtype", ["q6_k"])
+def test_traced_index_reads_each_matrix_of_a_layer_expert_stack(qtype):
+  """[L, E, out, in] stack, flat index layer * E + e traced under one jit."""
+  qt, w64 = _weight(qtype, lead=(2, 3), out=24, blocks=1, seed=5)
+  x = _x(2, qt.shape[-1], F32)
+  f = jax.jit(lambda x, w, i: qmatmul(x, w, index=i, implementation="pallas_interpret"))
+  w = jax.device_put(qt)
+  for layer, e in ((0, 0), (1, 2), (0, 1)):
+    got = f(jnp.asarray(x), w, jnp.int32(layer * 3 + e))
+    assert_close(got, _want(x, w64[layer, e]), rel=_tol(F32), what=f"{qtype} L{layer} E{e}")
+  assert f._cache_size() == 1
+
+
+def test_unstacked_weight_and_index_errors():
+  qt, w64 = _weight("q8_0", lead=(), out=OUT)
+  x = _x(3, qt.shape[-1], F32)
+  got = qmatmul(jnp.asarray(x), jax.device_put(qt), implementation="pallas_interpret")
+  assert_close(got, _want(x, w64), rel=_tol(F32), what="unstacked")
+  stacked, _ = _weight("q8_0")
+  with pytest.raises(ValueError, match="stacked"):
+    qmatmul(jnp.asarray(x), stacked, implementation="xla")
+  with pytest.raises(ValueError, match="in = 96"):
+    qmatmul(jnp.asarray(x[:, :64]), qt, implementation="xla")
+  with pytest.raises(ValueError, match="unknown implementation"):
+    qmatmul(jnp.asarray(x), qt, implementation="mosaic")
+
+
+def _lora(n, d_in, d_out, rank, dtype, on_kind, seed=2):
+  rng = np.random.default_rng(seed)
+  a = (rng.standard_normal((rank, d_in)) / np.sqrt(d_in)).astype(np.float32)
+  b = (rng.standard_normal((d_out, rank)) / np.sqrt(rank)).astype(np.float32)
+  a, b = (np.asarray(jnp.asarray(v, dtype)) for v in (a, b))
+  if on_kind == "mixed":
+    on = (rng.random(n) < 0.5).astype(np.int32)
+    on[0], on[-1] = 1, 0
+  else:
+    on = np.full((n,), int(on_kind == "all"), np.int32)
+  return a, b, on
+
+
+# (impl, qtype, lora_down, dtype, on rows, N): N = 18 runs the "dot" form, N = 3 "rows".
+LORA_CASES = [("pallas_interpret", "q5_k", "h", F32, "mixed", 18),
+              ("pallas_interpret", "q8_0", "a", F32, "mixed", 18),
+              ("pallas_interpret", "q8_0", "h", BF16, "mixed", 18),
+              ("pallas_interpret", "q8_0", "a", BF16, "none", 18),
+              ("pallas_interpret", "q8_0", "h", F32, "all", 18),
+              ("pallas_interpret", "q4_k", "h", BF16, "mixed", 3),
+              ("pallas_interpret", "q8_0", "a", F32, "mixed", 3),
+              ("xla", "q5_k", "h", BF16, "mixed", 18), ("xla", "q5_k", "h", F32, "mixed", 18)]
+
+
+@pytest.mark.parametrize("impl,qtype,down,dtype,on_kind,n", LORA_CASES,
+                         ids=["-".join(map(str, (*c[:3], np.dtype(c[3]).name, c[4], c[5])))
+                              for c in LORA_CASES])
+def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_kind, n):
+  rank, scale = 12, 0.5
+  qt, w64 = _weight(qtype)
+  w = jax.device_put(qt)
+  x = _x(n, qt.shape[-1], dtype)
+  a, b, on = _lora(n, qt.shape[-1], OUT, rank, dtype, on_kind)
+  tiles = None
+  if impl != "xla":  # "rows" form: one row per program; "dot": 16-row tiles, ragged
+    tiles = dict(SMALL_TILES, block_rows=1) if n <= ROWS_MAX else SMALL_TILES
+  kw = dict(index=jnp.int32(1), implementation=impl, tiles=tiles)
+  got = np.asarray(qmatmul_lora(jnp.asarray(x), w, jnp.asarray(a), jnp.asarray(b),
+                                jnp.asarray(on), scale=scale, lora_down=down, **kw))
+  plain = np.asarray(qmatmul(jnp.asarray(x), w, **kw))
+  off = on == 0
+  assert np.array_equal(bits(got[off]), bits(plain[off])), "off rows differ from qmatmul"
+  if (~off).any():
+    f = np.float64
+    want = _want(x, w64[1]) + scale * (x.astype(f) @ a.astype(f).T) @ b.astype(f).T
+    assert_close(got[~off], want[~off], rel=_tol(dtype), what=f"{impl} lora on rows")
+    assert not np.array_equal(got[~off], plain[~off])
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("qtype,dtype", [("q4_k", F32), ("q8_0", BF16)])
+def test_experts_match_float64(impl, qtype, dtype):
+  n_layers, n_exp, k, n = 2, 3, 2, 2
+  d = f = _in(qtype, 1) if qtype != "q8_0" else 64
+  raw = {name: random_raw(qtype, (n_layers, n_exp, f, d), seed=s)
+         for s, name in enumerate(("g", "u", "d"))}
+  qts = {name: jax.device_put(pack(r, qtype, r.shape[:-1] + (d,))) for name, r in raw.items()}
+  w64 = {name: gguf_dequantize(r, qtype).astype(np.float64) for name, r in raw.items()}
+  x = _x(n, d, dtype)
+  idx = np.array([[2, 0], [1, -1]], np.int32)  # -1 wraps to the last expert
+  wts = np.array([[0.7, 0.3], [0.4, 0.6]], np.float32)
+  layer = 1
+  got = jax.jit(functools.partial(experts, implementation=impl))(
+      jnp.asarray(x), qts["g"], qts["u"], qts["d"], jnp.asarray(idx), jnp.asarray(wts),
+      layer=jnp.int32(layer))
+  assert got.shape == (n, d) and got.dtype == np.float32
+  xf = np.asarray(x, np.float64)
+  want = np.zeros((n, d))
+  for t in range(n):
+    for j in range(k):
+      e = idx[t, j] % n_exp
+      gv = w64["g"][layer, e] @ xf[t]
+      uv = w64["u"][layer, e] @ xf[t]
+      want[t] += wts[t, j] * (w64["d"][layer, e] @ (gv / (1 + np.exp(-gv)) * uv))
+  assert_close(got, want, rel=2 * _tol(dtype) if dtype == BF16 else _tol(dtype),
+               what=f"{impl} experts {qtype}")
+
+
+def test_kernel_rejects_bad_planes_and_tiles():
+  qt, _ = _weight("q4_k")
+  planes = flat(jax.device_put(qt))
+  x = jnp.zeros((1, 2, qt.shape[-1]), F32)
+  with pytest.raises(ValueError, match="plane qs"):
+    qmatmul_pallas(x, planes, jnp.zeros((1,), jnp.int32), qtype="q4_k", d_out=OUT + 1,
+                   interpret=True)
+  with pytest.raises(ValueError, match="power of 2"):
+    qmatmul_pallas(x, planes, jnp.zeros((1,), jnp.int32), qtype="q4_k", d_out=OUT,
+                   block_out=24, interpret=True)
+
+
+@pytest.mark.parametrize("form", ["rows", "dot"])
+@pytest.mark.parametrize("qtype,dtype,lora", [(q, BF16, "a") for q in QUANT_TYPES]
+                         + [("q4_k", F32, "h"), ("q6_k", BF16, "none")])
+def test_kernel_lowers_to_triton_for_the_gpu(qtype, dtype, lora, form):
+  """Cross-lowering on CPU: every construct of the kernel has a Pallas Triton lowering rule
+  (what the interpreter cannot tell); compiling the Triton IR needs the device."""
+  qt, _ = _weight(qtype)
+  planes = flat(jax.device_put(qt))
+  d_in = qt.shape[-1]
+  kw = {}
+  if lora != "none":
+    kw = dict(on=jnp.ones((3,), jnp.int32), b=jnp.ones((OUT, 8), dtype), lora=lora)
+    kw["a" if lora == "a" else "h"] = (jnp.ones((8, d_in), dtype) if lora == "a"
+                                       else jnp.ones((3, 8), F32))
+
+  def f(x, p, i):
+    return qmatmul_pallas(x, p, i, qtype=qtype, d_out=OUT, form=form, **kw)
+
+  low = jax.jit(f).trace(jnp.ones((1, 3, d_in), dtype), planes,
+                         jnp.zeros((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
+# Compiled on the device: the same contract, larger shapes and both tilings.
+GPU_CASES = [(qt, n, dt, form) for qt in QUANT_TYPES
+             for n, dt, form in ((1, BF16, "rows"), (1, BF16, "dot"), (3, BF16, "rows"),
+                                 (8, BF16, "rows"), (8, BF16, "dot"), (32, BF16, "dot"),
+                                 (300, BF16, "dot"), (2, F32, "rows"), (5, F32, "dot"))]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("qtype,n,dtype,form", GPU_CASES,
+                         ids=[f"{c[0]}-N{c[1]}-{np.dtype(c[2]).name}-{c[3]}" for c in GPU_CASES])
+def test_gpu_parity(qtype, n, dtype, form):
+  qt, w64 = _weight(qtype, lead=(3,), out=328, blocks=4, seed=11)
+  x = _x(n, qt.shape[-1], dtype)
+  got = qmatmul(jnp.asarray(x), jax.device_put(qt), index=jnp.int32(2), implementation="pallas",
+                tiles={"form": form})
+  assert_close(got, _want(x, w64[2]), rel=_tol(dtype), what=f"gpu {qtype} N{n} {form}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("down", ["h", "a"])
+@pytest.mark.parametrize("n,dtype,on_kind", [(1, BF16, "none"), (1, BF16, "all"),
+                                             (3, BF16, "mixed"), (8, BF16, "mixed"),
+                                             (32, BF16, "mixed"), (200, BF16, "mixed"),
+                                             (2, F32, "mixed"), (7, F32, "mixed")])
+def test_gpu_lora_off_rows_bit_identical(down, n, dtype, on_kind):
+  """Both forms ("rows" for N <= 4, "dot" above), both LoRA down forms, on the device."""
+  qt, w64 = _weight("q4_k", lead=(2,), out=264, blocks=4, seed=12)
+  w = jax.device_put(qt)
+  x = _x(n, qt.shape[-1], dtype)
+  a, b, on = _lora(n, qt.shape[-1], 264, 16, dtype, on_kind)
+  kw = dict(index=jnp.int32(1), implementation="pallas")
+  got = np.asarray(qmatmul_lora(jnp.asarray(x), w, jnp.asarray(a), jnp.asarray(b),
+                                jnp.asarray(on), lora_down=down, **kw))
+  plain = np.asarray(qmatmul(jnp.asarray(x), w, **kw))
+  off = on == 0
+  assert np.array_equal(bits(got[off]), bits(plain[off])), "off rows differ from qmatmul"
+  if (~off).any():
+    f = np.float64
+    want = _want(x, w64[1]) + (x.astype(f) @ a.astype(f).T) @ b.astype(f).T
+    assert_close(got[~off], want[~off], rel=_tol(dtype), what="gpu lora on rows")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q8_0"])
+def test_gpu_experts(qtype):
+  d = f = 512
+  raw = {name: random_raw(qtype, (2, 8, f, d), seed=s) for s, name in enumerate("gud")}
+  qts = {k: jax.device_put(pack(r, qtype, r.shape[:-1] + (d,))) for k, r in raw.items()}
+  x = jnp.asarray(_x(3, d, BF16))
+  idx = jnp.asarray(np.array([[1, 7], [3, 3], [0, 5]], np.int32))
+  wts = jnp.asarray(np.full((3, 2), 0.5, np.float32))
+  args = (x, qts["g"], qts["u"], qts["d"], idx, wts)
+  got = experts(*args, layer=jnp.int32(1), implementation="pallas")
+  want = experts(*args, layer=jnp.int32(1), implementation="xla")
+  assert_close(got, want, rel=2 * _tol(BF16), what=f"gpu experts {qtype}")
