@@ -92,14 +92,17 @@ def cmd_generate(args) -> int:
   import numpy as np  # noqa: PLC0415
 
   import strata_jax as sj  # noqa: PLC0415
-  from strata_jax.errors import RequestError  # noqa: PLC0415
   from strata_jax.engine.engine import Request  # noqa: PLC0415
   from strata_jax.engine.sampling import check  # noqa: PLC0415
+  from strata_jax.errors import RequestError  # noqa: PLC0415
   from strata_jax.loading import control_vector_from_args, load_from_args  # noqa: PLC0415
   check(Request(tokens=[0], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, repeat_penalty=args.repeat_penalty,
-                seed=args.seed, logprobs=args.logprobs))   # before the model is read
+                seed=args.seed, logprobs=args.logprobs),   # before the model is read
+        names={f: "--" + f.replace("_", "-") for f in (
+            "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repeat_penalty", "seed", "logprobs")})
   model, lora = load_from_args(args)
   cvec = control_vector_from_args(args, model)
   if args.prompt_tokens is not None:

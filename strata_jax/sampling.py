@@ -6,8 +6,8 @@ Semantics (documented choices; llama.cpp and vLLM are the references):
   llama.cpp's `repeat_last_n` default) tokens of the row: the prompt's last tokens, then each
   generated token as it is chosen (llama.cpp feeds the prompt into the sampler too). For every
   distinct token of the window, with `c` its count there: `x *= repeat` if `x <= 0` else
-  `x /= repeat`, then `x -= c * frequency + presence` (that association). Neutral values (1, 0, 0) leave the logits
-  bit-identical.
+  `x /= repeat`, then `x -= c * frequency + presence` (that association). Neutral values
+  (1, 0, 0) leave the logits bit-identical.
 - Order, as transformers and vLLM (and the engine before this module): penalties, then
   `/ temperature`, then top-k, then top-p (the smallest most-probable set whose probability
   reaches top_p, on the tempered distribution), then min-p (keep `p >= min_p * p_max`), then a

@@ -110,6 +110,8 @@ def test_greedy_rows_are_argmax():
   logits = rng.standard_normal((64, 1000)).astype(np.float32)
   logits[:, 7] = logits.max(axis=1)   # ties: the lower id wins, as jnp.argmax
   sp = _params(64, temperature=0.0)
+  # below MIN_TEMPERATURE (1e-5) is greedy too: logits / T would overflow
+  sp = sp.replace(temperature=jnp.where(jnp.arange(64) % 2 == 0, 0.0, 1e-9))
   everything = smp.Plan(penalties=True, cap=True, full=True, sort=True, n_top=20, logprobs=True)
   for plan in (smp.Plan(), everything):
     tok = np.asarray(_choose(jnp.asarray(logits), jnp.full((64, smp.RECENT), -1, jnp.int32), sp,

@@ -57,6 +57,9 @@ class Request:
   return_logits: bool = False       # prompt [T, V] and step logits (turns the caches off)
   return_step_logits: bool = False  # only the logits each token was chosen from (caches on)
   on_token: Callable[[int], None] | None = None   # called with each token as it is read
+  # (logprobs set) called with each token's logprobs entry (as in Result.logprobs) just
+  # before on_token
+  on_logprobs: Callable[[dict], None] | None = None
 
 
 @dataclasses.dataclass
@@ -139,16 +142,19 @@ class Engine:
     state_every: keep the GDN state with every this-many blocks (and with each prompt's last
       full block); K/V are kept for every block. The recurrent state is fixed-size and, for
       large models, far bigger than a block's K/V (80B-A3B: 74 MiB vs 1.5 MiB per 64 tokens).
-      Prefill chunks end where a state is kept, so this also bounds the chunk length.
+      Prefill chunks end where a state is kept, so this also bounds the chunk length (the
+      default, 32 blocks of 64, lets a 2,500-token prompt run as chunks of 2,048, 448 and 4).
     max_prefill_chunk: the largest prefill chunk (tokens; a power-of-two multiple of
       block_size). Chunks are padded to power-of-two buckets (one program per bucket).
-    decode_steps: the decode steps per dispatch the engine may use (one program each).
+    decode_steps: the decode steps per dispatch the engine may use (one program each): a
+      dispatch takes the fewest that cover the running rows' remaining length (with requests
+      queued, the first row's to finish), else the most.
     warmup: compile the programs before the first request: True for every prefill bucket, or
       a list of prompt lengths for the buckets those use; plus the greedy decode programs.
   """
 
   def __init__(self, model, lora=None, slots: int = 1, max_seq: int | None = None,
-               block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 8,
+               block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 32,
                max_prefill_chunk: int = 4096, decode_steps: Sequence[int] = (1, 4, 16),
                warmup: bool | Sequence[int] = False, forms: Forms | None = None,
                control_vector=None):
@@ -166,7 +172,7 @@ class Engine:
     while chunk * 2 <= min(int(max_prefill_chunk), self.max_seq):
       chunk *= 2
     self.max_chunk = chunk
-    self.decode_steps = tuple(sorted({1, *map(int, decode_steps)}))
+    self.decode_steps = tuple(sorted({int(b) for b in decode_steps if int(b) >= 1})) or (1,)
     # Without an adapter the engine runs the very same program with an all-zero adapter and
     # every switch off: "off" is then bit-identical to "no adapter" by construction, on any
     # backend (GPU autotuning may otherwise pick different GEMM code for two programs).
@@ -216,8 +222,11 @@ class Engine:
     self._lru = collections.OrderedDict((s, None) for s in range(self.n_slots))
     self._pending: collections.deque = collections.deque()
     self._running: dict = {}
-    # the sampler's per-row arrays live on the last stage's device
-    self._sdev = self.stages[-1].device
+    # The sampler's per-row arrays live on the last stage's device. Stages on several
+    # processes: every process keeps its own copy on a local device and samples from the
+    # broadcast logits (the same inputs and program, so the same tokens everywhere).
+    self._sdev = jax.local_devices()[0] if self._shared else self.stages[-1].device
+    self._shost = np.asarray if self._shared else self._host   # the sampler's outputs
     self.rows = self._put(host_sampling.empty_rows(self.n_slots))
     self.row_params = host_sampling.RowParams(self.n_slots)
     self._row_dev = None          # device copy of row_params (None: rebuild at next dispatch)
@@ -449,7 +458,8 @@ class Engine:
     if not aligned and len(toks) - start == 1 and not req.return_logits:
       # One new token on a kept conversation (e.g. a resumed session): the decode step, so the
       # continuation computes exactly what an uninterrupted run would have.
-      last = self._decode_rows({slot: (toks[-1], switch)})[slot]
+      last = self._decode_rows({slot: (toks[-1], switch)})
+      last = (self._host(last) if self._shared else last)[slot]
     else:
       for pos, n, bucket in self._schedule(start, len(toks), len(hashes), aligned):
         chunk = np.zeros(bucket, np.int32)
@@ -466,7 +476,9 @@ class Engine:
               with_state = (blk + 1) * self.block_size == end and (
                   (blk + 1) % self.state_every == 0 or blk == len(hashes) - 1)
               self._snapshot(slot, hashes, blk, with_state)
-      last = out[n - 1] if req.return_logits else out
+      last = logits_parts[-1][n - 1] if req.return_logits else out
+      if self._shared and not req.return_logits:
+        last = self._host(last)      # every process samples from the same logits
     run.computed = len(toks) - start
     if req.return_logits:
       run.prompt_logits = np.concatenate(logits_parts, axis=0)
@@ -595,8 +607,10 @@ class Engine:
     limit = min(left) if self._pending else max(left)
     reqs = [run.req for _, run in self._running.values()]
     with_logits = any(r.return_logits or r.return_step_logits for r in reqs)
-    n = 1 if with_logits or len(self.stages) > 1 else max(
-        b for b in self.decode_steps if b <= limit)
+    # the fewest steps that cover the limit, else the most: the device stops each row at its
+    # own length, so a few spare steps cost less than another program or dispatch
+    n = 1 if with_logits or len(self.stages) > 1 else min(
+        [b for b in self.decode_steps if b >= limit] or [self.decode_steps[-1]])
     plan = host_sampling.plan_for(reqs)
     sp, switch, stop = self._device_rows()
     if len(self.stages) == 1:
@@ -606,7 +620,12 @@ class Engine:
           self.rows, sp, switch, stop, n_steps=n, plan=plan, with_logits=with_logits,
           cvec=st.cvec)
     else:   # a layer split: stage by stage, then the sampler on the last stage's device
-      logits = self._decode_logits(self.rows.last, switch, self.rows.active)
+      if self._shared:   # host values: a committed local array would start a transfer
+        logits = self._decode_logits(*(jnp.asarray(np.asarray(a)) for a in (
+            self.rows.last, switch, self.rows.active)))
+        logits = self._put(self._host(logits))
+      else:
+        logits = self._decode_logits(self.rows.last, switch, self.rows.active)
       out, self.rows = self._on_last(steps.sample_step, logits, self.rows, sp, stop, plan=plan)
       out = out + ((logits[None] if with_logits else None),)
     for run in live.values():
@@ -616,7 +635,7 @@ class Engine:
   def _collect(self, chunk: _Chunk):
     """Read a dispatched chunk's tokens (this waits for it) and hand them on."""
     out = self._read(chunk.out, chunk.plan)
-    logits = self._host(chunk.out[4]) if chunk.out[4] is not None else None
+    logits = self._shost(chunk.out[4]) if chunk.out[4] is not None else None
     for slot, run in chunk.runs:
       if self._running.get(slot, (None, None))[1] is not run:
         continue   # finished before this chunk (inactive in it); the slot may be new
@@ -631,8 +650,9 @@ class Engine:
 
   def _read(self, out, plan: smp.Plan):
     """Host copies of what a plan returns: (emitted [n, B], logprob, top ids, top lp)."""
-    return (self._host(out[0]), self._host(out[1]) if plan.logprobs else None,
-            self._host(out[2]) if plan.n_top else None, self._host(out[3]) if plan.n_top else None)
+    h = self._shost
+    return (h(out[0]), h(out[1]) if plan.logprobs else None, h(out[2]) if plan.n_top else None,
+            h(out[3]) if plan.n_top else None)
 
   def _emit_chunk(self, slot, run, out, n, logits, column=0):
     """Append a row's tokens from host decode outputs (`_read`)."""
@@ -658,6 +678,8 @@ class Engine:
         top = ({int(a): float(b) for a, b in zip(ti[i, :r.logprobs], tl[i, :r.logprobs])}
                if r.logprobs else {})
         run.logprobs.append({"token": t, "logprob": float(lp[i]), "top": top})
+        if r.on_logprobs is not None:
+          r.on_logprobs(run.logprobs[-1])
       if len(run.tokens) == 1:
         run.t_first = time.perf_counter()
       if r.on_token is not None:

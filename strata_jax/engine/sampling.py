@@ -10,40 +10,52 @@ from strata_jax import sampling as dev
 from strata_jax.errors import RequestError
 
 
+class SamplingParamError(RequestError):
+  """A bad sampling parameter; `param` names it (the field of `Request`, or `names`' entry)."""
+
+  def __init__(self, param: str, message: str):
+    super().__init__(message)
+    self.param = param
+
+
 def _number(name: str, v, lo=None, hi=None, lo_open=False):
   if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-    raise RequestError(f"{name} must be a number, got {v!r}")
+    raise SamplingParamError(name, f"{name} must be a number, got {v!r}")
   if not math.isfinite(float(v)):
-    raise RequestError(f"{name} must be a finite number, got {v!r}")
+    raise SamplingParamError(name, f"{name} must be a finite number, got {v!r}")
   v = float(v)
   if lo is not None and (v <= lo if lo_open else v < lo):
-    raise RequestError(f"{name} must be {'>' if lo_open else '>='} {lo:g}, got {v:g}")
+    raise SamplingParamError(name, f"{name} must be {'>' if lo_open else '>='} {lo:g}, "
+                             f"got {v:g}")
   if hi is not None and v > hi:
-    raise RequestError(f"{name} must be <= {hi:g}, got {v:g}")
+    raise SamplingParamError(name, f"{name} must be <= {hi:g}, got {v:g}")
   return v
 
 
 def _integer(name: str, v, lo=None, hi=None):
   if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-    raise RequestError(f"{name} must be an integer, got {v!r}")
+    raise SamplingParamError(name, f"{name} must be an integer, got {v!r}")
   if (lo is not None and v < lo) or (hi is not None and v > hi):
     rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-    raise RequestError(f"{name} must be an integer {rng}, got {v}")
+    raise SamplingParamError(name, f"{name} must be an integer {rng}, got {v}")
   return int(v)
 
 
-def check(req) -> None:
-  """Raise RequestError (naming the parameter) for a bad sampling parameter; never clamps."""
-  _number("temperature", req.temperature, lo=0.0)
-  _integer("top_k", req.top_k, lo=0)
-  _number("top_p", req.top_p, lo=0.0, hi=1.0)
-  _number("min_p", req.min_p, lo=0.0, hi=1.0)
-  _number("presence_penalty", req.presence_penalty)
-  _number("frequency_penalty", req.frequency_penalty)
-  _number("repeat_penalty", req.repeat_penalty, lo=0.0, lo_open=True)
-  _integer("seed", req.seed)
+def check(req, names: dict | None = None) -> None:
+  """Raise SamplingParamError (a RequestError naming the parameter) for a bad sampling
+  parameter of `req` (a `Request`); never clamps. `names` maps Request fields to the names
+  the caller's users know (an HTTP body's, a CLI flag's)."""
+  n = lambda f: (names or {}).get(f, f)
+  _number(n("temperature"), req.temperature, lo=0.0)
+  _integer(n("top_k"), req.top_k, lo=0)
+  _number(n("top_p"), req.top_p, lo=0.0, hi=1.0)
+  _number(n("min_p"), req.min_p, lo=0.0, hi=1.0)
+  _number(n("presence_penalty"), req.presence_penalty)
+  _number(n("frequency_penalty"), req.frequency_penalty)
+  _number(n("repeat_penalty"), req.repeat_penalty, lo=0.0, lo_open=True)
+  _integer(n("seed"), req.seed)
   if req.logprobs is not None:
-    _integer("logprobs", req.logprobs, lo=0, hi=dev.MAX_LOGPROBS)
+    _integer(n("logprobs"), req.logprobs, lo=0, hi=dev.MAX_LOGPROBS)
 
 
 def path(req) -> int:
