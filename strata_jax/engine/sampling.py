@@ -10,6 +10,9 @@ from strata_jax import sampling as dev
 from strata_jax.errors import RequestError
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 class SamplingParamError(RequestError):
   """A bad sampling parameter; `param` names it (the field of `Request`, or `names`' entry)."""
 
@@ -21,7 +24,7 @@ class SamplingParamError(RequestError):
 def _number(name: str, v, lo=None, hi=None, lo_open=False):
   if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
     raise SamplingParamError(name, f"{name} must be a number, got {v!r}")
-  if not math.isfinite(float(v)):
+  if not (math.isfinite(float(v)) and abs(float(v)) <= _F32_MAX):   # held as float32
     raise SamplingParamError(name, f"{name} must be a finite number, got {v!r}")
   v = float(v)
   if lo is not None and (v <= lo if lo_open else v < lo):
@@ -47,7 +50,7 @@ def check(req, names: dict | None = None) -> None:
   the caller's users know (an HTTP body's, a CLI flag's)."""
   n = lambda f: (names or {}).get(f, f)
   _number(n("temperature"), req.temperature, lo=0.0)
-  _integer(n("top_k"), req.top_k, lo=0)
+  _integer(n("top_k"), req.top_k, lo=0, hi=2**31 - 1)   # beyond the vocabulary: all kept
   _number(n("top_p"), req.top_p, lo=0.0, hi=1.0)
   _number(n("min_p"), req.min_p, lo=0.0, hi=1.0)
   _number(n("presence_penalty"), req.presence_penalty)
