@@ -96,9 +96,10 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
 
   layers: LayerParams; lora: LoraParams or None; kv: (k, v) [La, B, S, G, Hd];
   gdn_state: (conv [Lg, B, K-1, C], ssm [Lg, B, Hv, Dv, Dk]); x [B, T, D]; pos, n_valid,
-  switch [B] (with `lora.table`, each row's index into it); cvec: the control vector [L, D] (row il added to layer il's output, after its
-  MoE residual add, as llama.cpp's `build_cvec`), or None: then nothing is added and the
-  program is the one without control vectors. Returns (x, kv, gdn_state).
+  switch [B] (with `lora.table`, each row's index into it); cvec: the control vector [L, D]
+  (row il added to layer il's output, after its MoE residual add, as llama.cpp's
+  `build_cvec`), or None: then nothing is added and the program is the one without control
+  vectors. Returns (x, kv, gdn_state).
 
   The scan runs over repeats of the pattern's period (e.g. 12 x "GGGA"); the period's
   layers are unrolled in the body, so compile time does not grow with depth.
