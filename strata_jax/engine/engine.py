@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import logging
 import time
-import types
 from typing import Callable, Sequence
 
 import jax
@@ -17,7 +16,7 @@ import numpy as np
 
 from strata_jax import session as sess
 from strata_jax import steps
-from strata_jax.api import model_fingerprint
+from strata_jax.adapter_id import choice_identity
 from strata_jax.engine.adapters import OFF, AdapterChoice, AdapterTable
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
 from strata_jax.engine.sampling import sample
@@ -178,7 +177,6 @@ class Engine:
     self.slot_tokens: list[list[int]] = [[] for _ in range(self.n_slots)]
     self.slot_key: list[tuple[int, int, int]] = [(0, 0, 0)] * self.n_slots
     self.slot_choice: list[AdapterChoice] = [OFF] * self.n_slots
-    self._choices: dict[int, AdapterChoice] = {}   # identities requests here have run under
     self._lru = collections.OrderedDict((s, None) for s in range(self.n_slots))
     self._pending: collections.deque = collections.deque()
     self._running: dict = {}
@@ -230,8 +228,6 @@ class Engine:
       if ids & {i for i, _ in self.slot_choice[slot].pairs}:
         self.slot_tokens[slot], self.slot_key[slot] = [], (0, 0, 0)
         self.slot_choice[slot] = OFF
-    self._choices = {k: c for k, c in self._choices.items()
-                     if not ids & {i for i, _ in c.pairs}}
     if entries:
       self._sync_adapters()
     return sorted(ids)
@@ -299,7 +295,6 @@ class Engine:
     self._check(req)
     choice = self.adapters.resolve(req.lora)
     self.adapters.hold(choice)
-    self._choices[choice.identity] = choice
     h = Handle(dataclasses.replace(req, lora=choice))
     self._pending.append(h)
     return h
@@ -546,43 +541,64 @@ class Engine:
         adapters=r.lora.as_json())
 
   # ----- sessions -------------------------------------------------------------------------
-  def _session_fingerprint(self, lora_id: int | None = None) -> str:
-    """Session identity: the model's, `+lora:<id>` (the slot's adapter identity when its
-    switch was on, else the default `lora: true` identity; nothing when no adapter is loaded
-    and the slot ran without one), then `+cvec:<id>` (api.model_fingerprint)."""
-    if lora_id is None:
+  def _session_fingerprint(self, choice: AdapterChoice | None = None) -> str:
+    """Session identity (api.model_fingerprint's format): the model's; `+lora:<id>` with the
+    slot's adapter identity when its switch was on (None: the default `lora: true` identity,
+    nothing when no adapter is loaded), and unless that is one adapter at scale 1,
+    `+mix:<content id>*<scale>;...` (so another engine with those adapters can verify it);
+    then `+cvec:<id>`."""
+    fp = self.model.fingerprint
+    if choice is None:
+      choice = self.adapters.default_choice() if self.has_lora else OFF
       lora_id = self.adapter_id if self.has_lora else 0
-    ident = types.SimpleNamespace(adapter_id=lora_id) if lora_id else None
-    return model_fingerprint(self.model, ident, self.control_vector)
+    else:
+      lora_id = choice.identity
+    if lora_id:
+      fp += f"+lora:{lora_id:016x}"
+      pairs = [(self.adapters.entries[i].content_id, sc) for i, sc in choice.pairs
+               if i in self.adapters.entries]
+      if pairs and not (len(pairs) == 1 and pairs[0] == (lora_id, 1.0)):
+        fp += "+mix:" + ";".join(f"{c:016x}*{sc!r}" for c, sc in sorted(pairs))
+    if self.control_vector is not None:
+      fp += f"+cvec:{self.control_vector.control_vector_id:016x}"
+    return fp
 
-  def _session_lora_id(self, path) -> int | None:
-    """The adapter identity a session file was saved under, when this engine can run it: the
-    default choice, an adapter alone at its default scale or at 1, or any choice a request
-    here has used. None otherwise (the fingerprint check then refuses the file)."""
+  def _session_choice(self, path) -> AdapterChoice | None:
+    """The adapters a session file was saved under, when this engine has them loaded (the
+    `+mix:` tail names their contents and scales, checked against the `+lora:` id); OFF for a
+    session without adapters. None when this engine cannot run it (the fingerprint check then
+    refuses the file)."""
     try:
       saved = sess.read_session_meta(str(path)).fingerprint
     except SessionError:
       return None
     head = saved.partition("+cvec:")[0]
-    base, sep, hexid = head.partition("+lora:")
+    base, sep, rest = head.partition("+lora:")
     if base != self.model.fingerprint:
       return None
+    if not sep:   # saved without adapters: as before, only an engine without them takes it
+      return None if self.has_lora else OFF
+    hexid, _, mix = rest.partition("+mix:")
     try:
-      lora_id = int(hexid, 16) if sep else 0
+      lora_id = int(hexid, 16)
+      pairs = ([(int(c, 16), float(sc)) for c, _, sc in
+                (item.partition("*") for item in mix.split(";"))] if mix else [(lora_id, 1.0)])
     except ValueError:
       return None
-    known = {self.adapter_id} | {c.identity for c in self._choices.values()}
+    by_content = {}
     for e in self.adapters.loaded():
-      known |= {e.content_id, self.adapters.resolve([{"id": e.id}]).identity}
-    return lora_id if lora_id in known or (lora_id == 0 and not self.has_lora) else None
+      by_content.setdefault(e.content_id, e.id)
+    if choice_identity(pairs) != lora_id or any(c not in by_content for c, _ in pairs):
+      return None
+    return self.adapters.resolve([{"id": by_content[c], "scale": sc} for c, sc in pairs])
 
   def _read_limits(self, supported_versions=frozenset({1, 2}),
-                   lora_id: int | None = None) -> sess.SessionReadLimits:
+                   choice: AdapterChoice | None = None) -> sess.SessionReadLimits:
     return sess.SessionReadLimits(
         max_tokens=self.max_seq - 1, max_stages=len(self.stages),
         stage_layers=tuple(st.layers for st in self.stages),
         stage_shapes=tuple(sess.stage_shapes_for(st.cfg, self.model.dtype) for st in self.stages),
-        fingerprint=self._session_fingerprint(lora_id),
+        fingerprint=self._session_fingerprint(choice),
         supported_versions=frozenset(supported_versions))
 
   def save_session(self, slot: int, path) -> dict:
@@ -599,9 +615,9 @@ class Engine:
       stages.append({"k": np.asarray(k)[:, :n], "v": np.asarray(v)[:, :n],
                      "conv": np.asarray(conv), "ssm": np.asarray(ssm)})
     flags = sess.FLAG_LORA_ON if self.slot_key[slot][0] else 0
-    lora_id = self.slot_key[slot][1] if flags else None
+    choice = self.slot_choice[slot] if flags else None
     return sess.save_session(str(path), stages, np.asarray(toks, np.int32),
-                             fingerprint=self._session_fingerprint(lora_id), flags=flags,
+                             fingerprint=self._session_fingerprint(choice), flags=flags,
                              layer_ranges=[st.layers for st in self.stages])
 
   def load_session(self, slot: int, path, *, supported_versions=frozenset({1, 2})) -> dict:
@@ -610,15 +626,14 @@ class Engine:
     saved with. Returns {"n_tokens", "lora", "version"}."""
     self._check_slot(slot)
     self._check_single_process("load_session")
-    lora_id = self._session_lora_id(path)
-    self._check_session_control_vector(path, lora_id)
+    saved = self._session_choice(path)
+    self._check_session_control_vector(path, saved)
     meta, stages, tokens = sess.load_session(str(path),
-                                             self._read_limits(supported_versions, lora_id))
+                                             self._read_limits(supported_versions, saved))
     n = int(meta.n_tokens)
     self._reset(slot)
     switch = int(meta.lora_on)
-    known = {c.identity: c for c in self._choices.values()}
-    choice = (known.get(lora_id) or AdapterChoice(identity=lora_id or 0)) if switch else OFF
+    choice = saved if switch and saved is not None else OFF
     for i, (st, arrays) in enumerate(zip(self.stages, stages)):
       state = self.states[i]
       La = arrays["k"].shape[0]
@@ -635,14 +650,14 @@ class Engine:
     self._lru.move_to_end(slot)
     return {"n_tokens": n, "lora": bool(switch), "version": meta.version}
 
-  def _check_session_control_vector(self, path, lora_id=None):
+  def _check_session_control_vector(self, path, choice=None):
     """A session made under another control vector (or none) is refused with that reason (the
     id is the `+cvec:<16 hex>` tail of the session's fingerprint)."""
     try:
       saved = sess.read_session_meta(str(path)).fingerprint
     except SessionError:
       return    # load_session reports it, with the limits
-    live = self._session_fingerprint(lora_id)
+    live = self._session_fingerprint(choice)
     split = lambda fp: fp.rpartition("+cvec:") if "+cvec:" in fp else (fp, "", "")
     (s_base, _, s_id), (l_base, _, l_id) = split(saved), split(live)
     if s_base != l_base or s_id == l_id:
