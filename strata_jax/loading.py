@@ -37,8 +37,9 @@ def load_from_args(args):
   """(Model, adapters) from --model, --dtype, --layer-split, --split-devices, --forms,
   --weights, --lora*: adapters is a list of `(LoraSet, default scale, path)`, one numbered
   adapter per flag occurrence (empty without --lora). A group of one file is loaded at scale 1
-  with its scale as the default (llama.cpp's `--lora-scaled`, changeable per request); a
-  comma-separated group stacks its files with their scales folded in, default scale 1."""
+  with its scale as the default (llama.cpp's `--lora-scaled`, changeable per request; a
+  negative scale, which requests cannot name, is folded in instead); a comma-separated group
+  stacks its files with their scales folded in, default scale 1."""
   from strata_jax.api import load_lora, load_model  # noqa: PLC0415 (keeps import light)
   from strata_jax.forms import parse_forms  # noqa: PLC0415
   model = load_model(args.model, dtype=args.dtype, layer_split=args.layer_split,
@@ -46,7 +47,7 @@ def load_from_args(args):
                      weights=getattr(args, "weights", "keep"))
   adapters = []
   for paths, scales in parse_lora(args):
-    if len(paths) == 1:
+    if len(paths) == 1 and scales[0] >= 0:   # (a request's scale is >= 0: a negative folds)
       adapters.append((load_lora(model, paths), scales[0], paths[0]))
     else:
       adapters.append((load_lora(model, paths, scales), 1.0, ",".join(paths)))

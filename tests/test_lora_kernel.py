@@ -352,3 +352,17 @@ def test_gpu_switch(impl, act):
   for state in ("all", "none", "mixed"):
     f(base, x, a, b, jnp.asarray(make_inputs(8, 6144, 2560, 50, on=state)[4]))
   assert f._cache_size() == 1
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.usefixtures("highest_precision")
+@pytest.mark.parametrize("kw", [dict(din_splits=1), dict(din_splits=8, dout_splits=10)],
+                         ids=["fused", "split8x10"])
+@pytest.mark.parametrize("n", [1, 32, 300])
+@pytest.mark.parametrize("act", [F32, BF16], ids=["f32", "bf16"])
+def test_gpu_rank_scale_table(act, n, kw):
+  """The compiled kernel with the per-row adapter table: 4 rank-50 adapters on one R (200)."""
+  args = table_inputs(n, 4096, 2048, (50, 50, 50, 50), seed=31, act=act)
+  got = lora_pallas(*(jnp.asarray(v) for v in args[:5]), jnp.asarray(args[5]), **kw)
+  check_table(got, *args, what=f"gpu table {np.dtype(act).name} N{n} {kw}")

@@ -139,8 +139,8 @@ class AdapterTable:
   def _item(a):
     if isinstance(a, LoraSet):
       return a, 1.0, None
-    if isinstance(a, tuple) and a and isinstance(a[0], LoraSet) and len(a) in (2, 3):
-      return a[0], float(a[1]), (a[2] if len(a) == 3 else None)
+    if isinstance(a, tuple) and len(a) in (2, 3) and isinstance(a[0], LoraSet):
+      return a[0], check_scale(a[1], "adapter"), (a[2] if len(a) == 3 else None)
     raise AdapterError(f"an adapter must be a LoraSet (from load_lora) or a (LoraSet, scale) "
                        f"pair, got {type(a).__name__}")
 
@@ -316,10 +316,15 @@ class AdapterTable:
       self._table[row] = new
       self.table_version += 1
 
-  def note_blocks(self, choice: AdapterChoice, digests):
-    """Remember prefix-cache digests computed under `choice`, to purge them at unload."""
+  def note_blocks(self, choice: AdapterChoice, digests, cache=None):
+    """Remember prefix-cache digests computed under `choice`, to purge them at unload. With
+    `cache`, a set grown well past the cache's size keeps only digests still cached (the
+    others were evicted), so a long-running server's sets stay bounded."""
     for i, _ in choice.pairs:
-      self.blocks.setdefault(i, set()).update(digests)
+      held = self.blocks.setdefault(i, set())
+      held.update(digests)
+      if cache is not None and len(held) > 2 * len(cache) + 4096:
+        self.blocks[i] = {d for d in held if d in cache}
 
   # ----- device arrays ---------------------------------------------------------------------
   def table(self) -> jnp.ndarray:

@@ -120,7 +120,9 @@ class Engine:
                forms: Forms | None = None, control_vector=None, lora_rank: int | None = None):
     self.model, self.n_slots = model, int(slots)
     # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
-    items = [] if lora is None else [lora] if isinstance(lora, (LoraSet, tuple)) else list(lora)
+    pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
+        and not isinstance(lora[1], LoraSet)
+    items = [] if lora is None else [lora] if isinstance(lora, LoraSet) or pair else list(lora)
     self.lora_set = items[0] if len(items) == 1 and isinstance(items[0], LoraSet) else None
     # Forms live in the config, the steps' static argument: an engine with other forms
     # compiles and runs its own programs beside this model's other engines.
@@ -383,7 +385,7 @@ class Engine:
     # the chain of the prompt's full blocks, under the adapter id its switch state uses
     hashes = (block_hashes(toks, self.block_size, choice.identity,
                            control_vector_id=self.control_vector_id) if aligned else [])
-    self.adapters.note_blocks(choice, hashes)
+    self.adapters.note_blocks(choice, hashes, self.prefix_cache)
     if aligned:
       self._reset(slot)
       start = self._restore_prefix(slot, toks, hashes, switch) if not req.return_logits else 0
