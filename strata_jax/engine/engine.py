@@ -160,12 +160,16 @@ class Engine:
     # Stages on devices of several processes (jax.distributed): host reads are broadcasts.
     self._shared = devices is not None and distributed.multi_process()
     self._host = lambda x: distributed.to_host(x, self._shared)
-    for e in self.adapters.loaded():
-      lp = e.lora.params
+    if self.adapters.loaded():
       n_adapted = int(sum(np.count_nonzero(np.abs(np.asarray(a, np.float32)).sum(axis=(1, 2)))
-                          for a in (lp.gdn_b, lp.attn_b)))
-      log.info("LoRA adapter %d (%s): %d files, rank %d, %d layers adapted", e.id, e.path,
-               len(e.lora.files), e.rank, n_adapted)
+                          for a in (lora_params.gdn_b, lora_params.attn_b)))
+      per_dev = ", ".join(
+          f"{sum(a.nbytes for a in jax.tree.leaves(st.lora)) / 2**20:.2f} MiB"
+          for st in self.stages)
+      log.info("LoRA: %d files, %d layers adapted, %s per device; adapters %s, rank table %d",
+               sum(len(e.lora.files) for e in self.adapters.loaded()), n_adapted, per_dev,
+               ", ".join(f"{e.id}: {e.path} (rank {e.rank})" for e in self.adapters.loaded()),
+               self.adapters.rank)
     self.states = []
     for st in self.stages:
       s = init_state(st.cfg, self.n_slots, self.max_seq, model.dtype)
