@@ -51,7 +51,13 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
   g = p.a.astype(jnp.float32) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
   valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]             # [B, T, 1]
   beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
-  if T == 1:
+  if T == 1 and cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES:
+    # One launch from the raw inputs: gates, L2 norms, head expansion, the delta rule; the
+    # state of a row with no valid token is not stored (it is unchanged).
+    o, ssm = gdn_api.step_fused(q_raw[:, 0], k_raw[:, 0], v[:, 0], a[:, 0], b[:, 0], p.a,
+                                p.dt_bias, ssm, n_valid > 0, implementation=cfg.forms.gdn_decode)
+    o = o[:, None]
+  elif T == 1:
     # One fused step (L2 norms, head expansion, the delta rule) on the GPU.
     o, ssm = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm,
                                implementation=cfg.forms.gdn_decode)
