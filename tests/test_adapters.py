@@ -116,11 +116,11 @@ def test_hot_load_compiles_nothing_new_and_unload_refuses(model, four, tmp_path)
 
 def test_unload_in_flight_is_deferred_and_the_request_keeps_its_adapter(model, four):
   p = _prompt(6, 30)
-  ref = _engine(model, four[:2]).generate(tokens=p, max_tokens=6, lora=[{"id": 1}]).tokens
+  ref = _engine(model, four[:2]).generate(tokens=p, max_tokens=60, lora=[{"id": 1}]).tokens
   eng = _engine(model, four[:2])
-  h = eng.submit(Request(tokens=p, max_tokens=6, lora=[{"id": 1}]))
-  eng.step()
-  eng.step()
+  h = eng.submit(Request(tokens=p, max_tokens=60, lora=[{"id": 1}]))
+  eng.step()                      # prefill, first token, a decode chunk in flight
+  assert not h.done
   assert eng.unload_adapter(1) is False, "a request holds it: deferred"
   assert [a["id"] for a in eng.lora_adapters()] == [0]
   with pytest.raises(sj.RequestError, match="unloaded"):
