@@ -30,7 +30,8 @@ def causal_conv(x, conv_state, w, n_valid):
   return y, new_state.astype(conv_state.dtype)
 
 
-def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, switch):
+def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, switch, *,
+              row_scale=None):
   """x [B, T, D]; p one layer's GDNParams; conv_state [B, K-1, C]; ssm [B, Hv, Dv, Dk] f32;
   n_valid [B] tokens of the T that are real (the rest is padding and leaves state unchanged).
   Returns (y [B, T, D], conv_state, ssm)."""
@@ -69,5 +70,6 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
     o, ssm = jax.vmap(chunked)(q, k, v, g, beta, ssm)
   o = rms_norm(o, p.norm, cfg.rms_eps).astype(jnp.float32)                   # [B, T, Hv, Dv]
   o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, Hv * Dv)
-  return (out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl), conv_state,
+  return (out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl,
+                         row_scale), conv_state,
           ssm)
