@@ -40,6 +40,11 @@ def _model_args(p):
                       "lora_branch=select,gdn_chunked=products; default: each 'auto'")
   _lora_args(p)
   _control_vector_args(p)
+  p.add_argument("--spec", type=int, default=0, metavar="N",
+                 help="speculative decoding: N draft tokens per step, 0..16 (0: off)")
+  p.add_argument("--draft", default=None, metavar="mtp|ngram",
+                 help="drafter: mtp (the model's MTP layer; the default when it has one) or "
+                      "ngram (prompt lookup)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +92,8 @@ def cmd_generate(args) -> int:
   import strata_jax as sj  # noqa: PLC0415
   from strata_jax.errors import RequestError  # noqa: PLC0415
   from strata_jax.loading import control_vector_from_args, load_from_args  # noqa: PLC0415
+  from strata_jax.speculative import check_spec  # noqa: PLC0415
+  check_spec(args.spec, None, True)          # the range, before the model loads
   model, lora = load_from_args(args)
   cvec = control_vector_from_args(args, model)
   if args.prompt_tokens is not None:
@@ -103,7 +110,7 @@ def cmd_generate(args) -> int:
   # A power-of-two capacity: repeat runs with other prompt lengths reuse the compiled program.
   need = len(ids) + args.n + 1
   engine = sj.Engine(model, lora=lora, slots=1, max_seq=max(256, 1 << (need - 1).bit_length()),
-                     control_vector=cvec)
+                     control_vector=cvec, spec=args.spec, draft=args.draft)
   stop = model.stop_ids()   # end-of-generation tokens end the run, as in llama.cpp and transformers
   res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
@@ -116,8 +123,10 @@ def cmd_generate(args) -> int:
              steps=res.step_logits.astype(np.float32))
   text = res.text or ""
   if args.json:
-    print(json.dumps({"prompt_tokens": ids, "tokens": res.tokens, "text": text,
-                      "lora": bool(use_lora)}))
+    out = {"prompt_tokens": ids, "tokens": res.tokens, "text": text, "lora": bool(use_lora)}
+    if res.draft is not None:
+      out["draft"] = res.draft
+    print(json.dumps(out))
   else:
     print(text if model.tokenizer is not None else " ".join(map(str, res.tokens)))
   return 0

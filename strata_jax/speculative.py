@@ -119,6 +119,7 @@ class Row:
     cap: tokens the row may still emit (>= 1).
     stop: token ids that end the row (emitted, then nothing more).
     temperature, top_k, top_p, rng: its sampling (temperature below 1e-5: greedy).
+    n: drafts the row takes per round (at most the decoder's n; None: the decoder's n).
   """
   last: int
   switch: int
@@ -129,6 +130,7 @@ class Row:
   top_k: int = 0
   top_p: float = 1.0
   rng: np.random.Generator | None = None
+  n: int | None = None
 
 
 @dataclasses.dataclass
@@ -172,14 +174,14 @@ class SpecDecoder:
     nv, sw = np.zeros(B, np.int32), np.zeros(B, np.int32)
     cap = np.zeros(B, np.int32)
     for slot, r in rows.items():
-      d = self.drafts.get(slot, [])[:self.n]
+      d = self.drafts.get(slot, [])[:self.n if r.n is None else min(r.n, self.n)]
       toks[slot, 0], toks[slot, 1:1 + len(d)] = r.last, d
       nv[slot], sw[slot], cap[slot] = 1 + len(d), r.switch, r.cap
     stops = sorted({int(s) for r in rows.values() for s in r.stop}) or [-1]
     stop = jnp.asarray(np.asarray(stops, np.int32))
     greedy = all(r.temperature < GREEDY_BELOW or not r.temperature == r.temperature
                  for r in rows.values())
-    pos = state.pos
+    pos = state.pos + 0      # a copy: the steps donate the state
     args = (self.cfg, self.params, self.lora, state)
     arrs = (jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(nv))
     if greedy and self.draft == "mtp":

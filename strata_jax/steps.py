@@ -188,7 +188,7 @@ def _commit(state: ModelState, pending: Pending, n_commit, switch) -> ModelState
                        lora=jnp.where(n > 0, switch.astype(jnp.int32), state.lora))
 
 
-@functools.partial(jax.jit, donate_argnames=("state", "pending"))
+@functools.partial(jax.jit, donate_argnames=("state",))
 def commit(state: ModelState, pending: Pending, n_commit, switch):
   """Keep the first n_commit [B] positions of each row's verification (0: the row is left as
   it was): the state is then exactly the one decoding those tokens one by one leaves."""

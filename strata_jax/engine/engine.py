@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import session as sess
-from strata_jax import steps
+from strata_jax import speculative, steps
 from strata_jax.api import model_fingerprint
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
 from strata_jax.engine.sampling import sample
@@ -43,6 +43,7 @@ class Request:
   lora: bool | None = None
   return_logits: bool = False
   on_token: Callable[[int], None] | None = None   # called with each token as it is sampled
+  spec: int | None = None   # speculative drafts per step (0 off; None: the engine's `spec`)
 
 
 @dataclasses.dataclass
@@ -59,6 +60,7 @@ class Result:
   text: str | None = None
   prompt_logits: np.ndarray | None = None   # [T, V] (return_logits)
   step_logits: np.ndarray | None = None     # [n, V] the logits each token was chosen from
+  draft: dict | None = None   # speculative decoding: {"proposed": p, "accepted": a}
 
 
 class Handle:
@@ -88,6 +90,9 @@ class _Running:
   computed: int = 0
   step_logits: list = dataclasses.field(default_factory=list)
   prompt_logits: np.ndarray | None = None
+  spec: int = 0            # drafts per round (0: plain decoding)
+  proposed: int = 0
+  accepted: int = 0
 
 
 class Engine:
@@ -106,11 +111,15 @@ class Engine:
     state_every: keep the GDN state with every this-many blocks (and with each prompt's last
       full block); K/V are kept for every block. The recurrent state is fixed-size and, for
       large models, far bigger than a block's K/V (80B-A3B: 74 MiB vs 1.5 MiB per 64 tokens).
+    spec: speculative decoding, drafts per step for requests that do not say (0: off).
+    draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
+      (prompt lookup). `strata_jax.speculative`.
   """
 
   def __init__(self, model, lora=None, slots: int = 1, max_seq: int | None = None,
                block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 8,
-               forms: Forms | None = None, control_vector=None):
+               forms: Forms | None = None, control_vector=None, spec: int = 0,
+               draft: str | None = None):
     self.model, self.lora_set, self.n_slots = model, lora, int(slots)
     # Forms live in the config, the steps' static argument: an engine with other forms
     # compiles and runs its own programs beside this model's other engines.
@@ -170,6 +179,10 @@ class Engine:
     self._lru = collections.OrderedDict((s, None) for s in range(self.n_slots))
     self._pending: collections.deque = collections.deque()
     self._running: dict = {}
+    has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
+    self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
+    self.draft = speculative.check_spec(self.spec, draft, has_mtp)
+    self._spec_decoder = None
 
   # ----- public API -----------------------------------------------------------------------
   @property
@@ -266,6 +279,15 @@ class Engine:
       raise RequestError(f"max_tokens must be >= 1, got {r.max_tokens}")
     if r.lora and not self.has_lora:
       raise RequestError("the request asks for the LoRA adapter but none is loaded")
+    if r.spec is not None:
+      speculative.check_spec(r.spec, None, True, where="speculative n")
+    if self._spec_n(r) and len(self.stages) > 1:
+      raise RequestError("speculative decoding runs on a one-stage model (no layer split)")
+    if self._spec_n(r) and r.return_logits:
+      raise RequestError("speculative decoding does not return per-step logits; use spec 0")
+
+  def _spec_n(self, r: Request) -> int:
+    return self.spec if r.spec is None else int(r.spec)
 
   def _switch(self, r: Request) -> int:
     return int(self.has_lora if r.lora is None else bool(r.lora))
@@ -329,6 +351,9 @@ class Engine:
     self.slot_tokens[slot] = toks
     self.slot_key[slot] = self._cache_key(switch)
     self._emit(run, last)
+    run.spec = self._spec_n(req)
+    if run.spec:
+      self._speculator(run.spec).restart(slot, len(toks))
     return run
 
   def _prefill_chunk(self, slot, chunk, n, switch, all_logits):
@@ -415,7 +440,44 @@ class Engine:
           cvec=st.cvec)
     return self._host(x)
 
+  def _speculator(self, n: int) -> speculative.SpecDecoder:
+    """The engine's SpecDecoder, made on first use; its n grows to the largest asked."""
+    st = self.stages[0]
+    if self._spec_decoder is None:
+      self._spec_decoder = speculative.SpecDecoder(
+          st.cfg, st.params, st.lora, n, self.draft, self.n_slots, self.max_seq,
+          self.model.dtype, cvec=st.cvec)
+    sd = self._spec_decoder
+    sd.n, sd.cvec = max(sd.n, n), st.cvec
+    return sd
+
+  def _spec_step(self, running: dict):
+    """One speculative round for every running row (a row with spec 0 takes no drafts: it
+    decodes one token, through the verification program). Rows accept different lengths."""
+    sd = self._speculator(max(run.spec for _, run in running.values()))
+    rows = {}
+    for slot, (_, run) in running.items():
+      r = run.req
+      cap = min(r.max_tokens - len(run.tokens),
+                self.max_seq - 1 - len(self.slot_tokens[slot]))
+      rows[slot] = speculative.Row(
+          last=run.tokens[-1], switch=run.switch, context=list(r.tokens) + run.tokens,
+          cap=max(cap, 1), stop=tuple(r.stop), temperature=r.temperature, top_k=r.top_k,
+          top_p=r.top_p, rng=run.rng, n=run.spec)
+    self.states[0], out = sd.round(self.states[0], rows)
+    for slot, o in out.items():
+      _, run = running[slot]
+      self.slot_tokens[slot].extend(o.consumed)
+      run.proposed += o.proposed
+      run.accepted += o.accepted
+      for tok in o.emitted:
+        run.tokens.append(tok)
+        if run.req.on_token is not None:
+          run.req.on_token(tok)
+
   def _decode_step(self, running: dict):
+    if any(run.spec for _, run in running.values()):
+      return self._spec_step(running)
     logits = self._decode_rows({s: (run.tokens[-1], run.switch) for s, (_, run) in running.items()})
     for slot, (_, run) in running.items():
       self.slot_tokens[slot].append(run.tokens[-1])
@@ -449,7 +511,8 @@ class Engine:
         decode_tokens_per_s=n_dec / (now - run.t_first) if n_dec and now > run.t_first else 0.0,
         slot=slot, text=self.model.decode(run.tokens[:-1] if stopped else run.tokens),
         prompt_logits=run.prompt_logits,
-        step_logits=np.stack(run.step_logits) if r.return_logits else None)
+        step_logits=np.stack(run.step_logits) if r.return_logits else None,
+        draft={"proposed": run.proposed, "accepted": run.accepted} if run.spec else None)
 
   # ----- sessions -------------------------------------------------------------------------
   def _read_limits(self, supported_versions=frozenset({1, 2})) -> sess.SessionReadLimits:

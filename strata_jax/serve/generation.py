@@ -37,6 +37,7 @@ class GenSpec:
   stop_ids: frozenset
   stops: list[str]               # text-level stop strings
   stop_id_text: dict             # stop-string tokens -> their string
+  spec: int | None = None        # speculative drafts per step (None: the server's --spec)
 
 
 @dataclasses.dataclass
@@ -115,7 +116,17 @@ class Server:
         stop_ids.add(one[0])
         stop_id_text[one[0]] = s
     seed = body.seed % (1 << 63) if body.seed is not None else secrets.randbits(63)
-    return GenSpec(ids=[int(t) for t in ids], max_tokens=mt, temperature=temperature,
+    spec = getattr(body, "speculative", None)
+    n_spec = None if spec is None else spec.n
+    if n_spec is not None:
+      from strata_jax.speculative import MAX_SPEC  # noqa: PLC0415
+      if not 0 <= n_spec <= MAX_SPEC:
+        raise ApiError(400, f"speculative.n {n_spec}: expected 0 (off) to {MAX_SPEC}",
+                       param="speculative")
+      if n_spec and len(eng.stages) > 1:
+        raise ApiError(400, "speculative decoding runs on a one-stage model (no layer split)",
+                       param="speculative")
+    return GenSpec(spec=n_spec, ids=[int(t) for t in ids], max_tokens=mt, temperature=temperature,
                    top_k=int(first(body.top_k, d.get("top_k"), 0)),
                    top_p=float(first(body.top_p, d.get("top_p"), 1.0)), seed=seed, lora=lora,
                    stop_ids=frozenset(stop_ids), stops=stops, stop_id_text=stop_id_text)
@@ -125,7 +136,7 @@ class Server:
     """Submit; returns the event queue once the engine has accepted the request."""
     req = Request(tokens=spec.ids, max_tokens=spec.max_tokens, temperature=spec.temperature,
                   top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed,
-                  stop=tuple(sorted(spec.stop_ids)), lora=spec.lora)
+                  stop=tuple(sorted(spec.stop_ids)), lora=spec.lora, spec=spec.spec)
     try:
       events = self.worker.submit(req)
     except WorkerUnavailable as e:

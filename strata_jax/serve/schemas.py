@@ -22,6 +22,10 @@ class _Body(BaseModel):
   model_config = ConfigDict(extra="allow")
 
 
+class Speculative(_Body):
+  n: int
+
+
 class _Sampling(_Body):
   """Fields every generation endpoint shares. `lora`: None = the server's default."""
   temperature: Temperature | None = None
@@ -32,6 +36,9 @@ class _Sampling(_Body):
   lora: StrictBool | None = Field(
       default=None, description="LoRA switch for this request; absent: the server default "
       "(on when an adapter is loaded)")
+  speculative: Speculative | None = Field(
+      default=None, description='speculative decoding for this request, {"n": N} drafts per '
+      "step (0: off); absent: the server's --spec")
 
 
 # ----- OpenAI ------------------------------------------------------------------------------
