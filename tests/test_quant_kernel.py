@@ -279,3 +279,16 @@ def test_gpu_experts(qtype):
   got = experts(*args, layer=jnp.int32(1), implementation="pallas")
   want = experts(*args, layer=jnp.int32(1), implementation="xla")
   assert_close(got, want, rel=2 * _tol(BF16), what=f"gpu experts {qtype}")
+
+
+def test_rows_form_expert_tiles_shrink_until_the_grid_has_enough_programs():
+  """The experts' GEMVs (one matrix per pair) get 4-16-row tiles and >= ROWS_MIN_PROGRAMS
+  programs; a single matrix keeps 32-row tiles (faster for ssm_out on the H200)."""
+  from pallas_kernels.quant.kernel import ROWS_MIN_PROGRAMS, tiling_defaults
+  assert tiling_defaults(1, 151936, form="rows")[1] == 32
+  assert tiling_defaults(1, 2048, form="rows")[1] == 32
+  _, bo, _ = tiling_defaults(1, 2048, form="rows", groups=10)
+  assert bo == 16 and 2048 // bo * 10 >= ROWS_MIN_PROGRAMS
+  _, bo, _ = tiling_defaults(1, 512, form="rows", groups=10)
+  assert bo == 4 and 512 // bo * 10 >= ROWS_MIN_PROGRAMS
+  assert tiling_defaults(1, 512, form="rows", interpret=True)[1] == 128  # CPU: big tiles

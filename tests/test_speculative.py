@@ -350,3 +350,24 @@ def test_spec_bad_input(model):
   assert Engine(model, spec=2).draft == "mtp"
   with pytest.raises(StrataError, match="speculative n 20"):
     Engine(model, spec=2).generate(tokens=[1, 2], spec=20)
+
+
+def test_cli_spec_json_and_errors(tmp_path):
+  """`generate --spec N --json` gives plain greedy's tokens plus the draft counts; a bad
+  --spec, and --draft mtp on a model with no MTP layer, exit 2 with `error: ...`."""
+  from test_cli import cli  # noqa: PLC0415
+  m = write_model_gguf(tmp_path / "m.gguf", CFG, names.params_to_gguf_tensors(CFG, _flat(CFG)))
+  plain_cfg = dataclasses.replace(CFG, n_mtp=0)
+  p = write_model_gguf(tmp_path / "p.gguf", plain_cfg,
+                       names.params_to_gguf_tensors(plain_cfg, _flat(plain_cfg)))
+  base = ["generate", "--model", m, "--prompt-tokens", "5,17,33,2", "-n", "8", "--json"]
+  ref = json.loads(cli(*base).stdout)
+  got = json.loads(cli(*base, "--spec", "3").stdout)
+  assert got["tokens"] == ref["tokens"] and "draft" not in ref
+  assert set(got["draft"]) == {"proposed", "accepted"} and got["draft"]["proposed"] > 0
+  for args, msg in ((["--spec", "17"], "error: --spec 17: expected an integer from 0 (off) to 16"),
+                    (["--spec", "-1"], "error: --spec -1: expected an integer"),
+                    (["--model", p, "--spec", "2", "--draft", "mtp"],
+                     "error: --draft mtp: the model has no MTP layer")):
+    r = cli(*base, *args, check=False)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]

@@ -225,6 +225,16 @@ def write_json(path: str, obj) -> None:
   os.replace(tmp, path)
 
 
+def merge_summary(entries: list[dict], results: str | None = None) -> str:
+  """Put `entries` into summary.json (replacing entries of the same name, keeping the rest):
+  each benchmark owns its names, and report.py's rows and later benches live side by side."""
+  path = os.path.join(results or RESULTS, "summary.json")
+  rows = read_json(path) or []
+  names = {e["name"] for e in entries}
+  write_json(path, [r for r in rows if r.get("name") not in names] + list(entries))
+  return path
+
+
 def ceilings(kernels_json: dict | None) -> dict:
   """Copy bandwidth (bytes/s) and bf16 matmul rate (FLOP/s) measured in this run, else the
   peers' figures."""

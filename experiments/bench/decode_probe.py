@@ -6,6 +6,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   unroll    the layer scan fully unrolled at decode (one straight program per step)
   moe/nomoe the Pallas in-place expert kernel, or the gather form (STRATA_MOE_IMPL=pallas/xla)
   gdn/nogdn the Pallas fused GDN decode kernel, or jnp (STRATA_GDN_IMPL=pallas/xla)
+  qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
+            the Pallas kernels that dequantise in place (Forms.quant_impl)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
   cond      adapter programs branch (lax.cond) to the no-adapter layers when every switch is off
   fastgdn   prefill's chunked delta rule from `chunked.py` (products, default precision)
@@ -44,6 +46,8 @@ FORM_VARIANTS = {
     "gdn": {"gdn_decode": "pallas"},
     "nomoe": {"moe_few": "xla"},
     "nogdn": {"gdn_decode": "xla"},
+    "qxla": {"quant_impl": "xla"},
+    "qpallas": {"quant_impl": "pallas"},
 }
 
 
@@ -104,6 +108,8 @@ def main():
   ap.add_argument("--prefill", type=int, default=0)
   ap.add_argument("--profile", default="", help="variant whose decode call is traced")
   ap.add_argument("--gdn_op", type=int, default=0, help="also time the chunked ops at this T")
+  ap.add_argument("--gguf", default="", help="a model file (make_gguf.py) instead of bench-a3b's "
+                  "random bf16 weights; its quantised weights stay quantised (--weights keep)")
   ap.add_argument("--out", default=os.path.join(common.TMP, "decode_probe.json"))
   args = ap.parse_args()
 
@@ -112,11 +118,15 @@ def main():
 
   from strata_jax import steps
   from strata_jax.state import init_state
-  geom = common.TINY if args.tiny else common.BENCH_A3B
-  cfg = common.model_config(geom)
   dtype = jnp.bfloat16
   t0 = time.perf_counter()
-  params = common.device_params(cfg, dtype)
+  if args.gguf:
+    from strata_jax.api import load_model
+    model = load_model(args.gguf, dtype="bfloat16")
+    cfg, params = model.cfg, model.params
+  else:
+    cfg = common.model_config(common.TINY if args.tiny else common.BENCH_A3B)
+    params = common.device_params(cfg, dtype)
   lora = common.device_lora(cfg, common.LORA_RANK, dtype)
   print(f"params {time.perf_counter() - t0:.1f}s", flush=True)
   res = dict(tag=args.tag, xla_flags=os.environ.get("XLA_FLAGS", ""), device=str(jax.devices()[0]),

@@ -218,7 +218,7 @@ def _sweep(shapes, impl, timer):
 
   from pallas_kernels.quant import qmatmul
   name, d_out, d_in = shapes[0]
-  grid = dict(form=("rows", "dot"), block_out=(16, 32, 64), block_in=(256, 1024),
+  grid = dict(form=("rows", "dot"), block_out=(4, 8, 16, 32, 64), block_in=(256, 1024),
               num_warps=(4,), num_stages=(3,))
   if F.smoke:
     grid = dict(form=("rows", "dot"), block_out=(16,), block_in=(256,), num_warps=(4,),

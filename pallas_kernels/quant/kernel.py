@@ -47,6 +47,8 @@ _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FLOATS = (jnp.dtype(jnp.float32), *_HALF)
 _NT = (((1,), (1,)), ((), ()))  # lhs @ rhs^T
 _MIN_TILE = 16  # tl.dot needs every dim >= 16
+_MIN_ROWS_OUT = 4  # the "rows" form has no tl.dot: output tiles down to 4 rows
+ROWS_MIN_PROGRAMS = 1024  # "rows" default tiles shrink until the grid has this many programs
 _WHOLE = pl.BlockSpec()  # a whole array (a pointer): the kernel indexes it itself
 LORA_MODES = ("none", "a", "h")
 
@@ -323,18 +325,27 @@ def _pow2_at_least(v, lo=_MIN_TILE):
 ROWS_MAX = 4  # "auto" form: the GEMV ("rows") form up to this many rows per group
 
 
-def tiling_defaults(m, d_out, *, form="dot", interpret=False):
+def tiling_defaults(m, d_out, *, form="dot", interpret=False, groups=1):
   """(block_rows, block_out, block_in) when not given.
 
-  Compiled (first guesses; `experiments/bench/quant_probe.py --sweep` times others):
-  "rows" form: all M rows in one program, bo = 32, 1024 columns per loop step (many loads in
-  flight per program). "dot" form: M <= 16 padded to one 16-row tile with bo = 16 (out / 16
-  programs) and 1024 columns a step; larger M take bn = 32 / 64, bo = 32 / 64 and 256
-  columns (tensor-core tiles). Interpret (CPU): large tiles, as each interpreted grid step
-  costs time.
+  Compiled: "rows" form: all M rows in one program, 1024 columns per loop step, bo = 32; for
+  the experts (groups > 1: one matrix per (token, expert) pair) bo halves, down to 4, until
+  the grid has `ROWS_MIN_PROGRAMS` programs. On the H200 that took the 80B decode step from
+  10.9 to 8.9 ms at batch 1 (decode_probe_a80b_run1/run2.json), while a single ssm_out
+  matrix got slower with 4-row tiles (36.9 -> 49.8 us, quant_probe_run1/run2.json), so one
+  matrix keeps 32-row tiles.
+  "dot" form: M <= 16 padded to one 16-row tile with bo = 16 (out / 16 programs) and 1024
+  columns a step; larger M take bn = 32 / 64, bo = 32 / 64 and 256 columns (tensor-core
+  tiles). Interpret (CPU): large tiles, as each interpreted grid step costs time.
+  `experiments/bench/quant_probe.py --sweep` times the alternatives.
   """
   if form == "rows":
-    return m, min(128 if interpret else 32, _pow2_at_least(d_out)), 256 if interpret else 1024
+    if interpret:
+      return m, min(128, _pow2_at_least(d_out)), 256
+    bo = min(32, _pow2_at_least(d_out, _MIN_ROWS_OUT))
+    while groups > 1 and bo > _MIN_ROWS_OUT and -(-d_out // bo) * groups < ROWS_MIN_PROGRAMS:
+      bo //= 2
+    return m, bo, 1024
   if interpret:
     return min(128, _pow2_at_least(m)), min(128, _pow2_at_least(d_out)), 256
   if m <= 16:
@@ -393,7 +404,8 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     form: "dot" (rows padded to tiles >= 16, tl.dot on the tensor cores), "rows" (each of
       a few rows a GEMV on the CUDA cores, no padding) or None: "rows" for M <= ROWS_MAX.
     block_rows: "dot": a power of 2 >= 16; "rows": rows per program (rounded down to a
-      divisor of M). block_out: a power of 2 >= 16. None: `tiling_defaults`.
+      divisor of M). block_out: a power of 2 >= 16 (>= 4 in the "rows" form). None:
+      `tiling_defaults`.
     block_in: columns per loop step, a power of 2 (None: `tiling_defaults`); rounded down
       to a power-of-2 number of blocks that divides the row (at least one block).
     num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
@@ -421,11 +433,12 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   elif block_rows is not None and block_rows < 1:
     raise ValueError(f"quant kernel: block_rows={block_rows} must be >= 1")
   for name, v in tiles:
-    if v is not None and (v < _MIN_TILE or v & (v - 1)):
-      raise ValueError(f"quant kernel: {name}={v} must be a power of 2 >= {_MIN_TILE}")
+    lo = _MIN_ROWS_OUT if (form, name) == ("rows", "block_out") else _MIN_TILE
+    if v is not None and (v < lo or v & (v - 1)):
+      raise ValueError(f"quant kernel: {name}={v} must be a power of 2 >= {lo}")
   if not interpret and pltriton is None:
     raise RuntimeError("quant kernel: this JAX has no Pallas Triton backend; use 'xla'")
-  bn0, bo0, bk0 = tiling_defaults(m, d_out, form=form, interpret=interpret)
+  bn0, bo0, bk0 = tiling_defaults(m, d_out, form=form, interpret=interpret, groups=groups)
   bn, bo = block_rows or bn0, block_out or bo0
   if form == "rows":  # unrolled rows: a divisor of M, so no row is ever out of range
     bn = next(v for v in range(min(bn, max(m, 1)), 0, -1) if m % v == 0) if m else 1

@@ -122,7 +122,7 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
   moe_d, moe_q = _split_quant(layers.moe)
   gdn_d, gdn_q = _split_quant(layers.gdn)
   attn_d, attn_q = _split_quant(layers.attn)
-  norms = _blocks((layers.attn_norm, layers.post_norm, moe_d), n_blocks)
+  norms_and_moe = _blocks((layers.attn_norm, layers.post_norm, moe_d), n_blocks)
   gdn_p = _blocks(gdn_d, n_blocks)
   attn_p = _blocks(attn_d, n_blocks)
   n_g, n_a = block_types.count(GDN), block_types.count(ATTN)
@@ -133,6 +133,7 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
   B, T, D = x.shape
   # The expert stacks whole, for the few-token MoE kernel (reads layer `blk * period + li`).
   stacks = (layers.moe.gate_exps, layers.moe.up_exps, layers.moe.down_exps)
+  real = (jnp.arange(T, dtype=jnp.int32)[None, :] < n_valid[:, None]).reshape(B * T)
 
   def body(x, xs):
     blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in, cv = xs
@@ -155,14 +156,15 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
       x = x + moe(cfg, _layer(cfg, moe_p, moe_q, li, blk * period + li), h, stacks,
-                  blk * period + li, form_tokens=B if keep_steps else None).reshape(B, T, D)
+                  blk * period + li, real=real,
+                  form_tokens=B if keep_steps else None).reshape(B, T, D)
       if cv is not None:
         x = x + cv[li].astype(x.dtype)
     restack = lambda new, old: jnp.stack(new) if new else old   # a kind may be absent
     return x, ((restack(kc, kv_in[0]), restack(vc, kv_in[1])),
                (restack(conv, gdn_in[0]), restack(ssm, gdn_in[1])))
 
-  x, (kv_b, gdn_b) = lax.scan(body, x, (jnp.arange(n_blocks, dtype=jnp.int32), norms, gdn_p,
+  x, (kv_b, gdn_b) = lax.scan(body, x, (jnp.arange(n_blocks, dtype=jnp.int32), norms_and_moe, gdn_p,
                                          attn_p, lora_g, lora_a, kv_b, gdn_b, cvec_b))
   return x, _unblocks(kv_b), _unblocks(gdn_b)
 

@@ -51,10 +51,12 @@ def many_tokens_form(form: str) -> str:
   return form
 
 
-def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, form_tokens: int | None = None):
+def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
+        form_tokens: int | None = None):
   """x [N, D] -> [N, D]; p one layer's MoEParams. `stacks` (the whole [L, ...] expert weight
   stacks) and `layer` (this layer's index in them, may be traced) let the few-token kernel read
   the experts where they lie: a layer slice made by the scan would be copied for it first.
+  `real` [N] bool marks the rows whose output is used (not padding, not an inactive slot).
   `form_tokens` (static): the token count the few/many form is chosen for (default N); a
   speculative verification passes its row count, so each position takes the form (and the
   rounding) the decode step of that batch takes."""
@@ -64,6 +66,12 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, form_tokens: int | None
   probs = jax.nn.softmax(logits, axis=-1)
   w, idx = jax.lax.top_k(probs, k)
   w = w / jnp.sum(w, axis=-1, keepdims=True)                                # [N, k]
+  if real is not None:
+    # Rows whose output is never used (inactive slots of a decode batch, padding) take the
+    # experts of the first real row: the kernels read experts per (row, expert) pair, and
+    # these pairs then read matrices the real rows read anyway (from L2, not HBM). Each
+    # real row's own experts, and so its output, are unchanged.
+    idx = jnp.where(real[:, None], idx, idx[jnp.argmax(real)][None, :])
   # The expert weights as the kernels read them: whole stacks plus the layer index, or this
   # layer's arrays.
   ew, at = (stacks, layer) if stacks is not None else (
