@@ -28,11 +28,20 @@ CHOICES: dict[str, tuple] = {
     # the LoRA delta: "auto" = XLA below 512 rows on the GPU, a kernel above (Mosaic or Triton).
     "lora_impl": ("auto", "xla", "pallas", "mosaic", "pallas_interpret"),
     # prefill's chunked delta rule: "auto" = the Pallas kernel on the GPU, the oracle elsewhere.
-    "gdn_chunked": ("auto", "reference", "products", "pallas", "pallas_interpret"),
-    # the Pallas chunked kernel's chunk (a power of 2 >= 16; 64 spilled registers on sm_90).
+    # "pallas_parallel" / "pallas_split": the chunk-parallel kernels (intra-chunk work for all
+    # chunks at once; the state pass fused with the outputs, or separate as fla's); not "auto"
+    # until measured (pallas_kernels/gdn/README.md).
+    "gdn_chunked": ("auto", "reference", "products", "pallas", "pallas_interpret",
+                    "pallas_parallel", "pallas_split", "pallas_parallel_interpret",
+                    "pallas_split_interpret"),
+    # every Pallas chunked kernel's chunk (a power of 2 >= 16; 64 spilled registers on sm_90
+    # in the serial kernel).
     "gdn_pallas_chunk": (32, 16, 64, 128),
     # the decode delta rule step: "auto" = XLA below batch 24 on the GPU, the Pallas kernel above.
-    "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret"),
+    # "pallas_fused": one launch from the raw inputs, gates included, state in place and not
+    # stored for inactive rows; not "auto" until measured.
+    "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
+                   "pallas_fused_interpret"),
     # MoE with more (token, expert) pairs than experts: "auto" = the grouped Pallas kernel on the
     # GPU, every expert on every token ("dense") elsewhere; "grouped" = XLA's ragged dot.
     "moe_many": ("auto", "dense", "grouped", "pallas", "pallas_interpret"),

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.gdn.api import FUSED_CHOICES as FUSED_GDN_DECODE
 from strata_jax.config import ModelConfig
 from strata_jax.model import forward
 from strata_jax.state import ModelState, Pending
@@ -87,8 +88,12 @@ def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, ac
     logits = (x[:, 0] if params.lm_head is None
               else forward.logits_from_hidden(cfg, params, x[:, 0]))
   keep = lambda new, old: jnp.where(act.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)
+  if cfg.forms.gdn_decode not in FUSED_GDN_DECODE:
+    ssm = keep(ssm, state.ssm)
+  # else: the fused decode kernel does not store an inactive row's recurrent state at all
+  # (its rows are the input's, bit for bit), so the full-state select is skipped.
   state = state.replace(
-      k=k, v=v, conv=keep(conv, state.conv), ssm=keep(ssm, state.ssm),
+      k=k, v=v, conv=keep(conv, state.conv), ssm=ssm,
       pos=state.pos + act.astype(jnp.int32),
       lora=jnp.where(act, switch.astype(jnp.int32), state.lora))
   return logits, state

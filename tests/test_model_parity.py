@@ -60,6 +60,25 @@ def test_prefill_kernel_forms_match_transformers(hf, forms):
                what=str(forms))
 
 
+_PARALLEL = "pallas_parallel" if jax.default_backend() == "gpu" else "pallas_parallel_interpret"
+_FUSED = "pallas_fused" if jax.default_backend() == "gpu" else "pallas_fused_interpret"
+
+
+def test_parallel_chunked_and_fused_decode_forms_match_transformers(hf):
+  """The chunk-parallel prefill kernel and the fused decode kernel (interpreted on CPU) give
+  transformers' logits for the prompt and for each decoded token, in an engine of two slots
+  with one idle (its row is not valid in every decode step: the kernel skips its state)."""
+  _, hf_model, model = hf
+  ids = _prompt(63, model.cfg.vocab_size)
+  forms = sj.Forms(gdn_chunked=_PARALLEL, gdn_decode=_FUSED)
+  eng = sj.Engine(model, slots=2, max_seq=128, block_size=64, forms=forms)
+  res = eng.generate(tokens=ids, max_tokens=4, return_logits=True)
+  want = _hf_logits(hf_model, ids + res.tokens[:3])
+  assert_close(res.prompt_logits, want[:len(ids)], abs_=MODEL_LOGITS_ABS_FP32, what="prompt")
+  assert_close(res.step_logits[1:4], want[len(ids):], abs_=MODEL_LOGITS_ABS_FP32,
+               what="decode steps")
+
+
 def test_greedy_32_tokens(hf):
   _, hf_model, model = hf
   ids = _prompt(63, model.cfg.vocab_size)

@@ -1,9 +1,11 @@
 """Entry points the model calls for the gated delta rule; picks the implementation.
 
 `chunked` (prefill, one sequence; the model vmaps it) and `chunked_batched` (the same for a
-batch) run "reference", "products", "pallas" or "pallas_interpret" ("auto", the default:
-"pallas" on the GPU, "reference" elsewhere): see
-`chunked`. The rest of this docstring is about the decode step.
+batch) run "reference", "products", "pallas", "pallas_interpret", or the chunk-parallel
+kernels "pallas_parallel" (two launches), "pallas_split" (three, fla's split) and their
+"_interpret" forms ("auto", the default: "pallas" on the GPU, "reference" elsewhere; the
+parallel kernels are not "auto" until measured): see `chunked`. The rest of this docstring
+is about the decode step.
 
 `step_raw` (one decode step for a batch, from raw q/k) has three implementations:
   "pallas"            the fused decode kernel compiled for the GPU (Triton lowering; README).
@@ -15,23 +17,36 @@ where the single pass over the state wins by ~25% (README, "Decode kernel"); "xl
 where the interpreter is 10-15x slower than XLA. B is static under jit, so this is still
 one program per shape. Default "auto"; the caller's config (`strata_jax.forms.Forms`) names
 the choice.
+
+`step_fused` (one decode step from raw q/k/v and the raw gate inputs a, b) adds
+"pallas_fused" / "pallas_fused_interpret": `decode_fused_kernel.py`, gates, l2norms and the
+delta rule in one launch, the state updated in place and not stored for invalid rows. Any
+`step_raw` choice computes the gates in jnp and calls `step_raw`.
 """
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.gdn import chunked as chunked_form
 from pallas_kernels.gdn import reference
 from pallas_kernels.gdn.chunked_kernel import gdn_chunked_pallas
+from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused
 from pallas_kernels.gdn.decode_kernel import gdn_decode_pallas
+from pallas_kernels.gdn.parallel_kernel import gdn_chunked_parallel
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
 AUTO_PALLAS_MIN_BATCH = 24  # H200, 32 heads of 128: tie at B = 16, Pallas 24% less time at 24
 
 
-CHUNKED_CHOICES = ("reference", "products", "pallas", "pallas_interpret", "auto")
+# The chunk-parallel kernels (`parallel_kernel.py`): name -> state_pass; "_interpret" forms.
+PARALLEL = {"pallas_parallel": "fused", "pallas_split": "separate"}
+PARALLEL_INTERPRET = {f"{n}_interpret": sp for n, sp in PARALLEL.items()}
+CHUNKED_CHOICES = ("reference", "products", "pallas", "pallas_interpret", *PARALLEL,
+                   *PARALLEL_INTERPRET, "auto")
+FUSED_CHOICES = ("pallas_fused", "pallas_fused_interpret")
 # The Pallas chunked kernel's chunk: its author's offline sm_90 compile spilled registers at 64
 # (the per-chunk [C, C] and [C, Dk] tiles), so it runs 32 unless the caller says otherwise.
 PALLAS_CHUNK = 32
@@ -45,9 +60,17 @@ def chunked_implementation(implementation=None):
   impl = check_choice("gdn chunked", implementation or "auto", CHUNKED_CHOICES)
   if impl == "auto":
     return "pallas" if on_gpu() else "reference"
-  if impl == "pallas":
-    require_gpu("gdn chunked", impl, "'pallas_interpret' or 'reference'")
+  if impl == "pallas" or impl in PARALLEL:
+    require_gpu("gdn chunked", impl, f"'{impl}_interpret' or 'reference'")
   return impl
+
+
+def _parallel(impl, q, k, v, g, beta, state, chunk):
+  """The chunk-parallel kernel for a batch (impl one of PARALLEL / PARALLEL_INTERPRET)."""
+  interpret = impl in PARALLEL_INTERPRET
+  sp = (PARALLEL_INTERPRET if interpret else PARALLEL)[impl]
+  return gdn_chunked_parallel(q, k, v, g, beta, state, chunk=chunk, interpret=interpret,
+                              state_pass=sp)
 
 
 def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
@@ -57,8 +80,10 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
 
   "reference": the oracle (triangular solve, HIGHEST precision everywhere); "products":
   `chunked.py` (UT inverse by matrix products, JAX's default matmul precision); "pallas" /
-  "pallas_interpret": `chunked_kernel.py` compiled for the GPU / under the interpreter (CPU).
-  Default "auto" (`chunked_implementation`); the Pallas forms run chunks of
+  "pallas_interpret": `chunked_kernel.py` compiled for the GPU / under the interpreter (CPU);
+  "pallas_parallel" / "pallas_split" (+ "_interpret"): `parallel_kernel.py`, the intra-chunk
+  work parallel over chunks, then the state pass (fused with the outputs, or separate).
+  Default "auto" (`chunked_implementation`); every Pallas form runs chunks of
   min(chunk, pallas_chunk).
 
   The Pallas forms add a batch dim of 1 and launch the batched kernel. Under `jax.vmap` (how
@@ -69,6 +94,10 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
   if impl in ("pallas", "pallas_interpret"):
     o, s = gdn_chunked_pallas(q[None], k[None], v[None], g[None], beta[None], state[None],
                               chunk=min(chunk, pallas_chunk), interpret=impl == "pallas_interpret")
+    return o[0], s[0]
+  if impl in PARALLEL or impl in PARALLEL_INTERPRET:
+    o, s = _parallel(impl, q[None], k[None], v[None], g[None], beta[None], state[None],
+                     min(chunk, pallas_chunk))
     return o[0], s[0]
   if impl == "products":
     return chunked_form.delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
@@ -86,6 +115,8 @@ def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=
   if impl in ("pallas", "pallas_interpret"):
     return gdn_chunked_pallas(q, k, v, g, beta, state, chunk=min(chunk, pallas_chunk),
                               interpret=impl == "pallas_interpret")
+  if impl in PARALLEL or impl in PARALLEL_INTERPRET:
+    return _parallel(impl, q, k, v, g, beta, state, min(chunk, pallas_chunk))
   one = lambda *a: chunked(*a, chunk=chunk, implementation=impl, pallas_chunk=pallas_chunk)
   return jax.vmap(one)(q, k, v, g, beta, state)
 
@@ -96,7 +127,12 @@ def step(q, k, v, g, beta, state):
 
 
 def resolve(implementation, batch):
-  """The concrete implementation `step_raw` runs for this choice (None: "auto") and batch."""
+  """The concrete implementation `step_raw` runs for this choice (None: "auto") and batch.
+  The fused choices (`FUSED_CHOICES`) need the raw gates, which `step_raw` does not get:
+  there they resolve as "auto" (a caller holding only g and beta, e.g. a token-by-token
+  verification scan, still runs under forms that name the fused kernel)."""
+  if implementation in FUSED_CHOICES:
+    implementation = "auto"
   impl = check_choice("gdn", implementation or "auto", CHOICES)
   if impl == "auto":
     return "pallas" if on_gpu() and batch >= AUTO_PALLAS_MIN_BATCH else "xla"
@@ -116,3 +152,33 @@ def step_raw(q, k, v, g, beta, state, *, implementation=None):
   if impl == "pallas_interpret":
     return gdn_decode_pallas(q, k, v, g, beta, state, interpret=True)
   return reference.delta_rule_step_raw(q, k, v, g, beta, state)
+
+
+def step_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, layer=None, *,
+               implementation=None):
+  """Decode step for a batch from raw q/k/v and raw gate inputs. Contract as
+  `reference.delta_rule_step_fused`: q, k [B, Hk, Dk]; v [B, Hv, Dv]; a, b [B, Hv];
+  a_coef, dt_bias [Hv]; state [B, Hv, Dv, Dk] float32; valid [B] or None -> (o [B, Hv, Dv],
+  new state), float32. Rows with valid == 0 keep their state.
+
+  With `layer` (an int32 scalar, may be traced), `state` is the stack [L, B, Hv, Dv, Dk] of
+  every layer's state and the step updates layer `layer` of it, returning the whole stack:
+  the fused kernel reads and writes that layer in place (carry the stack through a layer
+  scan and donate it: no per-layer slice or restack); the jnp forms slice and update it.
+
+  "pallas_fused" / "pallas_fused_interpret": `decode_fused_kernel.py`, one launch (state
+  aliased: in place when donated; invalid rows are not stored). Any `step_raw` choice
+  (None: "auto"): the gates and mask in jnp, then `step_raw` with that choice."""
+  if implementation in FUSED_CHOICES:
+    if implementation == "pallas_fused":
+      require_gpu("gdn", implementation, "'pallas_fused_interpret' or 'xla'")
+    return gdn_decode_fused(q, k, v, a, b, a_coef, dt_bias, state, valid, layer,
+                            interpret=implementation == "pallas_fused_interpret")
+  g, beta = reference.gates(a, b, a_coef, dt_bias)
+  if valid is not None:
+    ok = (valid != 0)[:, None]
+    g, beta = jnp.where(ok, g, 0.0), jnp.where(ok, beta, 0.0)
+  if layer is None:
+    return step_raw(q, k, v, g, beta, state, implementation=implementation)
+  o, s = step_raw(q, k, v, g, beta, state[layer], implementation=implementation)
+  return o, state.at[layer].set(s)

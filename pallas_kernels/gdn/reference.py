@@ -53,6 +53,28 @@ def delta_rule_step_raw(q, k, v, g, beta, state):
   return jax.vmap(delta_rule_step)(q, k, v, g, beta, state.astype(jnp.float32))
 
 
+def gates(a, b, a_coef, dt_bias):
+  """The model's gates from the raw `ba` halves: g = a_coef softplus(a + dt_bias) (log decay,
+  a_coef = -exp(A_log) < 0) and beta = sigmoid(b), in float32. a, b [..., Hv]; a_coef,
+  dt_bias [Hv]."""
+  f32 = jnp.float32
+  g = a_coef.astype(f32) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
+  return g, jax.nn.sigmoid(b.astype(f32))
+
+
+def delta_rule_step_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None):
+  """One decode step from raw inputs: the contract of `decode_fused_kernel`.
+
+  q, k [B, Hk, Dk] raw; v [B, Hv, Dv]; a, b [B, Hv] raw gate inputs; a_coef, dt_bias [Hv];
+  state [B, Hv, Dv, Dk]; valid [B] or None. Rows with valid == 0 get g = beta = 0, which
+  leaves their state unchanged. Returns (o [B, Hv, Dv], new state), float32."""
+  g, beta = gates(a, b, a_coef, dt_bias)
+  if valid is not None:
+    ok = (jnp.asarray(valid) != 0)[:, None]
+    g, beta = jnp.where(ok, g, 0.0), jnp.where(ok, beta, 0.0)
+  return delta_rule_step_raw(q, k, v, g, beta, state)
+
+
 def delta_rule_recurrent(q, k, v, g, beta, state):
   """Token-by-token oracle (see module docstring for shapes)."""
   def body(s, xs):

@@ -60,25 +60,37 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
     rows = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)    # [B, K-1+T, C]
     one_each = jnp.ones((B,), jnp.int32)
 
+    fused = cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES
+
     def one(s, xs):
-      t, g_t, beta_t = xs
+      t, g_t, beta_t, a_t, b_t, ok_t = xs
       win = lax.dynamic_slice_in_dim(rows, t, K, axis=1)                     # [B, K, C]
       c, _ = causal_conv(win[:, K - 1:], win[:, :K - 1], p.conv, one_each)
-      c = c[:, 0]
-      o_t, s = gdn_api.step_raw(c[:, :kd].reshape(B, Hk, Dk),
-                                c[:, kd:2 * kd].reshape(B, Hk, Dk),
-                                c[:, 2 * kd:].reshape(B, Hv, Dv).astype(jnp.float32), g_t,
-                                beta_t, s, implementation=cfg.forms.gdn_decode)
+      q_t, k_t = c[:, 0, :kd].reshape(B, Hk, Dk), c[:, 0, kd:2 * kd].reshape(B, Hk, Dk)
+      v_t = c[:, 0, 2 * kd:].reshape(B, Hv, Dv).astype(jnp.float32)
+      if fused:   # the decode step's own kernel (gates inside), as `decode` runs it
+        o_t, s = gdn_api.step_fused(q_t, k_t, v_t, a_t, b_t, p.a, p.dt_bias, s, ok_t,
+                                    implementation=cfg.forms.gdn_decode)
+      else:
+        o_t, s = gdn_api.step_raw(q_t, k_t, v_t, g_t, beta_t, s,
+                                  implementation=cfg.forms.gdn_decode)
       return s, (o_t, s)
     tm = lambda a: jnp.moveaxis(a, 1, 0)                                     # [T, B, ...]
-    _, (o, steps) = lax.scan(one, ssm, (jnp.arange(T), tm(g), tm(beta)))
+    ok = tm(valid[..., 0])                                                   # [T, B]
+    _, (o, steps) = lax.scan(one, ssm, (jnp.arange(T), tm(g), tm(beta), tm(a), tm(b), ok))
     o, conv_state, ssm = jnp.moveaxis(o, 0, 1), rows, jnp.moveaxis(steps, 0, 1)
     return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch), conv_state, ssm
   qkv, conv_state = causal_conv(qkv, conv_state, p.conv, n_valid)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
   v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
-  if T == 1:
+  if T == 1 and cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES:
+    # One launch from the raw inputs: gates, L2 norms, head expansion, the delta rule; the
+    # state of a row with no valid token is not stored (it is unchanged).
+    o, ssm = gdn_api.step_fused(q_raw[:, 0], k_raw[:, 0], v[:, 0], a[:, 0], b[:, 0], p.a,
+                                p.dt_bias, ssm, n_valid > 0, implementation=cfg.forms.gdn_decode)
+    o = o[:, None]
+  elif T == 1:
     # One fused step (L2 norms, head expansion, the delta rule) on the GPU.
     o, ssm = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm,
                                implementation=cfg.forms.gdn_decode)

@@ -1,0 +1,271 @@
+"""Chunk-parallel Pallas kernels for the chunked gated delta rule (README, "Parallel kernel").
+
+Contract of `chunked_kernel.gdn_chunked_pallas` (and of `reference.delta_rule_chunked`,
+batched): q, k [B, T, H, Dk] (l2-normalised, q scaled, heads expanded to the v-heads),
+v [B, T, H, Dv], g, beta [B, T, H], state [B, H, Dv, Dk] fp32 -> o [B, T, H, Dv] fp32,
+state fp32.
+
+`chunked_kernel.py` walks the chunks of a head in order and does all of a chunk's work on the
+way, so the UT inverse and the other q/k-only products sit on the serial path. Here the work
+that does not depend on the carried state runs first for every chunk at once, and only the
+state pass walks the chunks:
+
+1. `_intra_kernel`, grid (B, H, chunks), fully parallel. Per chunk, with G the in-chunk
+   cumulative log decay: M = strict_tril(β_t e^{G_t−G_s} k_t·k_s), T = (I + M)⁻¹ as the
+   product (I + N)(I + N²)···(I + N^{C/2}) with N = −M (`chunked.py`), then
+   ū = T (β v), w = T (β e^G k), A = tril(e^{G_t−G_s}) ⊙ q kᵀ. It writes ū [.., Dv],
+   w [.., Dk], A [.., C] (row t of a chunk holds its C entries) and G, all fp32.
+2. The state pass, grid (B, H, Dv / block_v): each program keeps a [block_v, Dk] fp32 tile
+   of one head's state and walks the chunks; per chunk u = ū − w Sᵀ, then
+   S ← e^{G_last} S + uᵀ (e^{G_last−G} k). Two forms:
+   - "fused" (`_state_out_kernel`): it also writes o = (e^G q) Sᵀ + A u for the chunk
+     (two more products on the serial path, no per-chunk state written). Two launches.
+   - "separate" (`_state_kernel` + `_out_kernel`, as fla's chunk_fwd_h / chunk_fwd_o): the
+     pass writes u and the state at each chunk's start, h [B, H, chunks, Dv, Dk] fp32, and a
+     third, fully parallel launch, grid (B, H, chunks), computes o from q, G, A, u and h.
+
+Every product is a `dot_general` on power-of-2 tiles >= 16 (tl.dot). All math is fp32
+(inputs of any float dtype are cast on load); `precision` picks the fp32 dot algorithm on
+the GPU (None: Triton's default, TF32); the interpreter (CPU) multiplies in exact fp32. The
+intermediates (ū, w, A, G, and for "separate" u and h) are arrays in HBM: fp32, or ū, w, u
+and h in `inter_dtype` (bf16 halves their traffic, as fla keeps them in the input dtype).
+
+Backend and JAX 0.10/0.11 idioms as `chunked_kernel.py` (the Triton lowering).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import SQUEEZED, pow2, require_triton, triton_params
+from pallas_kernels.gdn.chunked_kernel import (
+    _MIN_DIM,
+    _NN,
+    _NT,
+    _TN,
+    _dot,
+    _unit_lower_inverse,
+    check_chunked_inputs,
+    chunk_size,
+    head_dim_tile,
+)
+
+_F32 = jnp.float32
+STATE_PASSES = ("fused", "separate")
+# Compiled defaults, untimed (no GPU run yet; the probe `experiments/bench/gdn_probe.py`
+# sweeps them). The intra kernel holds [C, Dk] and [C, Dv] fp32 tiles and a [C, C] inverse:
+# 8 warps halve the registers per thread against 4. The state pass is the chunked kernel's
+# loop without the q/k work: its defaults (block_v 32, 4 warps, 1 stage).
+_INTRA_WARPS = 8
+_BLOCK_V = 32
+_STATE_WARPS = 4
+_OUT_WARPS = 4
+
+
+def _masks(c):
+  r = jnp.arange(c)
+  return r, r[:, None] >= r[None, :], r[:, None] > r[None, :]
+
+
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ubar_ref, w_ref, a_ref, gc_ref, *,
+                  chunk, precision):
+  """One program: batch row b, head h, chunk i. Refs hold that chunk: q/k [C, Dk],
+  v [C, Dv], g/beta [C]; outputs ū [C, Dv], w [C, Dk], A [C, C], G [C]."""
+  c = chunk
+  r, causal, strict = _masks(c)
+  eye = (r[:, None] == r[None, :]).astype(_F32)
+  g = g_ref[...].astype(_F32)
+  beta = beta_ref[...].astype(_F32)
+  big_g = jnp.cumsum(g)
+  diff = big_g[:, None] - big_g[None, :]  # G_t - G_s
+  # exp only under the masks: above the diagonal G_t - G_s > 0 could overflow.
+  decay_strict = jnp.where(strict, jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
+  decay_causal = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+  k = k_ref[...].astype(_F32)
+  m = beta[:, None] * decay_strict * _dot(k, k, _NT, precision)  # [C, C] strictly lower
+  t = _unit_lower_inverse(m, eye, c, precision)
+  w = _dot(t, (beta * jnp.exp(big_g))[:, None] * k, _NN, precision)
+  w_ref[...] = w.astype(w_ref.dtype)
+  ubar = _dot(t, beta[:, None] * v_ref[...].astype(_F32), _NN, precision)
+  ubar_ref[...] = ubar.astype(ubar_ref.dtype)
+  a_ref[...] = _dot(q_ref[...].astype(_F32), k, _NT, precision) * decay_causal
+  gc_ref[...] = big_g
+
+
+def _last(big_g, r, c):
+  """G_{C-1} as a scalar: a masked sum (Triton cannot index one element of a tile)."""
+  return jnp.sum(jnp.where(r == c - 1, big_g, 0.0))
+
+
+def _state_out_kernel(q_ref, k_ref, ubar_ref, w_ref, a_ref, gc_ref, s_ref, o_ref, s_out_ref,
+                      *, chunk, n_chunks, precision):
+  """Fused state pass. One program: (b, h, Dv tile); refs hold the whole padded sequence of
+  this (b, h): q/k/w [Tp, Dk], ū/o [Tp, bv], A [Tp, C], G [Tp]; state [bv, Dk]."""
+  c = chunk
+  r = jnp.arange(c)
+
+  def body(i, s):  # s [bv, Dk] fp32: the state at the start of chunk i
+    sl = pl.ds(pl.multiple_of(i * c, c), c)
+    big_g = gc_ref[sl]
+    g_last = _last(big_g, r, c)
+    u = ubar_ref[sl, :].astype(_F32) - _dot(w_ref[sl, :].astype(_F32), s, _NT,
+                                            precision)  # [C, bv]
+    q_dec = jnp.exp(big_g)[:, None] * q_ref[sl, :].astype(_F32)
+    o = _dot(q_dec, s, _NT, precision) + _dot(a_ref[sl, :], u, _NN, precision)
+    o_ref[sl, :] = o.astype(o_ref.dtype)
+    k_dec = jnp.exp(g_last - big_g)[:, None] * k_ref[sl, :].astype(_F32)  # [C, Dk]
+    return jnp.exp(g_last) * s + _dot(u, k_dec, _TN, precision)
+
+  s_out_ref[...] = lax.fori_loop(0, n_chunks, body, s_ref[...].astype(_F32))
+
+
+def _state_kernel(k_ref, ubar_ref, w_ref, gc_ref, s_ref, u_ref, h_ref, s_out_ref, *, chunk,
+                  n_chunks, precision):
+  """Separate state pass: as `_state_out_kernel` without o; writes u [Tp, bv] and the state
+  at each chunk's start, h [chunks, bv, Dk]."""
+  c = chunk
+  r = jnp.arange(c)
+
+  def body(i, s):
+    sl = pl.ds(pl.multiple_of(i * c, c), c)
+    h_ref[i] = s.astype(h_ref.dtype)
+    big_g = gc_ref[sl]
+    g_last = _last(big_g, r, c)
+    u = ubar_ref[sl, :].astype(_F32) - _dot(w_ref[sl, :].astype(_F32), s, _NT, precision)
+    u_ref[sl, :] = u.astype(u_ref.dtype)
+    k_dec = jnp.exp(g_last - big_g)[:, None] * k_ref[sl, :].astype(_F32)
+    return jnp.exp(g_last) * s + _dot(u, k_dec, _TN, precision)
+
+  s_out_ref[...] = lax.fori_loop(0, n_chunks, body, s_ref[...].astype(_F32))
+
+
+def _out_kernel(q_ref, a_ref, gc_ref, u_ref, h_ref, o_ref, *, precision):
+  """One program: (b, h, chunk i, Dv tile): o = (e^G q) hᵢᵀ + A u for block_v columns."""
+  q_dec = jnp.exp(gc_ref[...])[:, None] * q_ref[...].astype(_F32)
+  o_ref[...] = (_dot(q_dec, h_ref[...].astype(_F32), _NT, precision)
+                + _dot(a_ref[...], u_ref[...].astype(_F32), _NN, precision))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "chunk", "interpret", "block_v", "num_warps", "intra_warps", "num_stages", "precision",
+    "state_pass", "inter_dtype"))
+def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, block_v=None,
+                         num_warps=None, intra_warps=None, num_stages=None, precision=None,
+                         state_pass="fused", inter_dtype=None):
+  """Chunked gated delta rule for a batch, intra-chunk work parallel over chunks.
+
+  Args and returns as `chunked_kernel.gdn_chunked_pallas` (q, k [B, T, H, Dk] normalised and
+  scaled; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dv, Dk] float32, aliased to the
+  new state; T, Dk, Dv zero-padded as there), plus:
+    state_pass: "fused" (two launches: the state pass also writes o) or "separate" (three:
+      the state pass writes u and the per-chunk states, a parallel launch computes o).
+    num_warps: warps of the state pass (and of the output launch); None: 4.
+    intra_warps: warps of the parallel intra-chunk launch; None: 8.
+    block_v: the state pass's Dv tile; None: 32 compiled, Dv interpreted.
+    inter_dtype: the dtype ū and w (and for "separate" u and h) are kept in between the
+      launches; None: float32. bfloat16 halves their HBM traffic (fla keeps them in the
+      input dtype) at bf16 rounding of those values; A, G, the state and all math stay fp32.
+  """
+  if state_pass not in STATE_PASSES:
+    raise ValueError(f"gdn chunked: state_pass={state_pass!r}: expected one of {STATE_PASSES}")
+  check_chunked_inputs(q, k, v, g, beta, state)
+  require_triton(interpret, "gdn chunked", "'reference'")
+  b, t, h, dk0 = q.shape
+  dv0 = v.shape[-1]
+  c = chunk_size(t, chunk)
+  dk, dv = head_dim_tile(dk0), head_dim_tile(dv0)
+  bv = block_v or (dv if interpret else min(_BLOCK_V, dv))
+  if bv < _MIN_DIM or not pow2(bv) or bv > dv:
+    raise ValueError(f"gdn chunked: block_v={bv} must be a power of 2 in [{_MIN_DIM}, {dv}] "
+                     f"(Dv={dv0} padded to a power of 2 >= {_MIN_DIM})")
+  if t == 0:
+    return jnp.zeros((b, 0, h, dv0), _F32), state
+  n = pl.cdiv(t, c)
+  tp = n * c
+  g, beta = g.astype(_F32), beta.astype(_F32)
+  inter = jnp.dtype(inter_dtype or _F32)
+  # Zero padding, exact as in `gdn_chunked_pallas`: g = beta = 0 rows leave the state
+  # unchanged; zero Dk / Dv columns stay zero.
+  padded = (tp, dk, dv) != (t, dk0, dv0)
+  if padded:
+    pad = lambda x, d: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, d - x.shape[-1])))
+    q, k, v = pad(q, dk), pad(k, dk), pad(v, dv)
+    g, beta = (jnp.pad(x, ((0, 0), (0, tp - t), (0, 0))) for x in (g, beta))
+    state = jnp.pad(state, ((0, 0), (0, 0), (0, dv - dv0), (0, dk - dk0)))
+
+  sq = SQUEEZED
+  params = lambda warps, stages: None if interpret else triton_params(warps, stages)
+  stages = num_stages or 1
+  # 1. Intra-chunk work, one program per (b, h, chunk).
+  cspec = lambda d: pl.BlockSpec((sq, c, sq, d), lambda i, hh, j: (i, j, hh, 0))
+  cvec = pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j, hh))
+  ubar, w, a, gc = pl.pallas_call(
+      functools.partial(_intra_kernel, chunk=c, precision=precision),
+      grid=(b, h, n),
+      in_specs=[cspec(dk), cspec(dk), cspec(dv), cvec, cvec],
+      out_specs=[cspec(dv), cspec(dk), cspec(c), cvec],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), inter),
+                 jax.ShapeDtypeStruct((b, tp, h, dk), inter),
+                 jax.ShapeDtypeStruct((b, tp, h, c), _F32),
+                 jax.ShapeDtypeStruct((b, tp, h), _F32)],
+      interpret=interpret,
+      compiler_params=params(intra_warps or _INTRA_WARPS, stages),
+      name="gdn_chunk_intra",
+  )(q, k, v, g, beta)
+
+  # 2. The state pass, one program per (b, h, Dv tile), chunks in order.
+  seq = lambda d: pl.BlockSpec((sq, tp, sq, d), lambda i, hh, j: (i, 0, hh, 0))
+  seq_v = pl.BlockSpec((sq, tp, sq, bv), lambda i, hh, j: (i, 0, hh, j))
+  seq_g = pl.BlockSpec((sq, tp, sq), lambda i, hh, j: (i, 0, hh))
+  s_spec = pl.BlockSpec((sq, sq, bv, dk), lambda i, hh, j: (i, hh, j, 0))
+  warps = num_warps or _STATE_WARPS
+  if state_pass == "fused":
+    o, state = pl.pallas_call(
+        functools.partial(_state_out_kernel, chunk=c, n_chunks=n, precision=precision),
+        grid=(b, h, dv // bv),
+        in_specs=[seq(dk), seq(dk), seq_v, seq(dk), seq(c), seq_g, s_spec],
+        out_specs=[seq_v, s_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), _F32),
+                   jax.ShapeDtypeStruct(state.shape, _F32)],
+        input_output_aliases={6: 1},
+        interpret=interpret,
+        compiler_params=params(warps, stages),
+        name="gdn_chunk_state_out",
+    )(q, k, ubar, w, a, gc, state)
+  else:
+    h_spec = pl.BlockSpec((sq, sq, n, bv, dk), lambda i, hh, j: (i, hh, 0, j, 0))
+    u, hs, state = pl.pallas_call(
+        functools.partial(_state_kernel, chunk=c, n_chunks=n, precision=precision),
+        grid=(b, h, dv // bv),
+        in_specs=[seq(dk), seq_v, seq(dk), seq_g, s_spec],
+        out_specs=[seq_v, h_spec, s_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), inter),
+                   jax.ShapeDtypeStruct((b, h, n, dv, dk), inter),
+                   jax.ShapeDtypeStruct(state.shape, _F32)],
+        input_output_aliases={4: 2},
+        interpret=interpret,
+        compiler_params=params(warps, stages),
+        name="gdn_chunk_state",
+    )(k, ubar, w, gc, state)
+    # 3. Outputs, one program per (b, h, chunk, Dv tile); the grid's last axis enumerates
+    #    (chunk, tile) pairs (the Triton backend has at most three grid axes).
+    nv = dv // bv
+    tile = lambda d: pl.BlockSpec((sq, c, sq, d), lambda i, hh, j: (i, j // nv, hh, 0))
+    tile_v = pl.BlockSpec((sq, c, sq, bv), lambda i, hh, j: (i, j // nv, hh, j % nv))
+    o = pl.pallas_call(
+        functools.partial(_out_kernel, precision=precision),
+        grid=(b, h, n * nv),
+        in_specs=[tile(dk), tile(c), pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j // nv, hh)),
+                  tile_v,
+                  pl.BlockSpec((sq, sq, sq, bv, dk), lambda i, hh, j: (i, hh, j // nv, j % nv, 0))],
+        out_specs=tile_v,
+        out_shape=jax.ShapeDtypeStruct((b, tp, h, dv), _F32),
+        interpret=interpret,
+        compiler_params=params(_OUT_WARPS if num_warps is None else num_warps, stages),
+        name="gdn_chunk_out",
+    )(q, a, gc, u, hs)
+  if padded:
+    o, state = o[:, :t, :, :dv0], state[:, :, :dv0, :dk0]
+  return o, state

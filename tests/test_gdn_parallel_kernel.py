@@ -1,0 +1,162 @@
+"""Chunk-parallel GDN kernels (prefill): parity with `reference.delta_rule_chunked`, vmapped
+over B, for both state passes ("fused": two launches; "separate": three, fla's split).
+
+CPU runs the kernels under the Pallas interpreter and cross-lowers them to Triton for cuda
+(every construct has a Triton lowering rule; compiling needs the device). The `gpu` tests run
+them compiled (JAX_PLATFORMS=cuda on the device)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_gdn_chunked_kernel import TF32_REL, check, make_inputs, oracle
+from tolerances import DELTA_RULE_FP32, KERNEL_REL
+
+from pallas_kernels.gdn import api
+from pallas_kernels.gdn.parallel_kernel import STATE_PASSES, gdn_chunked_parallel
+
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
+F32, BF16 = jnp.float32, jnp.bfloat16
+H = 2
+
+
+@pytest.fixture(autouse=True)
+def full_fp32_dots():
+  """Full fp32 products against the fp32 oracle (as test_gdn_chunked_kernel.py)."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+# (B, T, H, Dk, Dv, chunk): T = 1 (one padded chunk), 37 and 130 (padded), 64 (whole chunks);
+# B = 1, 2, 3; 3 heads; Dk != Dv both ways; Dk = 24, Dv = 8 zero-padded to 32 and 16.
+CASES = [(1, 1, 2, 16, 16, 64), (2, 37, 3, 16, 32, 16), (1, 64, 2, 32, 32, 32),
+         (3, 64, 2, 24, 8, 16), (2, 130, 2, 32, 16, 64)]
+
+
+def _id(c):
+  return "B{}-T{}-H{}-Dk{}-Dv{}-C{}".format(*c)
+
+
+# every case with the fused pass, three with the separate one
+PARITY = [(c, "fused") for c in CASES] + [(CASES[i], "separate") for i in (1, 3, 4)]
+
+
+@pytest.mark.parametrize("case,state_pass", PARITY, ids=[f"{_id(c)}-{p}" for c, p in PARITY])
+def test_interpret_parity(case, state_pass):
+  b, t, h, dk, dv, c = case
+  args = make_inputs(b, t, h, dk, dv, seed=sum(case))
+  got = gdn_chunked_parallel(*args, chunk=c, interpret=True, state_pass=state_pass)
+  assert got[0].shape == (b, t, h, dv) and got[1].shape == (b, h, dv, dk)
+  check(got, oracle(*args, chunk=c), f"{_id(case)} {state_pass}")
+
+
+@pytest.mark.parametrize("state_pass", STATE_PASSES)
+def test_interpret_dv_tiles_bf16(state_pass):
+  """bf16 q/k/v (upcast in the kernels; the oracle gets the same values in fp32), several
+  state-pass programs per head (block_v < Dv) writing disjoint state rows."""
+  args = make_inputs(2, 45, H, 16, 32, act=BF16, seed=5)
+  got = gdn_chunked_parallel(*args, chunk=16, interpret=True, block_v=16, state_pass=state_pass)
+  check(got, oracle(*args, chunk=16), f"block_v=16 bf16 {state_pass}")
+
+
+@pytest.mark.parametrize("state_pass", STATE_PASSES)
+def test_interpret_bf16_intermediates(state_pass):
+  """ū, w (and u, h) kept in bf16 between the launches: within bf16 rounding of the oracle."""
+  args = make_inputs(2, 45, H, 16, 32, act=BF16, seed=6)
+  got = gdn_chunked_parallel(*args, chunk=16, interpret=True, state_pass=state_pass,
+                             inter_dtype=BF16)
+  check(got, oracle(*args, chunk=16), f"bf16 intermediates {state_pass}",
+        rel=KERNEL_REL["bfloat16"])
+
+
+def test_matches_serial_kernel_and_zero_gates_keep_state():
+  """The two state passes agree with each other; g = beta = 0 leaves the state bit for bit."""
+  q, k, v, g, beta, s0 = make_inputs(2, 40, H, 16, 16, seed=1)
+  fused = gdn_chunked_parallel(q, k, v, g, beta, s0, chunk=16, interpret=True)
+  split = gdn_chunked_parallel(q, k, v, g, beta, s0, chunk=16, interpret=True,
+                               state_pass="separate")
+  check(fused, split, "fused vs separate")
+  z = jnp.zeros_like(g)
+  _, s = gdn_chunked_parallel(q, k, v, z, z, s0, chunk=16, interpret=True)
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(s0))
+
+
+def test_api_forms_under_vmap():
+  """The model's call, `jax.vmap(api.chunked)`, with each interpreted parallel form equals
+  `chunked_batched` and the oracle (the pallas chunk caps the chunk, as for "pallas")."""
+  args = make_inputs(2, 37, H, 16, 16, seed=2)
+  want = oracle(*args, chunk=16)
+  for impl in api.PARALLEL_INTERPRET:
+    one = lambda *a, impl=impl: api.chunked(*a, chunk=64, implementation=impl, pallas_chunk=16)
+    vm = jax.jit(jax.vmap(one))(*args)
+    check(vm, want, f"vmap(api.chunked) {impl}")
+    bat = api.chunked_batched(*args, chunk=16, implementation=impl)
+    check(bat, want, f"api.chunked_batched {impl}")
+
+
+def test_choices_and_input_checks():
+  for impl in api.PARALLEL_INTERPRET:
+    assert api.chunked_implementation(impl) == impl
+  assert api.chunked_implementation() == ("pallas" if ON_GPU else "reference")
+  if not ON_GPU:
+    for impl in api.PARALLEL:
+      with pytest.raises(ValueError, match="needs a GPU"):
+        api.chunked_implementation(impl)
+  args = make_inputs(1, 8, H, 16, 16)
+  with pytest.raises(ValueError, match="state_pass='both'"):
+    gdn_chunked_parallel(*args, interpret=True, state_pass="both")
+  with pytest.raises(ValueError, match="power of 2"):
+    gdn_chunked_parallel(*args, chunk=48, interpret=True)
+  with pytest.raises(ValueError, match="block_v"):
+    gdn_chunked_parallel(*args, interpret=True, block_v=32)
+  q, k, v, g, beta, s = args
+  with pytest.raises(ValueError, match="state must be float32"):
+    gdn_chunked_parallel(q, k, v, g, beta, s.astype(BF16), interpret=True)
+
+
+@pytest.mark.parametrize("inter", [None, BF16], ids=["f32-inter", "bf16-inter"])
+@pytest.mark.parametrize("state_pass", STATE_PASSES)
+def test_lowers_to_triton_for_the_gpu(state_pass, inter):
+  """Cross-lowering on CPU at the bench's head size (bf16, padded T): every construct of the
+  kernels has a Pallas Triton lowering rule (what the interpreter cannot tell)."""
+  args = make_inputs(1, 100, 2, 128, 128, act=BF16)
+  f = lambda *a: gdn_chunked_parallel(*a, chunk=64, state_pass=state_pass, inter_dtype=inter)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("triton") >= (2 if state_pass == "fused" else 3)
+
+
+# ---------------------------------------------------------------- compiled, on the device
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("state_pass", STATE_PASSES)
+@pytest.mark.parametrize("chunk", [64, 32])
+def test_gpu_parity_bench_shape(chunk, state_pass):
+  """T = 2,500, 32 heads of 128, bf16 q/k/v (the bench's shape and dtypes)."""
+  args = make_inputs(1, 2500, 32, 128, 128, act=BF16, seed=11)
+  want = oracle(*args, chunk=64)
+  x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+  run = lambda **kw: gdn_chunked_parallel(*args, chunk=chunk, state_pass=state_pass, **kw)
+  check(run(precision=x3), want, f"gpu 3xtf32 C={chunk} {state_pass}", abs_=DELTA_RULE_FP32)
+  check(run(), want, f"gpu tf32 C={chunk} {state_pass}", rel=TF32_REL)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("state_pass", STATE_PASSES)
+def test_gpu_bf16_intermediates(state_pass):
+  args = make_inputs(1, 2500, 32, 128, 128, act=BF16, seed=14)
+  got = gdn_chunked_parallel(*args, state_pass=state_pass, inter_dtype=BF16)
+  check(got, oracle(*args), f"gpu bf16 intermediates {state_pass}", rel=KERNEL_REL["bfloat16"])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_api_vmap_and_tiles():
+  args = make_inputs(2, 300, 4, 128, 128, seed=12)
+  want = oracle(*args)
+  for impl in api.PARALLEL:
+    vm = jax.jit(jax.vmap(lambda *a, impl=impl: api.chunked(*a, implementation=impl)))(*args)
+    check(vm, want, f"gpu vmap(api.chunked) {impl}", rel=TF32_REL)
+  for bv in (16, 64, 128):
+    check(gdn_chunked_parallel(*args, block_v=bv), want, f"gpu block_v={bv}", rel=TF32_REL)
