@@ -371,3 +371,35 @@ def test_cli_spec_json_and_errors(tmp_path):
                      "error: --draft mtp: the model has no MTP layer")):
     r = cli(*base, *args, check=False)
     assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused_interpret"])
+def test_gdn_keep_steps_equals_decode_steps(model, impl):
+  """The verification's GDN form (T tokens as T decode steps, every state kept) against T
+  one-token decode calls, under the decode kernel the forms name (the fused one included)."""
+  from strata_jax.model.gdn import gdn_mixer  # noqa: PLC0415
+  cfg = dataclasses.replace(model.cfg, forms=dataclasses.replace(model.cfg.forms,
+                                                                 gdn_decode=impl))
+  p = jax.tree.map(lambda a: a[0], model.params.layers.gdn)
+  rng = np.random.default_rng(2)
+  B, T = 2, 3
+  x = jnp.asarray(rng.standard_normal((B, T, cfg.d_model)), jnp.float32)
+  conv = jnp.asarray(rng.standard_normal((B, cfg.conv_kernel - 1, cfg.gdn_conv_dim)),
+                     jnp.float32)
+  ssm = jnp.asarray(0.1 * rng.standard_normal((B, cfg.gdn_n_v_heads, cfg.gdn_d_v,
+                                               cfg.gdn_d_k)), jnp.float32)
+  nv, sw = jnp.array([T, 2]), jnp.zeros((B,), jnp.int32)
+  with jax.default_matmul_precision("highest"):
+    y, rows, steps_ = jax.jit(lambda x, c, s: gdn_mixer(cfg, p, x, c, s, nv, None, None, sw,
+                                                        keep_steps=True))(x, conv, ssm)
+    one = jax.jit(lambda x, c, s, n: gdn_mixer(cfg, p, x, c, s, n, None, None, sw))
+    c, s = conv, ssm
+    for t in range(T):
+      yt, c, s = one(x[:, t:t + 1], c, s, (nv > t).astype(jnp.int32))
+      assert_close(np.asarray(y[:, t]), np.asarray(yt[:, 0]), rel=1e-6, what=f"y {t}")
+      ok = np.asarray(nv) > t
+      assert_close(np.asarray(steps_[:, t])[ok], np.asarray(s)[ok], rel=1e-6, what=f"ssm {t}")
+      n = np.minimum(np.asarray(nv), t + 1)
+      for b in range(B):
+        np.testing.assert_array_equal(np.asarray(rows)[b, n[b]:n[b] + cfg.conv_kernel - 1],
+                                      np.asarray(c)[b])
