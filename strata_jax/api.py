@@ -58,6 +58,10 @@ class Model:
   def decode(self, ids) -> str | None:
     return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else None
 
+  def token_bytes(self, i: int) -> bytes | None:
+    """The bytes one token stands for (None without a tokenizer)."""
+    return self.tokenizer.token_bytes(int(i)) if self.tokenizer is not None else None
+
 
 def asset_path(name: str) -> str:
   return str(importlib.resources.files("strata_jax") / "assets" / name)

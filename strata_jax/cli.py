@@ -57,9 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
   src.add_argument("--prompt-tokens", default=None, help="comma-separated token ids")
   g.add_argument("-n", type=int, default=32, help="tokens to generate")
   g.add_argument("--temperature", type=float, default=0.0)
-  g.add_argument("--top-k", type=int, default=0)
-  g.add_argument("--top-p", type=float, default=1.0)
+  g.add_argument("--top-k", type=int, default=0, help="0 = off")
+  g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+  g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+  g.add_argument("--presence-penalty", type=float, default=0.0,
+                 help="llama.cpp's, over the last 64 tokens; 0 = off")
+  g.add_argument("--frequency-penalty", type=float, default=0.0, help="as --presence-penalty")
+  g.add_argument("--repeat-penalty", type=float, default=1.0, help="as llama.cpp; 1 = off")
   g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                 help="--json adds each token's logprob and the K most likely (K <= 20)")
   g.add_argument("--json", action="store_true", help="print one JSON object")
   g.add_argument("--dump-logits", default=None, metavar="OUT.npz")
 
@@ -90,10 +97,19 @@ def cmd_generate(args) -> int:
   import numpy as np  # noqa: PLC0415
 
   import strata_jax as sj  # noqa: PLC0415
+  from strata_jax.engine.engine import Request  # noqa: PLC0415
+  from strata_jax.engine.sampling import check  # noqa: PLC0415
   from strata_jax.errors import RequestError  # noqa: PLC0415
   from strata_jax.loading import control_vector_from_args, load_from_args  # noqa: PLC0415
   from strata_jax.speculative import check_spec  # noqa: PLC0415
   check_spec(args.spec, None, True)          # the range, before the model loads
+  check(Request(tokens=[0], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, repeat_penalty=args.repeat_penalty,
+                seed=args.seed, logprobs=args.logprobs),   # before the model is read
+        names={f: "--" + f.replace("_", "-") for f in (
+            "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repeat_penalty", "seed", "logprobs")})
   model, lora = load_from_args(args)
   cvec = control_vector_from_args(args, model)
   if args.prompt_tokens is not None:
@@ -113,8 +129,12 @@ def cmd_generate(args) -> int:
                      control_vector=cvec, spec=args.spec, draft=args.draft)
   stop = model.stop_ids()   # end-of-generation tokens end the run, as in llama.cpp and transformers
   res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
-                        lora=use_lora, return_logits=bool(args.dump_logits))
+                        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        presence_penalty=args.presence_penalty,
+                        frequency_penalty=args.frequency_penalty,
+                        repeat_penalty=args.repeat_penalty, seed=args.seed, stop=stop,
+                        lora=use_lora, logprobs=args.logprobs,
+                        return_logits=bool(args.dump_logits))
   if not _is_output_process():
     return 0
   if args.dump_logits:
@@ -124,6 +144,10 @@ def cmd_generate(args) -> int:
   text = res.text or ""
   if args.json:
     out = {"prompt_tokens": ids, "tokens": res.tokens, "text": text, "lora": bool(use_lora)}
+    if res.logprobs is not None:   # "top" keys are the ids as strings (JSON object keys)
+      out["logprobs"] = [{"token": e["token"], "logprob": e["logprob"],
+                          "top": {str(k): v for k, v in e["top"].items()}}
+                         for e in res.logprobs]
     if res.draft is not None:
       out["draft"] = res.draft
     print(json.dumps(out))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gdn.api import FUSED_CHOICES as FUSED_GDN_DECODE
+from strata_jax import sampling
 from strata_jax.config import ModelConfig
 from strata_jax.model import forward
 from strata_jax.state import ModelState, Pending
@@ -289,3 +290,60 @@ def mtp_restart(mstate, rows, start):
   """Rows where rows [B] is true start feeding the MTP head at position start [B]."""
   r = rows.astype(bool)
   return mstate.replace(start=jnp.where(r, start.astype(jnp.int32), mstate.start))
+
+
+# ----- sampling on the device ------------------------------------------------------------------
+# The sampling math is `strata_jax.sampling` (pure jnp); these are its jit sites.
+
+def _choose_and_advance(logits, rows, sp, stop_ids, plan):
+  tok, lp, top_ids, top_lp = sampling.choose(logits, rows.recent, sp, rows.n_gen, plan)
+  rows, emitted = sampling.advance(rows, tok, stop_ids)
+  return rows, (emitted, lp, top_ids, top_lp)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "plan", "with_logits"),
+                   donate_argnames=("state", "rows"))
+def decode_sample(cfg: ModelConfig, params, lora, state: ModelState, rows: sampling.Rows,
+                  sp: sampling.SamplingParams, switch, stop_ids, *, n_steps: int,
+                  plan: sampling.Plan, with_logits: bool = False, cvec=None):
+  """`n_steps` decode steps with on-device sampling in one program.
+
+  Each step feeds every active row's last token (`decode`), chooses the next one
+  (`sampling.choose`: penalties, temperature, top-k/p, min-p, seeded draw, logprobs) and
+  updates the rows (`sampling.advance`): a row that emits a stop id (stop_ids [B, S], -1
+  padded) or runs out of `remaining` becomes inactive, so its state never advances past the
+  stop. switch: int32 [B] LoRA switch; cvec: as in `prefill`.
+  Returns ((emitted int32 [n, B] (-1 where the row was inactive), logprob [n, B],
+  top_ids [n, B, n_top], top_lp [n, B, n_top], logits [n, B, V] or None), rows, state).
+  """
+  def body(carry, _):
+    rows, st = carry
+    logits, st = decode(cfg, params, lora, st, rows.last, switch, rows.active, cvec=cvec)
+    rows, out = _choose_and_advance(logits, rows, sp, stop_ids, plan)
+    return (rows, st), out + ((logits if with_logits else None),)
+
+  (rows, state), out = lax.scan(body, (rows, state), None, length=n_steps)
+  return out, rows, state
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("rows",))
+def sample_step(logits, rows: sampling.Rows, sp: sampling.SamplingParams, stop_ids, *,
+                plan: sampling.Plan):
+  """One choice from given logits [B, V] (a prompt's last logits; a layer-split step's):
+  the same math as one step of `decode_sample`. Returns (outputs as decode_sample's with
+  n = 1 and no logits, rows)."""
+  rows, out = _choose_and_advance(logits.astype(jnp.float32), rows, sp, stop_ids, plan)
+  return jax.tree.map(lambda a: a[None], out), rows
+
+
+@functools.partial(jax.jit, donate_argnames=("rows",))
+def put_rows(rows: sampling.Rows, new: sampling.Rows, slot):
+  """Write the one-row `new` into `rows` at `slot`."""
+  return jax.tree.map(lambda a, b: lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), slot, 0),
+                      rows, new)
+
+
+@functools.partial(jax.jit, donate_argnames=("rows",))
+def deactivate_rows(rows: sampling.Rows, mask):
+  """Stop the rows where mask [B] is true (cancelled requests)."""
+  return rows.replace(active=jnp.where(mask.astype(bool), 0, rows.active))

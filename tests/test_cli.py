@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from adapter_fixtures import write_adapter
 from model_fixtures import TINY
+from tolerances import KERNEL_REL, assert_close
 
 from strata_jax.gguf.convert_hf import write_model_gguf
 from strata_jax.gguf.names import params_to_gguf_tensors
@@ -42,8 +43,10 @@ def test_generate_json_and_dump_logits(files):
   d, model, a, b = files
   out = d / "on.npz"
   p = cli("generate", "--model", model, "--lora", a, "--lora-scaled", f"{b}:0.5",
-          "--prompt-tokens", "5,6,7,8,9", "-n", "4", "--json", "--dump-logits", str(out))
+          "--prompt-tokens", "5,6,7,8,9", "-n", "4", "--json", "--dump-logits", str(out),
+          "--logprobs", "3")
   res = json.loads(p.stdout.strip().splitlines()[-1])
+  assert set(res) == {"prompt_tokens", "tokens", "text", "lora", "logprobs"}
   assert res["prompt_tokens"] == [5, 6, 7, 8, 9] and len(res["tokens"]) == 4 and res["lora"] is True
   z = np.load(out)
   assert z["prompt"].shape == (5, TINY.vocab_size) and z["prompt"].dtype == np.float32
@@ -51,6 +54,18 @@ def test_generate_json_and_dump_logits(files):
   assert z["steps"].shape == (4, TINY.vocab_size)
   assert res["tokens"][0] == int(np.argmax(z["prompt_last"]))
   assert [int(np.argmax(s)) for s in z["steps"]] == res["tokens"]
+  # --logprobs K: [{"token": id, "logprob": x, "top": {id: x, ...}}] per token (DESIGN.md),
+  # log_softmax of the logits the token was chosen from
+  zs = z["steps"].astype(np.float64)
+  lsm = zs - zs.max(-1, keepdims=True)
+  lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
+  assert [e["token"] for e in res["logprobs"]] == res["tokens"]
+  for i, e in enumerate(res["logprobs"]):
+    assert set(e) == {"token", "logprob", "top"} and len(e["top"]) == 3
+    assert_close(e["logprob"], lsm[i, e["token"]], rel=KERNEL_REL["float32"], what="logprob")
+    ids = [int(k) for k in e["top"]]
+    assert ids == list(np.argsort(-lsm[i], kind="stable")[:3])
+    assert_close(list(e["top"].values()), lsm[i, ids], rel=KERNEL_REL["float32"], what="top")
   # --lora-off loads the adapters but is bit-identical to no adapter at all
   cli("generate", "--model", model, "--lora", a, "--lora-off", "--prompt-tokens", "5,6,7,8,9",
       "-n", "4", "--dump-logits", str(d / "off.npz"))
@@ -69,6 +84,10 @@ def test_generate_json_and_dump_logits(files):
     (["--lora", "/nonexistent-adapter.gguf", "--prompt-tokens", "1"], "nonexistent-adapter"),
     (["--prompt-tokens", "99999999"], "vocabulary"),
     (["--layer-split", "1,x", "--prompt-tokens", "1"], "layer-split"),
+    (["--temperature", "-0.5", "--prompt-tokens", "1"], "--temperature"),
+    (["--temperature", "nan", "--prompt-tokens", "1"], "--temperature"),
+    (["--top-p", "1.5", "--prompt-tokens", "1"], "--top-p"),
+    (["--logprobs", "21", "--prompt-tokens", "1"], "--logprobs"),
 ])
 def test_errors_exit_2_without_traceback(files, args, needle):
   _, model, _, _ = files

@@ -66,16 +66,19 @@ def test_prefix_hit_equals_uncached(model, length):
 
 
 def test_prefix_hit_bit_identical_logits(model):
-  """With a hit, the logits of every generated token are bit-identical to a cold run."""
+  """With a prefix-cache hit (the caches on: `return_step_logits`), the logits every token
+  was chosen from, the prompt's last logits included, are bit-identical to a cold run's."""
   prompt = list(np.random.default_rng(9).integers(0, TINY.vocab_size, 80))
   warm = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
   warm.generate(tokens=prompt, max_tokens=1)
   # a different slot-state so the conversation cache cannot serve it: reset by another prompt
   warm.generate(tokens=[1, 2, 3], max_tokens=1)
-  hit = warm.run([Request(tokens=prompt + [3], max_tokens=4, return_logits=False)])[0]
-  cold = sj.Engine(model, slots=1, max_seq=256, block_size=BS, prefix_cache_bytes=0)
-  ref = cold.run([Request(tokens=prompt + [3], max_tokens=4)])[0]
-  assert hit.cached_tokens == 64
+  hit = warm.run([Request(tokens=prompt + [3], max_tokens=4, return_step_logits=True)])[0]
+  cold = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
+  ref = cold.run([Request(tokens=prompt + [3], max_tokens=4, return_step_logits=True)])[0]
+  assert hit.cached_tokens == 64 and ref.cached_tokens == 0
+  assert hit.step_logits.shape == ref.step_logits.shape == (4, TINY.vocab_size)
+  assert np.array_equal(hit.step_logits, ref.step_logits)
   assert hit.tokens == ref.tokens
 
 
@@ -152,9 +155,3 @@ def test_cancel_and_erase_slot(model):
   eng.erase_slot(0)
   assert eng.slot_info(0)["n_tokens"] == 0
   assert eng.generate(tokens=[1, 2, 3, 4], max_tokens=2).cached_tokens == 0
-
-
-def test_tiny_temperature_is_greedy():
-  from strata_jax.engine.sampling import sample
-  logits = np.array([0.0, 3.0, 1.0], np.float32)
-  assert sample(logits, np.random.default_rng(0), temperature=1e-9) == 1

@@ -197,6 +197,77 @@ def test_stop_strings(srv):
     assert msg.stop_sequence == stop
 
 
+def test_openai_logprobs_shapes_complete_and_stream(srv):
+  """Chat `logprobs` / `top_logprobs` and completions `logprobs` in OpenAI's shapes, the same
+  entries streamed; greedy: the chosen token is the most likely one."""
+  full = _chat(srv, "Name three colours.", lora=False, logprobs=True, top_logprobs=3)
+  lp = full.choices[0].logprobs.content
+  text = full.choices[0].message.content
+  assert 1 <= len(lp) <= full.usage.completion_tokens
+  assert b"".join(bytes(e.bytes) for e in lp).decode() == text
+  for e in lp:
+    assert len(e.top_logprobs) == 3 and e.logprob <= 0
+    assert e.token == e.top_logprobs[0].token and e.logprob == e.top_logprobs[0].logprob
+    assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs),
+                                                         reverse=True)
+  streamed = []
+  for c in _chat(srv, "Name three colours.", lora=False, logprobs=True, top_logprobs=3,
+                 stream=True):
+    if c.choices and c.choices[0].logprobs is not None:
+      streamed += c.choices[0].logprobs.content
+  assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == \
+      [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in lp]
+  assert _chat(srv, "Name three colours.", lora=False).choices[0].logprobs is None
+  # completions: tokens, token_logprobs, top_logprobs (k most likely + the chosen), text_offset
+  body = {"prompt": "The capital of France is", "max_tokens": 6, "logprobs": 2}
+  c = _complete(srv, **body).json()["choices"][0]
+  clp = c["logprobs"]
+  assert set(clp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+  n = len(clp["tokens"])
+  assert n == len(c["tokens"]) and "".join(clp["tokens"]) == c["text"]
+  assert clp["text_offset"] == [sum(map(len, clp["tokens"][:i])) for i in range(n)]
+  for tok, x, top in zip(clp["tokens"], clp["token_logprobs"], clp["top_logprobs"]):
+    assert len(top) == 2 and top[tok] == x == max(top.values())
+  r = httpx.post(f"{srv.url}/v1/completions", timeout=120,
+                 json={**body, "temperature": 0, "stream": True})
+  chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: {")]
+  got = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+  for ch in chunks:
+    if ch["choices"] and ch["choices"][0]["logprobs"]:
+      for k in got:
+        got[k] += ch["choices"][0]["logprobs"][k]
+  assert got == clp
+
+
+def test_bad_sampling_parameters_answer_400_naming_them(srv):
+  cases = [("/v1/chat/completions", {"temperature": -0.5}, "temperature"),
+           ("/v1/chat/completions", {"top_p": 1.5}, "top_p"),
+           ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+           ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+           ("/v1/chat/completions", {"min_p": 2.0}, "min_p"),
+           ("/v1/completions", {"top_p": -0.1}, "top_p"),
+           ("/v1/completions", {"logprobs": 21}, "logprobs"),
+           ("/v1/completions", {"repeat_penalty": 0}, "repeat_penalty"),
+           ("/v1/completions", {"top_k": -3}, "top_k"),
+           ("/v1/messages", {"temperature": -1}, None)]
+  for path, extra, param in cases:
+    base = ({"prompt": [1, 2], "max_tokens": 1} if path == "/v1/completions" else
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    r = httpx.post(f"{srv.url}{path}", json={**base, **extra}, timeout=60)
+    assert r.status_code == 400, (path, extra, r.text)
+    if param is None:   # Anthropic's shape has no param: the message names it
+      assert "temperature" in r.json()["error"]["message"]
+    else:
+      assert r.json()["error"]["param"] == param, r.text
+      assert param in r.json()["error"]["message"]
+  # NaN (Python's JSON reads it): named, never clamped
+  r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+                 headers={"content-type": "application/json"},
+                 content=b'{"prompt": [1, 2], "max_tokens": 1, "temperature": NaN}')
+  assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+
+
 def test_errors_use_each_api_shape(srv, base_srv):
   u = srv.url
 

@@ -11,6 +11,7 @@ unset JAX_DEFAULT_MATMUL_PRECISION
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TESTS=${GPU_TESTS:-"tests/test_lora_kernel.py tests/test_lora_kernel_mosaic.py tests/test_moe_kernel.py
   tests/test_moe_grouped_kernel.py tests/test_gdn_decode_kernel.py tests/test_gdn_chunked_kernel.py
+  tests/test_gdn_parallel_kernel.py tests/test_gdn_decode_fused_kernel.py
   $(ls tests/test_quant*.py 2>/dev/null) tests/test_forms.py tests/test_lora_switch.py
   tests/test_decode_greedy.py tests/test_model_parity.py tests/test_engine.py"}
 timeout "${CAP:-420}" python3 -m pytest -p no:cacheprovider -W ignore -q -rfs -n "${WORKERS:-6}" \

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax import sampling as smp
 from strata_jax import session as sess
 from strata_jax import speculative, steps
 from strata_jax.api import model_fingerprint
+from strata_jax.engine import sampling as host_sampling
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
-from strata_jax.engine.sampling import sample
 from strata_jax.errors import ControlVectorError, RequestError, SessionError, StrataError
 from strata_jax.forms import Forms
 from strata_jax.parallel import distributed
@@ -32,18 +33,33 @@ log = logging.getLogger("strata_jax")
 
 @dataclasses.dataclass
 class Request:
-  """One generation request. `lora`: None means on when an adapter is loaded."""
+  """One generation request. `lora`: None means on when an adapter is loaded.
+
+  Sampling (on the device, `strata_jax.sampling`): temperature 0 is greedy; top_k 0, top_p 1,
+  min_p 0, presence/frequency penalty 0 and repeat_penalty 1 are off. Penalties are llama.cpp's
+  over the last 64 tokens (prompt included). `seed` fixes the draws: the tokens depend only on
+  the prompt, the parameters and the seed. `logprobs=k` (0..20) returns each chosen token's
+  logprob and the k most likely ids per step (`Result.logprobs`).
+  """
   tokens: list[int]
   max_tokens: int = 32
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repeat_penalty: float = 1.0
   seed: int = 0
   stop: Sequence[int] = ()
   lora: bool | None = None
-  return_logits: bool = False
-  on_token: Callable[[int], None] | None = None   # called with each token as it is sampled
-  spec: int | None = None   # speculative drafts per step (0 off; None: the engine's `spec`)
+  logprobs: int | None = None
+  return_logits: bool = False       # prompt [T, V] and step logits (turns the caches off)
+  return_step_logits: bool = False  # only the logits each token was chosen from (caches on)
+  on_token: Callable[[int], None] | None = None   # called with each token as it is read
+  # (logprobs set) called with each token's logprobs entry (as in Result.logprobs) just
+  # before on_token
+  on_logprobs: Callable[[dict], None] | None = None
 
 
 @dataclasses.dataclass
@@ -59,8 +75,9 @@ class Result:
   slot: int
   text: str | None = None
   prompt_logits: np.ndarray | None = None   # [T, V] (return_logits)
-  step_logits: np.ndarray | None = None     # [n, V] the logits each token was chosen from
-  draft: dict | None = None   # speculative decoding: {"proposed": p, "accepted": a}
+  step_logits: np.ndarray | None = None     # [n, V] the raw logits each token was chosen from
+  # (logprobs=k) per token: {"token": id, "logprob": x, "top": {id: x, ...} (k entries)}
+  logprobs: list[dict] | None = None
 
 
 class Handle:
@@ -70,7 +87,8 @@ class Handle:
     self.req, self.result, self.cancelled = req, None, False
 
   def cancel(self):
-    """Stop generating at the next step (finish_reason "cancelled")."""
+    """Stop generating soon (finish_reason "cancelled"); tokens read after the cancel are
+    not delivered."""
     self.cancelled = True
 
   @property
@@ -83,21 +101,34 @@ class _Running:
   req: Request
   switch: int
   tokens: list[int]
-  rng: np.random.Generator
   t0: float
   t_first: float = 0.0
   cached: int = 0
   computed: int = 0
+  remaining: int = 0        # tokens it may still emit, as of the tokens read
+  inflight: int = 0         # decode steps dispatched and not yet read
+  cancel_at: int | None = None
   step_logits: list = dataclasses.field(default_factory=list)
   prompt_logits: np.ndarray | None = None
-  spec: int = 0            # drafts per round (0: plain decoding)
-  proposed: int = 0
-  accepted: int = 0
+  logprobs: list | None = None
+
+
+@dataclasses.dataclass
+class _Chunk:
+  out: tuple               # device outputs of decode_sample (or of one sample_step)
+  n: int
+  runs: list               # (slot, _Running) of the rows that may be active in it
+  plan: smp.Plan
 
 
 class Engine:
   """Batch slots over one model (optionally split into stages), an optional LoRA set and an
   optional control vector.
+
+  Decoding runs `steps.decode_sample`: several steps per dispatch with sampling, stop ids and
+  length limits on the device; only token ids (and requested logprobs) come back. The next
+  chunk is dispatched before the previous one's tokens are read, so host work overlaps the
+  device.
 
   Args:
     model: a `strata_jax.Model` (from `load_model`).
@@ -106,20 +137,30 @@ class Engine:
       row (as llama.cpp's); `set_control_vector` swaps it without recompiling.
     slots: number of rows decoding together.
     max_seq: K/V capacity per slot (tokens).
-    block_size: prefix-cache block and prefill chunk size (tokens).
+    block_size: prefix-cache block size (tokens) and the smallest prefill chunk.
     prefix_cache_bytes: host memory bound of the prefix block cache (0 disables it).
     state_every: keep the GDN state with every this-many blocks (and with each prompt's last
       full block); K/V are kept for every block. The recurrent state is fixed-size and, for
       large models, far bigger than a block's K/V (80B-A3B: 74 MiB vs 1.5 MiB per 64 tokens).
+      Prefill chunks end where a state is kept, so this also bounds the chunk length (the
+      default, 32 blocks of 64, lets a 2,500-token prompt run as chunks of 2,048, 448 and 4).
+    max_prefill_chunk: the largest prefill chunk (tokens; a power-of-two multiple of
+      block_size). Chunks are padded to power-of-two buckets (one program per bucket).
+    decode_steps: the decode steps per dispatch the engine may use (one program each): a
+      dispatch takes the fewest that cover the running rows' remaining length (with requests
+      queued, the first row's to finish), else the most.
+    warmup: compile the programs before the first request: True for every prefill bucket, or
+      a list of prompt lengths for the buckets those use; plus the greedy decode programs.
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
   """
 
   def __init__(self, model, lora=None, slots: int = 1, max_seq: int | None = None,
-               block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 8,
-               forms: Forms | None = None, control_vector=None, spec: int = 0,
-               draft: str | None = None):
+               block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 32,
+               max_prefill_chunk: int = 4096, decode_steps: Sequence[int] = (1, 4, 16),
+               warmup: bool | Sequence[int] = False, forms: Forms | None = None,
+               control_vector=None, spec: int = 0, draft: str | None = None):
     self.model, self.lora_set, self.n_slots = model, lora, int(slots)
     # Forms live in the config, the steps' static argument: an engine with other forms
     # compiles and runs its own programs beside this model's other engines.
@@ -130,6 +171,11 @@ class Engine:
     self.state_every = max(1, int(state_every))
     cap = max_seq or min(cfg.context_length, 4096)
     self.max_seq = -(-int(cap) // self.block_size) * self.block_size
+    chunk = self.block_size
+    while chunk * 2 <= min(int(max_prefill_chunk), self.max_seq):
+      chunk *= 2
+    self.max_chunk = chunk
+    self.decode_steps = tuple(sorted({int(b) for b in decode_steps if int(b) >= 1})) or (1,)
     # Without an adapter the engine runs the very same program with an all-zero adapter and
     # every switch off: "off" is then bit-identical to "no adapter" by construction, on any
     # backend (GPU autotuning may otherwise pick different GEMM code for two programs).
@@ -179,10 +225,22 @@ class Engine:
     self._lru = collections.OrderedDict((s, None) for s in range(self.n_slots))
     self._pending: collections.deque = collections.deque()
     self._running: dict = {}
+    # The sampler's per-row arrays live on the last stage's device. Stages on several
+    # processes: every process keeps its own copy on a local device and samples from the
+    # broadcast logits (the same inputs and program, so the same tokens everywhere).
+    self._sdev = jax.local_devices()[0] if self._shared else self.stages[-1].device
+    self._shost = np.asarray if self._shared else self._host   # the sampler's outputs
+    self.rows = self._put(host_sampling.empty_rows(self.n_slots))
+    self.row_params = host_sampling.RowParams(self.n_slots)
+    self._row_dev = None          # device copy of row_params (None: rebuild at next dispatch)
+    self._inflight: _Chunk | None = None
+    self._snaps: list = []        # prefix-cache snapshots read to the host after the first token
     has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
     self._spec_decoder = None
+    if warmup:
+      self.warmup(None if warmup is True else warmup)
 
   # ----- public API -----------------------------------------------------------------------
   @property
@@ -238,11 +296,12 @@ class Engine:
 
   @property
   def busy(self) -> bool:
-    return bool(self._pending or self._running)
+    return bool(self._pending or self._running or self._inflight is not None)
 
   def step(self):
-    """One scheduling round: free slots take queued requests (prefill), then every running
-    row decodes one token together. A finished slot takes the next request next round."""
+    """One scheduling round: free slots take queued requests (prefill and first token), the
+    next decode chunk is dispatched, then the previous chunk's tokens are read (the device
+    runs the new chunk meanwhile). A finished slot takes the next request next round."""
     while self._pending and len(self._running) < self.n_slots:
       h = self._pending.popleft()
       if h.cancelled:
@@ -253,16 +312,61 @@ class Engine:
         h.result = self._finish(slot, run)
       else:
         self._running[slot] = (h, run)
-    for slot in [s for s, (h, _) in self._running.items() if h.cancelled]:
-      h, run = self._running.pop(slot)
-      h.result = self._finish(slot, run, reason="cancelled")
-    if self._running:
-      self._decode_step(self._running)
-      for slot in list(self._running):
-        h, run = self._running[slot]
-        if self._finished(slot, run):
-          h.result = self._finish(slot, run)
-          del self._running[slot]
+        self._row_dev = None
+    cancel = [s for s, (h, run) in self._running.items() if h.cancelled and run.cancel_at is None]
+    if cancel:
+      for s in cancel:
+        run = self._running[s][1]
+        run.cancel_at = len(run.tokens)
+      mask = self._put(np.isin(np.arange(self.n_slots), cancel).astype(np.int32))
+      self.rows = self._on_last(steps.deactivate_rows, self.rows, mask)
+    chunk = self._dispatch()
+    if self._inflight is not None:
+      self._collect(self._inflight)
+    self._inflight = chunk
+    spec_rows = {s: hr for s, hr in self._running.items()
+                 if hr[1].spec and hr[1].cancel_at is None}
+    if spec_rows:
+      self._spec_step(spec_rows)
+    for slot in list(self._running):
+      h, run = self._running[slot]
+      if run.cancel_at is not None and run.inflight == 0:
+        h.result = self._finish(slot, run, reason="cancelled")
+        del self._running[slot]
+        self._row_dev = None
+
+  def warmup(self, prompt_lengths: Sequence[int] | None = None,
+             plans: Sequence[smp.Plan] = (smp.Plan(),)):
+    """Compile (and run once, on no rows) the prefill buckets that prompts of these lengths
+    use (None: every bucket), the first-token choice and the decode programs of `plans`."""
+    if self.busy:
+      raise RequestError("warmup() needs an idle engine")
+    buckets = set()
+    if prompt_lengths is None:
+      b = self.block_size
+      while b <= self.max_chunk:
+        buckets.add(b)
+        b *= 2
+    else:
+      for n in prompt_lengths:
+        n_blocks = n // self.block_size
+        buckets.update(bk for _, _, bk in self._schedule(0, int(n), n_blocks, True))
+    for b in sorted(buckets):
+      # n_valid 0: every layer leaves the row as it is
+      self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False)
+    for plan in plans:
+      one = self._put(host_sampling.empty_rows(1))
+      self._on_last(steps.sample_step, self._put(jnp.zeros((1, self.model.cfg.vocab_size))),
+                    one, self._put(self.row_params.params([0])),
+                    self._put(self.row_params.stops([0])), plan=plan)
+      if len(self.stages) == 1:
+        dev = self._device_rows()
+        for n in self.decode_steps:
+          st = self.stages[0]
+          out, self.rows, self.states[0] = distributed.call_on_stage(
+              steps.decode_sample, st.device, st.cfg, st.params, st.lora, self.states[0],
+              self.rows, dev[0], dev[1], dev[2], n_steps=n, plan=plan, cvec=st.cvec)
+    jax.block_until_ready(self.states)
 
   # ----- requests -------------------------------------------------------------------------
   def _check(self, r: Request):
@@ -275,16 +379,25 @@ class Engine:
     if len(r.tokens) >= self.max_seq:
       raise RequestError(f"the prompt has {len(r.tokens)} tokens; this engine holds at most "
                          f"{self.max_seq - 1} prompt tokens per slot (max_seq={self.max_seq})")
+    if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, (int, np.integer)):
+      raise RequestError(f"max_tokens must be an integer, got {r.max_tokens!r}")
     if r.max_tokens < 1:
       raise RequestError(f"max_tokens must be >= 1, got {r.max_tokens}")
     if r.lora and not self.has_lora:
       raise RequestError("the request asks for the LoRA adapter but none is loaded")
+    host_sampling.check(r)
     if r.spec is not None:
       speculative.check_spec(r.spec, None, True, where="speculative n")
-    if self._spec_n(r) and len(self.stages) > 1:
-      raise RequestError("speculative decoding runs on a one-stage model (no layer split)")
-    if self._spec_n(r) and r.return_logits:
-      raise RequestError("speculative decoding does not return per-step logits; use spec 0")
+    if self._spec_n(r):
+      if len(self.stages) > 1:
+        raise RequestError("speculative decoding runs on a one-stage model (no layer split)")
+      if (r.return_logits or r.return_step_logits or r.logprobs is not None or r.min_p
+          or r.presence_penalty or r.frequency_penalty or r.repeat_penalty != 1.0):
+        raise RequestError("speculative decoding samples with temperature, top_k and top_p "
+                           "only (no penalties, min_p, logprobs or logits); use spec 0")
+    bad = [t for t in r.stop if not 0 <= int(t) < v]
+    if bad:
+      raise RequestError(f"stop token {bad[0]} is outside the vocabulary [0, {v})")
 
   def _spec_n(self, r: Request) -> int:
     return self.spec if r.spec is None else int(r.spec)
@@ -308,12 +421,52 @@ class Engine:
     best = max(free, key=lambda s: self._conv_match(s, req))
     return best if self._conv_match(best, req) > 0 else free[0]
 
+  # ----- device placement -----------------------------------------------------------------
+  def _put(self, tree):
+    """Host arrays to the sampler's device."""
+    if self._sdev is not None:
+      return jax.device_put(tree, self._sdev)
+    return jax.tree.map(jnp.asarray, tree)
+
+  def _on_last(self, fn, *args, **kw):
+    return distributed.call_on_stage(fn, self._sdev, *args, **kw)
+
+  def _device_rows(self):
+    """(SamplingParams, switch, stop ids) of every row on the device (cached)."""
+    if self._row_dev is None:
+      rp = self.row_params
+      self._row_dev = self._put((rp.params(), rp.switch, rp.stops()))
+    return self._row_dev
+
   # ----- prefill --------------------------------------------------------------------------
+  def _schedule(self, start: int, total: int, n_hashes: int, aligned: bool):
+    """Prefill chunks [(pos, n, bucket)] for tokens [start, total): as long as max_chunk
+    allows, ending where a block's recurrent state is kept (every `state_every` blocks and
+    the prompt's last full block) so it can be snapshotted; padded to power-of-two buckets
+    (multiples of the block size). The schedule depends on the prompt alone (not on the
+    cache's size), so a prompt computes the same numbers with the cache on or off."""
+    bs = self.block_size
+    cuts = set()
+    if aligned:
+      cuts = {(b + 1) * bs for b in range(n_hashes)
+              if (b + 1) % self.state_every == 0 or b == n_hashes - 1}
+    out, pos = [], start
+    while pos < total:
+      end = min(total, pos + self.max_chunk)
+      end = min([c for c in cuts if pos < c <= end], default=end)
+      n = end - pos
+      bucket = bs
+      while bucket < n:
+        bucket *= 2
+      out.append((pos, n, bucket))
+      pos = end
+    return out
+
   def _start(self, slot: int, req: Request) -> _Running:
     self._lru.move_to_end(slot)
     switch = self._switch(req)
-    run = _Running(req=req, switch=switch, tokens=[], rng=np.random.default_rng(req.seed),
-                   t0=time.perf_counter())
+    run = _Running(req=req, switch=switch, tokens=[], t0=time.perf_counter(),
+                   logprobs=[] if req.logprobs is not None else None)
     toks = list(map(int, req.tokens))
     start = self._conv_match(slot, req)
     aligned = start == 0
@@ -325,35 +478,56 @@ class Engine:
       start = self._restore_prefix(slot, toks, hashes, switch) if not req.return_logits else 0
     run.cached = start
     logits_parts = []
-    pos = start
     if not aligned and len(toks) - start == 1 and not req.return_logits:
       # One new token on a kept conversation (e.g. a resumed session): the decode step, so the
       # continuation computes exactly what an uninterrupted run would have.
-      out, n, pos = self._decode_rows({slot: (toks[-1], switch)})[slot], 1, len(toks)
-    while pos < len(toks):
-      # Chunks end on block boundaries, so every full block can be snapshotted.
-      n = min(self.block_size - pos % self.block_size, len(toks) - pos)
-      chunk = np.zeros(self.block_size, np.int32)
-      chunk[:n] = toks[pos:pos + n]
-      out = self._prefill_chunk(slot, chunk, n, switch, all_logits=req.return_logits)
-      logits_parts.append(self._host(out)[:n] if req.return_logits else None)
-      pos += n
-      blk = pos // self.block_size - 1
-      if aligned and pos % self.block_size == 0 and blk < len(hashes):
-        # K/V for every block; the (much larger) GDN state every `state_every` blocks and at
-        # the prompt's last full block, where shared prefixes usually end.
-        with_state = (blk + 1) % self.state_every == 0 or blk == len(hashes) - 1
-        self._snapshot(slot, hashes, blk, with_state)
+      last = self._decode_rows({slot: (toks[-1], switch)})
+      last = (self._host(last) if self._shared else last)[slot]
+    else:
+      for pos, n, bucket in self._schedule(start, len(toks), len(hashes), aligned):
+        chunk = np.zeros(bucket, np.int32)
+        chunk[:n] = toks[pos:pos + n]
+        out = self._prefill_chunk(slot, chunk, n, switch, all_logits=req.return_logits)
+        if req.return_logits:
+          logits_parts.append(self._host(out)[:n])
+        end = pos + n
+        if aligned:
+          # K/V for every block the chunk completed; the (much larger) GDN state every
+          # `state_every` blocks and at the prompt's last full block (chunks end there).
+          for blk in range(pos // self.block_size, end // self.block_size):
+            if blk < len(hashes) and (blk + 1) * self.block_size > pos:
+              with_state = (blk + 1) * self.block_size == end and (
+                  (blk + 1) % self.state_every == 0 or blk == len(hashes) - 1)
+              self._snapshot(slot, hashes, blk, with_state)
+      last = logits_parts[-1][n - 1] if req.return_logits else out
+      if self._shared and not req.return_logits:
+        last = self._host(last)      # every process samples from the same logits
     run.computed = len(toks) - start
-    last = self._host(out)[n - 1] if req.return_logits else self._host(out)
     if req.return_logits:
       run.prompt_logits = np.concatenate(logits_parts, axis=0)
     self.slot_tokens[slot] = toks
     self.slot_key[slot] = self._cache_key(switch)
-    self._emit(run, last)
+    # the first token: the device sampler on the prompt's last logits
+    self.row_params.set(slot, req, switch)
+    self._row_dev = None
+    plan = host_sampling.plan_for([req])
+    rows1 = self._put(host_sampling.first_rows(toks, min(req.max_tokens, self.max_seq - len(toks))))
+    last = last[None] if last.ndim == 1 else last
+    out1, rows1 = self._on_last(
+        steps.sample_step, self._put(last), rows1, self._put(self.row_params.params([slot])),
+        self._put(self.row_params.stops([slot])), plan=plan)
+    self.rows = self._on_last(steps.put_rows, self.rows, rows1, jnp.int32(slot))
+    run.remaining = min(req.max_tokens, self.max_seq - len(toks))
+    want_logits = req.return_logits or req.return_step_logits
+    self._emit_chunk(slot, run, self._read(out1, plan), 1,
+                     self._host(last) if want_logits else None)
+    self._flush_snapshots()
     run.spec = self._spec_n(req)
-    if run.spec:
+    if run.spec:    # speculative rounds from now on, off the device sampler's rows
+      run.rng = np.random.default_rng(req.seed)
       self._speculator(run.spec).restart(slot, len(toks))
+      mask = self._put((np.arange(self.n_slots) == slot).astype(np.int32))
+      self.rows = self._on_last(steps.deactivate_rows, self.rows, mask)
     return run
 
   def _prefill_chunk(self, slot, chunk, n, switch, all_logits):
@@ -375,6 +549,8 @@ class Engine:
     self.slot_tokens[slot] = []
 
   def _snapshot(self, slot: int, hashes: list[bytes], blk: int, with_state: bool):
+    """Slice a block's K/V (and GDN state) on the device now; read to the host later
+    (`_flush_snapshots`, after the first token), so the copies stay out of the TTFT."""
     if self.prefix_cache.max_bytes <= 0:
       return
     if hashes[blk] in self.prefix_cache:
@@ -384,16 +560,22 @@ class Engine:
     for st, state in zip(self.stages, self.states):
       k, v = distributed.call_on_stage(steps.read_kv, st.device, state, jnp.int32(slot),
                                        jnp.int32(blk * self.block_size), length=self.block_size)
-      entry = {"k": self._host(k), "v": self._host(v)}
+      entry = {"k": k, "v": v}
       if with_state:
         conv, ssm = distributed.call_on_stage(steps.read_recurrent, st.device, state,
                                               jnp.int32(slot))
-        entry.update(conv=self._host(conv), ssm=self._host(ssm))
+        entry.update(conv=conv, ssm=ssm)
       payload.append(entry)
-    if hashes[blk] in self.prefix_cache:
-      self.prefix_cache.replace(hashes[blk], tuple(payload))
-    else:
-      self.prefix_cache.insert(hashes[blk], tuple(payload), hashes[blk - 1] if blk else None)
+    self._snaps.append((hashes, blk, payload))
+
+  def _flush_snapshots(self):
+    for hashes, blk, payload in self._snaps:
+      payload = tuple({k: self._host(a) for k, a in e.items()} for e in payload)
+      if hashes[blk] in self.prefix_cache:
+        self.prefix_cache.replace(hashes[blk], payload)
+      else:
+        self.prefix_cache.insert(hashes[blk], payload, hashes[blk - 1] if blk else None)
+    self._snaps = []
 
   def _restore_prefix(self, slot: int, toks: list[int], hashes: list[bytes], switch: int) -> int:
     """Load the longest cached block prefix (leaving >= 1 token to compute); returns its length."""
@@ -425,21 +607,114 @@ class Engine:
     return n
 
   # ----- decode ---------------------------------------------------------------------------
-  def _decode_rows(self, rows: dict[int, tuple[int, int]]) -> np.ndarray:
-    """One decode step for {slot: (token, switch)}; the other rows stay as they are."""
+  def _decode_rows(self, rows: dict[int, tuple[int, int]]):
+    """One decode step for {slot: (token, switch)}; the other rows stay as they are.
+    Returns the logits [B, V] on the device."""
     B = self.n_slots
     toks, sw, act = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
     for slot, (tok, switch) in rows.items():
       toks[slot], sw[slot], act[slot] = tok, switch, 1
-    x, sw_d, act_d = jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(act)
+    return self._decode_logits(jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(act))
+
+  def _decode_logits(self, x, sw_d, act_d):
     for i, st in enumerate(self.stages):
       if st.device is not None:
         x, sw_d, act_d = jax.device_put((x, sw_d, act_d), st.device)
       x, self.states[i] = distributed.call_on_stage(
           steps.decode, st.device, st.cfg, st.params, st.lora, self.states[i], x, sw_d, act_d,
           cvec=st.cvec)
-    return self._host(x)
+    return x
 
+  def _dispatch(self) -> _Chunk | None:
+    """Queue the next decode chunk for the rows that may still be active."""
+    live = {s: run for s, (_, run) in self._running.items()
+            if run.cancel_at is None and run.remaining - run.inflight > 0 and not run.spec}
+    if not live:
+      return None
+    left = [run.remaining - run.inflight for run in live.values()]
+    # with requests waiting for a slot, stop where the first row runs out of length
+    limit = min(left) if self._pending else max(left)
+    reqs = [run.req for _, run in self._running.values()]
+    with_logits = any(r.return_logits or r.return_step_logits for r in reqs)
+    # the fewest steps that cover the limit, else the most: the device stops each row at its
+    # own length, so a few spare steps cost less than another program or dispatch
+    n = 1 if with_logits or len(self.stages) > 1 else min(
+        [b for b in self.decode_steps if b >= limit] or [self.decode_steps[-1]])
+    plan = host_sampling.plan_for(reqs)
+    sp, switch, stop = self._device_rows()
+    if len(self.stages) == 1:
+      st = self.stages[0]
+      out, self.rows, self.states[0] = distributed.call_on_stage(
+          steps.decode_sample, st.device, st.cfg, st.params, st.lora, self.states[0],
+          self.rows, sp, switch, stop, n_steps=n, plan=plan, with_logits=with_logits,
+          cvec=st.cvec)
+    else:   # a layer split: stage by stage, then the sampler on the last stage's device
+      if self._shared:   # host values: a committed local array would start a transfer
+        logits = self._decode_logits(*(jnp.asarray(np.asarray(a)) for a in (
+            self.rows.last, switch, self.rows.active)))
+        logits = self._put(self._host(logits))
+      else:
+        logits = self._decode_logits(self.rows.last, switch, self.rows.active)
+      out, self.rows = self._on_last(steps.sample_step, logits, self.rows, sp, stop, plan=plan)
+      out = out + ((logits[None] if with_logits else None),)
+    for run in live.values():
+      run.inflight += n
+    return _Chunk(out=out, n=n, runs=sorted(live.items()), plan=plan)
+
+  def _collect(self, chunk: _Chunk):
+    """Read a dispatched chunk's tokens (this waits for it) and hand them on."""
+    out = self._read(chunk.out, chunk.plan)
+    logits = self._shost(chunk.out[4]) if chunk.out[4] is not None else None
+    for slot, run in chunk.runs:
+      if self._running.get(slot, (None, None))[1] is not run:
+        continue   # finished before this chunk (inactive in it); the slot may be new
+      h = self._running[slot][0]
+      run.inflight -= chunk.n
+      self._emit_chunk(slot, run, out, chunk.n, logits[:, slot] if logits is not None else None,
+                       column=slot)
+      if run.cancel_at is None and self._finished(slot, run):
+        h.result = self._finish(slot, run)
+        del self._running[slot]
+        self._row_dev = None
+
+  def _read(self, out, plan: smp.Plan):
+    """Host copies of what a plan returns: (emitted [n, B], logprob, top ids, top lp)."""
+    h = self._shost
+    return (h(out[0]), h(out[1]) if plan.logprobs else None, h(out[2]) if plan.n_top else None,
+            h(out[3]) if plan.n_top else None)
+
+  def _emit_chunk(self, slot, run, out, n, logits, column=0):
+    """Append a row's tokens from host decode outputs (`_read`)."""
+    emitted = out[0][:, column]
+    r = run.req
+    if r.logprobs is not None:
+      lp = out[1][:, column]
+      if r.logprobs:
+        ti, tl = out[2][:, column], out[3][:, column]
+    for i in range(n):
+      t = int(emitted[i])
+      if t < 0:
+        break
+      if run.tokens:
+        self.slot_tokens[slot].append(run.tokens[-1])
+      run.tokens.append(t)
+      run.remaining -= 1
+      if run.cancel_at is not None:
+        continue   # read after a cancel: fed to the state, not delivered
+      if r.return_logits or r.return_step_logits:
+        run.step_logits.append(np.asarray(logits[i] if logits.ndim == 2 else logits, np.float32))
+      if r.logprobs is not None:
+        top = ({int(a): float(b) for a, b in zip(ti[i, :r.logprobs], tl[i, :r.logprobs])}
+               if r.logprobs else {})
+        run.logprobs.append({"token": t, "logprob": float(lp[i]), "top": top})
+        if r.on_logprobs is not None:
+          r.on_logprobs(run.logprobs[-1])
+      if len(run.tokens) == 1:
+        run.t_first = time.perf_counter()
+      if r.on_token is not None:
+        r.on_token(t)
+
+  # ----- speculative decoding (strata_jax/speculative.py; docs/mtp.md) ---------------------
   def _speculator(self, n: int) -> speculative.SpecDecoder:
     """The engine's SpecDecoder, made on first use; its n grows to the largest asked."""
     st = self.stages[0]
@@ -452,46 +727,33 @@ class Engine:
     return sd
 
   def _spec_step(self, running: dict):
-    """One speculative round for every running row (a row with spec 0 takes no drafts: it
-    decodes one token, through the verification program). Rows accept different lengths."""
+    """One speculative round for the rows that decode speculatively (their device-sampler
+    rows are inactive, so the plain decode chunks leave them alone). Rows accept different
+    lengths; each row's tokens stop at its stop ids and length."""
     sd = self._speculator(max(run.spec for _, run in running.values()))
     rows = {}
     for slot, (_, run) in running.items():
       r = run.req
-      cap = min(r.max_tokens - len(run.tokens),
-                self.max_seq - 1 - len(self.slot_tokens[slot]))
+      cap = min(r.max_tokens - len(run.tokens), self.max_seq - 1 - len(self.slot_tokens[slot]))
       rows[slot] = speculative.Row(
           last=run.tokens[-1], switch=run.switch, context=list(r.tokens) + run.tokens,
           cap=max(cap, 1), stop=tuple(r.stop), temperature=r.temperature, top_k=r.top_k,
           top_p=r.top_p, rng=run.rng, n=run.spec)
     self.states[0], out = sd.round(self.states[0], rows)
     for slot, o in out.items():
-      _, run = running[slot]
+      h, run = running[slot]
       self.slot_tokens[slot].extend(o.consumed)
       run.proposed += o.proposed
       run.accepted += o.accepted
       for tok in o.emitted:
         run.tokens.append(tok)
+        run.remaining -= 1
         if run.req.on_token is not None:
           run.req.on_token(tok)
-
-  def _decode_step(self, running: dict):
-    if any(run.spec for _, run in running.values()):
-      return self._spec_step(running)
-    logits = self._decode_rows({s: (run.tokens[-1], run.switch) for s, (_, run) in running.items()})
-    for slot, (_, run) in running.items():
-      self.slot_tokens[slot].append(run.tokens[-1])
-      self._emit(run, logits[slot])
-
-  def _emit(self, run: _Running, logits: np.ndarray):
-    r = run.req
-    if r.return_logits:
-      run.step_logits.append(np.asarray(logits, np.float32))
-    run.tokens.append(sample(logits, run.rng, r.temperature, r.top_k, r.top_p))
-    if r.on_token is not None:
-      r.on_token(run.tokens[-1])
-    if len(run.tokens) == 1:
-      run.t_first = time.perf_counter()
+      if self._finished(slot, run):
+        h.result = self._finish(slot, run)
+        del self._running[slot]
+        self._row_dev = None
 
   def _finished(self, slot: int, run: _Running) -> bool:
     r = run.req
@@ -501,17 +763,20 @@ class Engine:
   def _finish(self, slot: int, run: _Running, reason: str | None = None) -> Result:
     r = run.req
     now = time.perf_counter()
-    n_dec = len(run.tokens) - 1
-    stopped = run.tokens[-1] in r.stop
+    toks = run.tokens if run.cancel_at is None else run.tokens[:run.cancel_at]
+    n_dec = len(toks) - 1
+    stopped = reason is None and toks[-1] in r.stop
     return Result(
-        prompt_tokens=[int(t) for t in r.tokens], tokens=list(run.tokens), lora=bool(run.switch),
+        prompt_tokens=[int(t) for t in r.tokens], tokens=list(toks), lora=bool(run.switch),
         finish_reason=reason or ("stop" if stopped else "length"),
         cached_tokens=run.cached, prompt_tokens_computed=run.computed,
         ttft_s=run.t_first - run.t0,
-        decode_tokens_per_s=n_dec / (now - run.t_first) if n_dec and now > run.t_first else 0.0,
-        slot=slot, text=self.model.decode(run.tokens[:-1] if stopped else run.tokens),
+        decode_tokens_per_s=n_dec / (now - run.t_first) if n_dec > 0 and now > run.t_first else 0.0,
+        slot=slot, text=self.model.decode(toks[:-1] if stopped else toks),
         prompt_logits=run.prompt_logits,
-        step_logits=np.stack(run.step_logits) if r.return_logits else None,
+        step_logits=(np.stack(run.step_logits) if (r.return_logits or r.return_step_logits)
+                     and run.step_logits else None),
+        logprobs=run.logprobs,
         draft={"proposed": run.proposed, "accepted": run.accepted} if run.spec else None)
 
   # ----- sessions -------------------------------------------------------------------------

@@ -3,6 +3,7 @@ plus chat-template rendering with jinja2."""
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -70,6 +71,21 @@ def _build_hf_tokenizer(tokens: Sequence[str], types: Sequence[int], merges: Seq
   return tok
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+  """GPT-2's byte-level BPE table inverted: the character standing for each byte -> the byte."""
+  keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in keep:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + extra)] = b
+      extra += 1
+  return chars
+
+
 def _raise_exception(message):
   raise RequestError(f"chat template: {message}")
 
@@ -95,6 +111,7 @@ class Tokenizer:
                add_bos: bool = False, chat_template: str | None = None):
     self._hf = hf
     self._tokens = list(tokens)
+    self._types = list(types)
     self.bos_id = bos_id
     self.eos_id = eos_id
     self.add_bos = add_bos
@@ -145,6 +162,15 @@ class Tokenizer:
 
   def id_to_token(self, i: int) -> str:
     return self._tokens[i]
+
+  def token_bytes(self, i: int) -> bytes:
+    """The bytes token `i` stands for: a byte-level BPE piece mapped back through GPT-2's
+    byte-to-character table; a control or user-defined token's text as UTF-8."""
+    t = self._tokens[i]
+    if self._types[i] in (CONTROL, USER_DEFINED):
+      return t.encode("utf-8")
+    table = _byte_decoder()
+    return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in t)
 
   def token_to_id(self, token: str) -> int | None:
     return self._hf.token_to_id(token)

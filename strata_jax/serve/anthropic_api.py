@@ -79,7 +79,7 @@ async def messages(body: schemas.MessagesRequest, srv: ServerDep):
             "delta": {"stop_reason": _stop_reason(x), "stop_sequence": x.stop_sequence},
             "usage": usage(x)})
         yield sse_event("message_stop", {"type": "message_stop"})
-      else:
+      elif kind == "error":
         yield sse_event("error", error_body(True, x.status, x.message, kind=x.kind if
                                             x.kind == "overloaded_error" else None))
 

@@ -13,15 +13,17 @@ from fastapi import Depends
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
+from strata_jax import sampling as smp
 from strata_jax.engine.engine import Request
+from strata_jax.engine.sampling import SamplingParamError, check
 from strata_jax.serve.errors import ApiError, event_error, unavailable
 from strata_jax.serve.streaming import TextStream, cut_stop
 from strata_jax.serve.worker import EngineWorker, WorkerUnavailable
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
-# Below this temperature sampling is greedy: logits / T would overflow float64 for T -> 0.
-MIN_TEMPERATURE = 1e-5
+# Below this temperature sampling is greedy (the engine's rule, stated in the spec as 0).
+MIN_TEMPERATURE = smp.MIN_TEMPERATURE
 
 
 @dataclasses.dataclass
@@ -37,7 +39,21 @@ class GenSpec:
   stop_ids: frozenset
   stops: list[str]               # text-level stop strings
   stop_id_text: dict             # stop-string tokens -> their string
+  min_p: float = 0.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repeat_penalty: float = 1.0
+  logprobs: int | None = None    # top logprobs per token (0..20); None: no logprobs
   spec: int | None = None        # speculative drafts per step (None: the server's --spec)
+
+  def request(self) -> Request:
+    return Request(tokens=self.ids, max_tokens=self.max_tokens, temperature=self.temperature,
+                   top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                   presence_penalty=self.presence_penalty,
+                   frequency_penalty=self.frequency_penalty,
+                   repeat_penalty=self.repeat_penalty, seed=self.seed,
+                   stop=tuple(sorted(self.stop_ids)), lora=self.lora, logprobs=self.logprobs,
+                   spec=self.spec)
 
 
 @dataclasses.dataclass
@@ -52,6 +68,8 @@ class Outcome:
   tokens: list[int]
   lora: bool
   slot: int
+  # (logprobs asked) [(text offset, engine entry)] of the returned text's tokens
+  logprobs: list | None = None
 
 
 def first(*values):
@@ -86,7 +104,10 @@ class Server:
     return self.model.encode(text)
 
   # ----- sampling --------------------------------------------------------------------------
-  def resolve(self, ids: list[int], body, max_tokens: int | None, stops) -> GenSpec:
+  def resolve(self, ids: list[int], body, max_tokens: int | None, stops,
+              logprobs: int | None = None, logprobs_param: str = "logprobs") -> GenSpec:
+    """The request's generation, every sampling value checked (400 naming the parameter);
+    `logprobs`: top logprobs per token, as the endpoint reads its body (None: none)."""
     d, eng = self.defaults, self.engine
     if len(ids) >= eng.max_seq:
       raise ApiError(413, f"the prompt has {len(ids)} tokens; this server holds at most "
@@ -96,9 +117,7 @@ class Server:
     if lora and not eng.has_lora:
       raise ApiError(400, "the request asks for the LoRA adapter (\"lora\": true) but this "
                      "server has none loaded (start it with --lora FILE)", param="lora")
-    temperature = float(first(body.temperature, d.get("temperature"), 1.0))
-    if temperature < MIN_TEMPERATURE:
-      temperature = 0.0
+    temperature = first(body.temperature, d.get("temperature"), 1.0)
     mt = int(first(max_tokens, d.get("max_tokens"), eng.max_seq))
     if self.max_tokens_cap is not None:
       mt = min(mt, self.max_tokens_cap)
@@ -116,8 +135,8 @@ class Server:
         stop_ids.add(one[0])
         stop_id_text[one[0]] = s
     seed = body.seed % (1 << 63) if body.seed is not None else secrets.randbits(63)
-    spec = getattr(body, "speculative", None)
-    n_spec = None if spec is None else spec.n
+    sp = getattr(body, "speculative", None)
+    n_spec = None if sp is None else sp.n
     if n_spec is not None:
       from strata_jax.speculative import MAX_SPEC  # noqa: PLC0415
       if not 0 <= n_spec <= MAX_SPEC:
@@ -126,17 +145,26 @@ class Server:
       if n_spec and len(eng.stages) > 1:
         raise ApiError(400, "speculative decoding runs on a one-stage model (no layer split)",
                        param="speculative")
-    return GenSpec(spec=n_spec, ids=[int(t) for t in ids], max_tokens=mt, temperature=temperature,
-                   top_k=int(first(body.top_k, d.get("top_k"), 0)),
-                   top_p=float(first(body.top_p, d.get("top_p"), 1.0)), seed=seed, lora=lora,
-                   stop_ids=frozenset(stop_ids), stops=stops, stop_id_text=stop_id_text)
+    get = lambda name, default: first(getattr(body, name, None), default)
+    spec = GenSpec(ids=[int(t) for t in ids], max_tokens=mt, temperature=temperature,
+                   top_k=first(body.top_k, d.get("top_k"), 0),
+                   top_p=first(body.top_p, d.get("top_p"), 1.0), seed=seed, lora=lora,
+                   stop_ids=frozenset(stop_ids), stops=stops, stop_id_text=stop_id_text,
+                   min_p=get("min_p", 0.0), presence_penalty=get("presence_penalty", 0.0),
+                   frequency_penalty=get("frequency_penalty", 0.0),
+                   repeat_penalty=get("repeat_penalty", 1.0), logprobs=logprobs,
+                   spec=n_spec)
+    try:   # never clamped: a bad value is the client's error, named
+      check(spec.request(), names={"logprobs": logprobs_param})
+    except SamplingParamError as e:
+      raise ApiError(400, str(e), param=e.param) from None
+    spec.temperature = 0.0 if spec.temperature < MIN_TEMPERATURE else float(spec.temperature)
+    return spec
 
   # ----- running ---------------------------------------------------------------------------
   async def start(self, spec: GenSpec):
     """Submit; returns the event queue once the engine has accepted the request."""
-    req = Request(tokens=spec.ids, max_tokens=spec.max_tokens, temperature=spec.temperature,
-                  top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed,
-                  stop=tuple(sorted(spec.stop_ids)), lora=spec.lora, spec=spec.spec)
+    req = spec.request()
     try:
       events = self.worker.submit(req)
     except WorkerUnavailable as e:
@@ -146,39 +174,53 @@ class Server:
       raise event_error(payload)
     return events
 
-  def outcome(self, spec: GenSpec, result) -> Outcome:
+  def outcome(self, spec: GenSpec, result, lp: "LogprobTrack | None" = None) -> Outcome:
     toks = list(result.tokens)
     stopped = result.finish_reason == "stop"
     gen = toks[:-1] if stopped and toks else toks
     text = (self.model.decode(gen) or "") if self.model.tokenizer is not None else ""
     text, matched = cut_stop(text, spec.stops)
-    if matched is None and stopped and toks:
+    if matched is not None:
+      # The engine may have run a few tokens past a stop string (several steps per dispatch,
+      # stop strings checked here): the completion ends with the token that completes it.
+      n = next(i for i in range(1, len(gen) + 1)
+               if cut_stop(self.model.decode(gen[:i]) or "", [matched])[1] is not None)
+      toks = gen[:n]
+    elif stopped and toks:
       matched = spec.stop_id_text.get(toks[-1])
     return Outcome(text=text, finish="stop" if matched is not None or stopped else "length",
                    stop_sequence=matched, prompt_tokens=len(spec.ids),
                    completion_tokens=len(toks), cached_tokens=int(result.cached_tokens),
-                   tokens=toks, lora=bool(result.lora), slot=int(result.slot))
+                   tokens=toks, lora=bool(result.lora), slot=int(result.slot),
+                   logprobs=lp.upto(len(text)) if lp is not None else None)
 
   async def run(self, spec: GenSpec) -> Outcome:
     """Generate to the end; the whole `Outcome`."""
     events = await self.start(spec)
-    ts = TextStream(self.model, spec) if spec.stops else None
+    lp = LogprobTrack(self.model, spec) if spec.logprobs is not None else None
+    ts = TextStream(self.model, spec) if spec.stops or lp is not None else None
     try:
       while True:
         kind, payload = await events.get()
-        if kind == "token" and ts is not None:
+        if kind == "logprobs":
+          lp.entry = payload
+        elif kind == "token" and ts is not None:
+          if lp is not None:
+            lp.token(payload, len(ts.text))
           ts.push(payload)
           if ts.matched is not None:
             events.cancel.set()     # the text has its stop string: no need to go on
         elif kind == "done":
-          return self.outcome(spec, payload)
+          return self.outcome(spec, payload, lp)
         elif kind == "error":
           raise event_error(payload)
     finally:
       events.cancel.set()         # a no-op once done; ends the generation if the client left
 
   async def stream(self, spec: GenSpec, events):
-    """Yields ("text", delta) ... then ("done", Outcome) or ("error", ApiError)."""
+    """Yields ("text", delta) ... then ("done", Outcome) or ("error", ApiError). With logprobs
+    asked, ("logprobs", [(offset, entry), ...]) comes before the text delta those tokens
+    start in (and before "done" for any left)."""
     ts = TextStream(self.model, spec)
     try:
       async for item in self._stream(spec, events, ts):
@@ -187,17 +229,27 @@ class Server:
       events.cancel.set()         # a no-op once done; ends the generation if the client left
 
   async def _stream(self, spec: GenSpec, events, ts: TextStream):
+    lp = LogprobTrack(self.model, spec) if spec.logprobs is not None else None
     while True:
       kind, payload = await events.get()
-      if kind == "token":
+      if kind == "logprobs":
+        lp.entry = payload
+      elif kind == "token":
+        if lp is not None:
+          lp.token(payload, len(ts.text))
         delta = ts.push(payload)
         if ts.matched is not None:
           events.cancel.set()
         if delta:
+          if lp is not None:
+            yield "logprobs", lp.take(ts.sent)
           yield "text", delta
       elif kind == "done":
         out = self.outcome(spec, payload)
         rest = ts.finish(out.text)
+        if lp is not None:
+          # what the stream sent, and the rest up to the final text's end (stops applied)
+          yield "logprobs", lp.take(len(out.text))
         if rest:
           yield "text", rest
         yield "done", out
@@ -205,6 +257,34 @@ class Server:
       elif kind == "error":
         yield "error", event_error(payload)
         return
+
+
+class LogprobTrack:
+  """The logprobs entries of a generation's text tokens, each at the offset in the text where
+  its characters start (`TextStream`'s text before the token). Stop-id tokens have none;
+  tokens past a stop string are dropped. Without a tokenizer every token is kept."""
+
+  def __init__(self, model, spec: GenSpec):
+    self.has_text = model.tokenizer is not None
+    self.stop_ids = spec.stop_ids
+    self.entry: dict | None = None      # the entry of the token about to arrive
+    self.items: list = []
+    self.sent = 0
+
+  def token(self, tok: int, offset: int):
+    entry, self.entry = self.entry, None
+    if entry is not None and tok not in self.stop_ids:
+      self.items.append((offset, entry))
+
+  def upto(self, end: int) -> list:
+    """Every entry whose token starts before text offset `end`."""
+    return [it for it in self.items if it[0] < end or not self.has_text]
+
+  def take(self, end: int) -> list:
+    """The entries not taken before whose tokens start before `end`."""
+    out = self.upto(end)[self.sent:]
+    self.sent += len(out)
+    return out
 
 
 def reply(body: dict, o: Outcome) -> JSONResponse:

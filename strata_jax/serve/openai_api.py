@@ -37,6 +37,49 @@ def _text(content) -> str:
   return "".join(parts)
 
 
+def _token(model, tok: int) -> tuple[str, list[int] | None]:
+  """A token's text (its bytes as UTF-8, undecodable bytes replaced) and bytes; without a
+  tokenizer "token_id:<id>" and no bytes."""
+  b = model.token_bytes(tok)
+  if b is None:
+    return f"token_id:{tok}", None
+  return b.decode("utf-8", errors="replace"), list(b)
+
+
+def chat_logprobs(model, items) -> dict | None:
+  """OpenAI chat `logprobs` of [(offset, entry)]: {"content": [{token, logprob, bytes,
+  top_logprobs: [{token, logprob, bytes}]}], "refusal": null}; None for None."""
+  if items is None:
+    return None
+  content = []
+  for _, e in items:
+    text, b = _token(model, e["token"])
+    top = []
+    for tid, lp in e["top"].items():
+      t, tb = _token(model, tid)
+      top.append({"token": t, "logprob": lp, "bytes": tb})
+    content.append({"token": text, "logprob": e["logprob"], "bytes": b, "top_logprobs": top})
+  return {"content": content, "refusal": None}
+
+
+def completion_logprobs(model, items) -> dict | None:
+  """OpenAI completions `logprobs` of [(offset, entry)]: {"tokens", "token_logprobs",
+  "top_logprobs" (per token the k most likely and the chosen one: up to k + 1, as OpenAI),
+  "text_offset" (from the completion's start)}; None for None."""
+  if items is None:
+    return None
+  out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+  for offset, e in items:
+    text = _token(model, e["token"])[0]
+    top = {_token(model, tid)[0]: lp for tid, lp in e["top"].items()}
+    top.setdefault(text, e["logprob"])
+    out["tokens"].append(text)
+    out["token_logprobs"].append(e["logprob"])
+    out["top_logprobs"].append(top)
+    out["text_offset"].append(offset)
+  return out
+
+
 def _one(value, name: str):
   if value not in (None, 1):
     raise ApiError(400, f"{name}={value} is not supported: this server returns one choice",
@@ -44,26 +87,31 @@ def _one(value, name: str):
 
 
 def _stream(srv: Server, spec: GenSpec, events, body, envelope: dict,
-            text_choice: Callable[[str], dict], done_choice: Callable[[Outcome], dict],
-            opening: dict | None = None):
+            text_choice: Callable[[str, list | None], dict],
+            done_choice: Callable[[Outcome, list | None], dict], opening: dict | None = None):
   """The SSE response: [opening chunk], a chunk per text delta, the finishing chunk, the usage
   chunk when `stream_options.include_usage`, `[DONE]`; an error ends it with an error object.
 
   Args:
     envelope: the fields every chunk starts with (id, object, created, model).
-    text_choice: a text delta -> the chunk's choice.
-    done_choice: the finished generation -> the last chunk's choice.
+    text_choice: (a text delta, its tokens' logprobs items or None) -> the chunk's choice.
+    done_choice: (the finished generation, logprobs items left or None) -> the last chunk's
+      choice.
   """
   include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
   async def gen():
     if opening is not None:
       yield sse({**envelope, "choices": [opening]})
+    items = None          # logprobs of the tokens the next text delta starts with
     async for kind, x in srv.stream(spec, events):
-      if kind == "text":
-        yield sse({**envelope, "choices": [text_choice(x)]})
+      if kind == "logprobs":
+        items = (items or []) + x
+      elif kind == "text":
+        yield sse({**envelope, "choices": [text_choice(x, items)]})
+        items = None
       elif kind == "done":
-        yield sse({**envelope, "choices": [done_choice(x)]})
+        yield sse({**envelope, "choices": [done_choice(x, items or None)]})
         if include_usage:
           yield sse({**envelope, "choices": [], "usage": usage(x)})
       else:
@@ -82,26 +130,32 @@ async def chat_completions(body: schemas.ChatCompletionRequest, srv: ServerDep):
     if m.name is not None:
       msg["name"] = m.name
     messages.append(msg)
+  if body.top_logprobs is not None and not body.logprobs:
+    raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+  k = (body.top_logprobs or 0) if body.logprobs else None
   spec = srv.resolve(srv.chat_ids(messages), body,
-                     first(body.max_completion_tokens, body.max_tokens), body.stop)
+                     first(body.max_completion_tokens, body.max_tokens), body.stop,
+                     logprobs=k, logprobs_param="top_logprobs")
   cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
   if not body.stream:
     o = await srv.run(spec)
     return reply({
         "id": cid, "object": "chat.completion", "created": created, "model": srv.model_name,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
-                     "logprobs": None, "finish_reason": o.finish}],
+                     "logprobs": chat_logprobs(srv.model, o.logprobs),
+                     "finish_reason": o.finish}],
         "usage": usage(o), "lora": o.lora}, o)
   events = await srv.start(spec)
 
-  def choice(delta, finish=None):
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+  def choice(delta, finish=None, items=None):
+    return {"index": 0, "delta": delta, "logprobs": chat_logprobs(srv.model, items),
+            "finish_reason": finish}
 
   envelope = {"id": cid, "object": "chat.completion.chunk", "created": created,
               "model": srv.model_name}
   return _stream(srv, spec, events, body, envelope,
-                 text_choice=lambda text: choice({"content": text}),
-                 done_choice=lambda o: choice({}, o.finish),
+                 text_choice=lambda text, items: choice({"content": text}, None, items),
+                 done_choice=lambda o, items: choice({}, o.finish, items),
                  opening=choice({"role": "assistant", "content": ""}))
 
 
@@ -118,11 +172,12 @@ async def completions(body: schemas.CompletionRequest, srv: ServerDep):
   ids = srv.text_ids(prompt) if isinstance(prompt, str) else list(prompt)
   if not ids:
     raise ApiError(400, "the prompt is empty: at least one token is needed", param="prompt")
-  spec = srv.resolve(ids, body, body.max_tokens, body.stop)
+  spec = srv.resolve(ids, body, body.max_tokens, body.stop, logprobs=body.logprobs)
   cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-  def choice(text, finish=None, o: Outcome | None = None):
-    c = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+  def choice(text, finish=None, o: Outcome | None = None, items=None):
+    c = {"text": text, "index": 0, "logprobs": completion_logprobs(srv.model, items),
+         "finish_reason": finish}
     if o is not None and body.return_tokens:
       c["tokens"] = o.tokens
     return c
@@ -131,9 +186,11 @@ async def completions(body: schemas.CompletionRequest, srv: ServerDep):
     o = await srv.run(spec)
     return reply({
         "id": cid, "object": "text_completion", "created": created, "model": srv.model_name,
-        "choices": [choice(o.text, o.finish, o)], "usage": usage(o), "lora": o.lora}, o)
+        "choices": [choice(o.text, o.finish, o, o.logprobs)], "usage": usage(o),
+        "lora": o.lora}, o)
   events = await srv.start(spec)
   envelope = {"id": cid, "object": "text_completion", "created": created,
               "model": srv.model_name}
-  return _stream(srv, spec, events, body, envelope, text_choice=choice,
-                 done_choice=lambda o: choice("", o.finish, o))
+  return _stream(srv, spec, events, body, envelope,
+                 text_choice=lambda text, items: choice(text, items=items),
+                 done_choice=lambda o, items: choice("", o.finish, o, items))

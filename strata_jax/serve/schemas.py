@@ -3,18 +3,17 @@
 Field types are checked here (a wrong type is a 422); values that depend on the loaded model or
 engine (token ids, prompt length, the LoRA switch) are checked by the handlers (400 / 413).
 Unknown fields are accepted and ignored, as the OpenAI and Anthropic clients send optional
-parameters this server does not implement (logprobs, tools, metadata, ...).
+parameters this server does not implement (tools, metadata, ...).
 """
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-# Sampling values: finite floats, no NaN/inf (Python's json accepts them).
-Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-TopP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
-TopK = Annotated[int, Field(ge=0)]
+# Sampling values are typed here (a wrong type is a 422); their ranges (NaN, a negative
+# temperature, top_p outside [0, 1], ...) are checked with the engine's own rules when the
+# request is resolved: a 400 naming the parameter (`strata_jax.engine.sampling.check`).
 MaxTokens = Annotated[int, Field(ge=1)]
 
 
@@ -28,9 +27,13 @@ class Speculative(_Body):
 
 class _Sampling(_Body):
   """Fields every generation endpoint shares. `lora`: None = the server's default."""
-  temperature: Temperature | None = None
-  top_p: TopP | None = None
-  top_k: TopK | None = None
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  min_p: float | None = Field(default=None, description="llama.cpp's min-p; 0 = off")
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  repeat_penalty: float | None = Field(default=None, description="llama.cpp's; 1 = off")
   seed: int | None = None
   stream: StrictBool | None = False
   lora: StrictBool | None = Field(
@@ -68,12 +71,18 @@ class _OpenAISampling(_Sampling):
 class ChatCompletionRequest(_OpenAISampling):
   messages: list[ChatMessage] = Field(min_length=1)
   max_completion_tokens: MaxTokens | None = None
+  logprobs: StrictBool | None = Field(
+      default=None, description="each output token's logprob (choices[].logprobs.content)")
+  top_logprobs: StrictInt | None = Field(
+      default=None, description="0..20 most likely tokens per position (needs logprobs)")
 
 
 class CompletionRequest(_OpenAISampling):
   prompt: str | list[int] | list[str] | list[list[int]] = Field(
       description="text, a list of token ids, or a one-element list of either")
   best_of: int | None = None
+  logprobs: StrictInt | None = Field(
+      default=None, description="0..20: the chosen token's logprob and this many most likely")
   return_tokens: StrictBool = Field(
       default=False, description="add the generated token ids to each choice (llama.cpp)")
 

@@ -114,8 +114,9 @@ class EngineWorker:
 
   def submit(self, req: Request) -> asyncio.Queue:
     """Queue `req`; returns the asyncio queue its events arrive on, in order:
-    ("accepted", None) or ("error", exc), then ("token", id)..., then ("done", Result) or
-    ("error", exc). Must be called on the event loop; `req.on_token` is replaced."""
+    ("accepted", None) or ("error", exc), then ("token", id)... (each preceded by
+    ("logprobs", entry) when `req.logprobs` is set), then ("done", Result) or ("error", exc).
+    Must be called on the event loop; `req.on_token` / `req.on_logprobs` are replaced."""
     self._check_alive()
     with self._lock:
       if self._pending >= self.max_pending:
@@ -125,6 +126,8 @@ class EngineWorker:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     req.on_token = lambda tok: _post(loop, events.put_nowait, ("token", int(tok)))
+    if req.logprobs is not None:   # each token's entry comes just before the token
+      req.on_logprobs = lambda entry: _post(loop, events.put_nowait, ("logprobs", entry))
     # Setting this (a stop string matched, the client went away) ends the generation early.
     events.cancel = threading.Event()
     self._q.put(_Gen(req=req, loop=loop, events=events, cancel=events.cancel))

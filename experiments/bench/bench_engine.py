@@ -1,0 +1,462 @@
+"""The engine against the device programs (issue 16): bench-a3b through `Engine`, the server.
+
+  python experiments/bench/bench_engine.py --out experiments/results/device/bench_engine.json \
+      --merge-summary                      # H200, bench-a3b, < 5 min with compiles
+  python experiments/bench/bench_engine.py --smoke --out /tmp/be.json    # CPU, toy sizes
+
+Model: bench-a3b (common.BENCH_A3B), random bf16 weights made on the device, a random rank-50
+adapter on every layer, switch on; a synthetic byte-level vocabulary (token i is " w<i>"), so
+the server streams text and no token ends a generation early. Every request: a random
+128-token prompt, 64 new tokens.
+
+Keys (the issue's targets), written to `--out` as {"entries": [summary.json entries],
+"details": {raw numbers}} with a plot beside it (same name, .png):
+- engine_vs_program_b{1,8,32}_greedy (>= 0.95) / _sampled (>= 0.9, temperature 0.8, top_p
+  0.95): `Engine(slots=B)` serving B requests at once, decode tokens/s = tokens after each
+  row's first / (last token - the moment every row has its first token), over
+  `steps.decode_greedy` (16 steps a call, 4 calls, the engine's padded adapter, switch on,
+  rows at position 128) tokens/s; same process, same batch, same K/V capacity.
+- server_vs_engine_b32 (>= 0.85): `create_app` (what `strata-jax serve` runs) on the batch-32
+  engine in this process, 32 concurrent streaming `/v1/completions` clients in another process;
+  aggregate tokens/s (all completion tokens / first request sent to last answer read) over the
+  engine's, measured the same way (`Engine.run` of 32 requests).
+- engine_ttft_vs_prefill_2500 (<= 1.2): `Result.ttft_s` of a 2,500-token prompt (default
+  engine: prefix cache on, chunks 2,048 + 448 + 4) over one `steps.prefill` of the 2,500
+  tokens as one chunk.
+Each figure is the median of --reps timed runs after one untimed run. Compiles: every program
+is built before timing, the engines' `warmup` and the reference programs in threads; the
+persistent compilation cache (STRATA_JAX_CACHE, as the CLI) makes a repeat run start fast.
+`--merge-summary [PATH]` replaces these keys in PATH (default
+experiments/results/device/summary.json, a list of entries) and keeps the others.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+DEFAULT_SUMMARY = os.path.join(ROOT, "experiments", "results", "device", "summary.json")
+TARGETS = {"greedy": 0.95, "sampled": 0.9, "server": 0.85, "ttft": 1.2}
+SAMPLED = dict(temperature=0.8, top_p=0.95)
+
+
+def _cache():
+  """The CLI's persistent compilation cache (STRATA_JAX_CACHE; "0" disables)."""
+  d = os.environ.get("STRATA_JAX_CACHE", os.path.expanduser("~/.cache/strata-jax/xla"))
+  if d and d != "0":
+    import jax
+    jax.config.update("jax_compilation_cache_dir", d)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  return d
+
+
+def synthetic_tokenizer(vocab: int):
+  """Byte-level BPE over `vocab` pieces "Ġw<i>" (text " w<i>"), no merges, no end tokens."""
+  from strata_jax.gguf.tokenizer import NORMAL, Tokenizer, _build_hf_tokenizer
+  tokens = [f"\u0120w{i}" for i in range(vocab)]
+  types = [NORMAL] * vocab
+  return Tokenizer(_build_hf_tokenizer(tokens, types, [], "default"), tokens, types)
+
+
+def build(args):
+  import common
+  import jax.numpy as jnp
+
+  import strata_jax as sj
+  from strata_jax.params import LoraSet
+  geom = common.TINY if args.smoke else common.BENCH_A3B
+  cfg = common.model_config(geom)
+  dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  t0 = time.perf_counter()
+  params = common.device_params(cfg, dtype)
+  lp = common.device_lora(cfg, common.LORA_RANK, dtype)
+  model = sj.Model(cfg=cfg, params=params, dtype=dtype, path="<bench-a3b>",
+                   fingerprint="bench-a3b" + ("-tiny" if args.smoke else ""),
+                   tokenizer=synthetic_tokenizer(cfg.vocab_size),
+                   layer_ranges=[(0, cfg.n_layers)])
+  lora = LoraSet(params=lp, files=(f"<random rank {common.LORA_RANK}>",), ignored=(),
+                 rank_total=common.LORA_RANK, adapter_id=0xBE7C)
+  return model, lora, time.perf_counter() - t0
+
+
+def _prompts(rng, n, length, vocab):
+  return [[int(t) for t in rng.integers(0, vocab, length)] for _ in range(n)]
+
+
+def engine_run(eng, prompts, new, kw):
+  """Serve `prompts` at once; (decode tok/s, end-to-end tok/s, results)."""
+  from strata_jax.engine.engine import Request
+  first, last = {}, [0.0]
+
+  def on_token(i):
+    def f(_):
+      now = time.perf_counter()
+      first.setdefault(i, now)
+      last[0] = now
+    return f
+  reqs = [Request(tokens=p, max_tokens=new, lora=True, on_token=on_token(i), **kw)
+          for i, p in enumerate(prompts)]
+  t0 = time.perf_counter()
+  res = eng.run(reqs)
+  t1 = time.perf_counter()
+  n_all = sum(len(r.tokens) for r in res)
+  n_dec = n_all - len(res)
+  start = max(first.values())
+  return n_dec / (last[0] - start), n_all / (t1 - t0), res
+
+
+def program_rate(eng, B, steps_per_call, calls, pos, reps):
+  """decode_greedy on the engine's stage (params, padded adapter, forms), switch on: B *
+  steps_per_call * calls / seconds, the median over reps (one untimed round first)."""
+  import jax
+  import jax.numpy as jnp
+
+  from strata_jax import steps
+  from strata_jax.state import init_state
+  st = eng.stages[0]
+  state = init_state(st.cfg, B, eng.max_seq, eng.model.dtype)
+  state = state.replace(pos=jnp.full((B,), pos, jnp.int32))
+  toks = jnp.zeros((B,), jnp.int32)
+  one = jnp.ones((B,), jnp.int32)
+  times = []
+  for r in range(reps + 1):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out, state = steps.decode_greedy(st.cfg, st.params, st.lora, state, toks, one, one,
+                                       n_steps=steps_per_call, cvec=st.cvec)
+      toks = out[-1]
+    jax.block_until_ready(toks)
+    state = state.replace(pos=jnp.full((B,), pos, jnp.int32))
+    if r:
+      times.append(time.perf_counter() - t0)
+  return (B * steps_per_call * calls / statistics.median(times) if times else None), times
+
+
+def prefill_time(eng, T, reps):
+  """One `steps.prefill` of T tokens as one chunk on the engine's stage, switch on."""
+  import jax
+  import jax.numpy as jnp
+
+  from strata_jax import steps
+  st = eng.stages[0]
+  tokens = jax.random.randint(jax.random.key(T), (T,), 0, eng.model.cfg.vocab_size, jnp.int32)
+  times = []
+  for r in range(reps + 1):
+    eng.states[0] = steps.reset_rows(eng.states[0], jnp.ones((eng.n_slots,), jnp.int32))
+    jax.block_until_ready(eng.states[0])
+    t0 = time.perf_counter()
+    logits, eng.states[0] = steps.prefill(st.cfg, st.params, st.lora, eng.states[0],
+                                          jnp.int32(0), tokens, jnp.int32(T), jnp.int32(1),
+                                          cvec=st.cvec)
+    jax.block_until_ready(logits)
+    if r:
+      times.append(time.perf_counter() - t0)
+  eng.states[0] = steps.reset_rows(eng.states[0], jnp.ones((eng.n_slots,), jnp.int32))
+  eng.slot_tokens[0] = []
+  return (statistics.median(times) if times else None), times
+
+
+# ----- the server's clients (a separate process) ----------------------------------------------
+def client_main(url, n, prompt_len, new, vocab, seed):
+  """n concurrent streaming /v1/completions; prints one JSON line."""
+  import httpx
+  import numpy as np
+  prompts = _prompts(np.random.default_rng(seed), n, prompt_len, vocab)
+  out = [None] * n
+  go = threading.Barrier(n)
+
+  def one(i):
+    go.wait()
+    t0 = time.perf_counter()
+    first, chunks, usage = None, 0, None
+    body = {"prompt": prompts[i], "max_tokens": new, "temperature": 0, "stream": True,
+            "lora": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+      for line in r.iter_lines():
+        if not line.startswith("data: {"):
+          continue
+        ev = json.loads(line[6:])
+        if ev.get("usage"):
+          usage = ev["usage"]
+        elif ev["choices"] and ev["choices"][0]["text"]:
+          chunks += 1
+          first = first or time.perf_counter()
+    out[i] = dict(t0=t0, first=first, done=time.perf_counter(), chunks=chunks,
+                  tokens=usage["completion_tokens"] if usage else 0, status=r.status_code)
+
+  threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  print(json.dumps(out))
+
+
+def server_rate(eng, args, seed):
+  """Aggregate tokens/s of n streaming clients against create_app(eng) (median of reps)."""
+  import socket
+
+  import uvicorn
+
+  from strata_jax.serve import create_app
+  app = create_app(eng, model_name="bench-a3b")
+  sock = socket.socket()
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind(("127.0.0.1", 0))
+  url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+  server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+  th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+  th.start()
+  while not server.started:
+    time.sleep(0.02)
+  runs = []
+  try:
+    for r in range(args.reps + 1):
+      p = subprocess.run([sys.executable, os.path.abspath(__file__), "--client", url,
+                          "--clients", str(args.server_clients), "--prompt", str(args.prompt),
+                          "--new", str(args.new), "--vocab", str(eng.model.cfg.vocab_size),
+                          "--seed", str(seed + r)], capture_output=True, text=True, timeout=600)
+      if p.returncode:
+        raise RuntimeError(f"clients failed: {p.stderr[-2000:]}")
+      cl = json.loads(p.stdout.strip().splitlines()[-1])
+      if r:
+        tokens = sum(c["tokens"] for c in cl)
+        wall = max(c["done"] for c in cl) - min(c["t0"] for c in cl)
+        runs.append(dict(tok_s=tokens / wall, tokens=tokens, wall_s=wall,
+                         chunks=sum(c["chunks"] for c in cl),
+                         ttft_median_s=statistics.median(c["first"] - c["t0"] for c in cl)))
+  finally:
+    server.should_exit = True
+    th.join(60)
+    sock.close()
+  return statistics.median(r["tok_s"] for r in runs), runs
+
+
+# ----- output ------------------------------------------------------------------------------------
+def entries(details, command):
+  def entry(name, measured, target, unit, met):
+    return {"name": name, "measured": None if measured is None else round(measured, 4),
+            "target": target, "unit": unit, "met": bool(met) if measured is not None else False,
+            "command": command}
+  out = []
+  for B in details["batches"]:
+    d = details["decode"].get(str(B), {})
+    for mode in ("greedy", "sampled"):
+      m = d.get(f"{mode}_ratio")
+      t = TARGETS[mode]
+      out.append(entry(f"engine_vs_program_b{B}_{mode}", m, t,
+                       f"engine decode tok/s / decode_greedy tok/s (batch {B}, adapter on"
+                       + (", T 0.8, top_p 0.95)" if mode == "sampled" else ")"),
+                       m is not None and m >= t))
+  s = details.get("server", {}).get("ratio")
+  out.append(entry(f"server_vs_engine_b{details['server_batch']}", s, TARGETS["server"],
+                   "serve tok/s (32 streaming clients) / Engine.run tok/s (end to end)",
+                   s is not None and s >= TARGETS["server"]))
+  r = details.get("ttft", {}).get("ratio")
+  out.append(entry(f"engine_ttft_vs_prefill_{details['ttft_tokens']}", r, TARGETS["ttft"],
+                   "engine TTFT / one prefill program call (lower is better)",
+                   r is not None and r <= TARGETS["ttft"]))
+  return out
+
+
+def merge_summary(path, new):
+  from common import read_json, write_json
+  old = read_json(path)
+  old = old if isinstance(old, list) else []
+  names = {e["name"] for e in new}
+  write_json(path, [e for e in old if e.get("name") not in names] + new)
+
+
+def plot(details, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+  bs = [str(B) for B in details["batches"]]
+  series = [("decode_greedy program", "program_tok_s"), ("engine greedy", "greedy_tok_s"),
+            ("engine T 0.8 top_p 0.95", "sampled_tok_s")]
+  w = 0.8 / len(series)
+  for i, (label, key) in enumerate(series):
+    ys = [details["decode"].get(B, {}).get(key) or 0 for B in bs]
+    a.bar([j + i * w for j in range(len(bs))], ys, w, label=label)
+  srv = details.get("server", {})
+  if srv.get("tok_s"):
+    a.bar([len(bs) - 1 + len(series) * w], [srv["tok_s"]], w, color="grey",
+          label=f"serve, {details['server_clients']} streaming clients")
+  a.set_xticks([j + w for j in range(len(bs))], [f"batch {B}" for B in bs])
+  a.set_ylabel("tokens/s")
+  a.set_title(f"decode, {details['geometry']}, adapter on")
+  a.legend(fontsize=8)
+  t = details.get("ttft", {})
+  if t.get("engine_s"):
+    b.bar(["prefill\nprogram", "engine\nTTFT"], [t["program_s"] * 1e3, t["engine_s"] * 1e3],
+          color=["C0", "C1"])
+  b.set_ylabel("ms")
+  b.set_title(f"{details['ttft_tokens']}-token prompt")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# ----- main ------------------------------------------------------------------------------------
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--smoke", action="store_true", help="CPU, toy geometry, short runs")
+  ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "device",
+                                                 "bench_engine.json"))
+  ap.add_argument("--merge-summary", nargs="?", const=DEFAULT_SUMMARY, default=None,
+                  metavar="PATH", help="merge the keys into this summary.json")
+  ap.add_argument("--batches", default="1,8,32")
+  ap.add_argument("--prompt", type=int, default=128)
+  ap.add_argument("--new", type=int, default=64)
+  ap.add_argument("--ttft-tokens", type=int, default=2500)
+  ap.add_argument("--server-clients", type=int, default=32)
+  ap.add_argument("--reps", type=int, default=2, help="timed runs per figure (after 1 untimed)")
+  ap.add_argument("--decode-steps", type=int, default=16, help="engine steps per dispatch")
+  ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--clients", type=int, default=32, help=argparse.SUPPRESS)
+  ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
+  ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.client:
+    client_main(args.client, args.clients, args.prompt, args.new, args.vocab, args.seed)
+    return 0
+  if args.smoke:
+    args.batches, args.prompt, args.new, args.ttft_tokens = "1", 16, 8, 100
+    args.server_clients, args.reps, args.decode_steps = 2, 1, 4
+  command = "python experiments/bench/bench_engine.py " + " ".join(argv or sys.argv[1:])
+  t_start = time.perf_counter()
+  cache_dir = _cache()
+  import jax
+  import numpy as np
+
+  import strata_jax as sj
+  batches = [int(b) for b in args.batches.split(",")]
+  details = {"jax": jax.__version__, "backend": jax.default_backend(),
+             "device": jax.devices()[0].device_kind, "smoke": args.smoke,
+             "geometry": "tiny" if args.smoke else "bench-a3b", "batches": batches,
+             "prompt": args.prompt, "new": args.new, "ttft_tokens": args.ttft_tokens,
+             "server_clients": args.server_clients, "server_batch": max(batches),
+             "reps": args.reps, "decode_steps": args.decode_steps, "compilation_cache": cache_dir,
+             "sampled": SAMPLED, "decode": {}}
+  out_path = os.path.abspath(args.out)
+  err = None
+  try:
+    model, lora, init_s = build(args)
+    details["init_s"] = init_s
+    V = model.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    ttft_seq = -(-(args.ttft_tokens + 2) // 64) * 64
+    short_seq = max(256, 1 << (args.prompt + args.new).bit_length())
+    engines = {}
+    for B in batches:   # batch 1 also serves the TTFT prompt (its K/V capacity fits it)
+      engines[B] = sj.Engine(model, lora=lora, slots=B, decode_steps=(args.decode_steps,),
+                             max_seq=ttft_seq if B == 1 else short_seq)
+    if 1 not in engines:
+      engines[1] = sj.Engine(model, lora=lora, slots=1, decode_steps=(args.decode_steps,),
+                             max_seq=ttft_seq)
+    from strata_jax.engine import sampling as hs
+    from strata_jax.engine.engine import Request
+    plans = (hs.plan_for([Request(tokens=[0])]), hs.plan_for([Request(tokens=[0], **SAMPLED)]))
+
+    # ---- every program before timing: engines' warmup and the references, in threads
+    t0 = time.perf_counter()
+
+    def warm(B):
+      e = engines[B]
+      lengths = [args.prompt] + ([args.ttft_tokens] if B == 1 else [])
+      e.warmup(lengths, plans=plans)
+      program_rate(e, B, args.decode_steps, 1, args.prompt, 0)
+      if B == 1:
+        prefill_time(e, args.ttft_tokens, 0)
+      return B
+    with cf.ThreadPoolExecutor(len(engines)) as ex:
+      list(ex.map(warm, list(engines)))
+    details["compile_wall_s"] = time.perf_counter() - t0
+    print(f"compiled in {details['compile_wall_s']:.1f} s", flush=True)
+
+    # ---- decode: engine greedy / sampled against the program, per batch
+    calls = -(-args.new // args.decode_steps)
+    for B in batches:
+      e, d = engines[B], {}
+      for mode, kw in (("greedy", {}), ("sampled", dict(SAMPLED, seed=7))):
+        dec, e2e = [], []
+        for r in range(args.reps + 1):
+          rate, agg, res = engine_run(e, _prompts(rng, B, args.prompt, V), args.new, kw)
+          assert all(len(x.tokens) == args.new for x in res), "a row stopped early"
+          if r:
+            dec.append(rate)
+            e2e.append(agg)
+        d[f"{mode}_tok_s"], d[f"{mode}_runs_tok_s"] = statistics.median(dec), dec
+        d[f"{mode}_end_to_end_tok_s"], d[f"{mode}_end_to_end_runs"] = statistics.median(e2e), e2e
+      d["program_tok_s"], d["program_runs_s"] = program_rate(e, B, args.decode_steps, calls,
+                                                             args.prompt, args.reps)
+      for mode in ("greedy", "sampled"):
+        d[f"{mode}_ratio"] = d[f"{mode}_tok_s"] / d["program_tok_s"]
+      details["decode"][str(B)] = d
+      print("decode", B, {k: v for k, v in d.items() if not k.endswith("runs")}, flush=True)
+      common_write(out_path, details, command)
+
+    # ---- time to first token of a long prompt against one prefill call
+    e = engines[1]
+    ttft = []
+    for r in range(args.reps + 1):
+      res = e.generate(tokens=_prompts(rng, 1, args.ttft_tokens, V)[0], max_tokens=1,
+                       lora=True)
+      if r:
+        ttft.append(res.ttft_s)
+    prog_s, prog_runs = prefill_time(e, args.ttft_tokens, args.reps)
+    details["ttft"] = dict(engine_s=statistics.median(ttft), engine_runs_s=ttft,
+                           program_s=prog_s, program_runs_s=prog_runs,
+                           chunks=[b for _, _, b in e._schedule(
+                               0, args.ttft_tokens, args.ttft_tokens // e.block_size, True)])
+    details["ttft"]["ratio"] = details["ttft"]["engine_s"] / prog_s
+    print("ttft", details["ttft"], flush=True)
+    common_write(out_path, details, command)
+
+    # ---- the server on the largest batch's engine (the worker owns it from here on)
+    B = max(batches)
+    srv_rate, runs = server_rate(engines[B], args, seed=100)
+    eng_e2e = details["decode"][str(B)]["greedy_end_to_end_tok_s"]
+    details["server"] = dict(tok_s=srv_rate, runs=runs, engine_end_to_end_tok_s=eng_e2e,
+                             ratio=srv_rate / eng_e2e)
+    print("server", details["server"], flush=True)
+  except Exception as e:  # noqa: BLE001 (recorded, then the exit status says so)
+    err = f"{type(e).__name__}: {e}"
+    details["error"] = err
+    details["traceback"] = traceback.format_exc()[-4000:]
+    print(details["traceback"], file=sys.stderr, flush=True)
+  details["wall_s"] = time.perf_counter() - t_start
+  ents = common_write(out_path, details, command)
+  try:
+    plot(details, os.path.splitext(out_path)[0] + ".png")
+  except Exception as e:  # noqa: BLE001
+    details["plot_error"] = repr(e)
+    common_write(out_path, details, command)
+  if args.merge_summary:
+    merge_summary(os.path.abspath(args.merge_summary), ents)
+  print(json.dumps(ents, indent=1))
+  return 1 if err else 0
+
+
+def common_write(path, details, command):
+  from common import write_json
+  ents = entries(details, command)
+  write_json(path, {"entries": ents, "details": details})
+  return ents
+
+
+if __name__ == "__main__":
+  sys.exit(main())

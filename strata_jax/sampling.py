@@ -1,0 +1,208 @@
+"""Token choice as pure jnp functions: penalties, temperature, top-k, top-p, min-p, seeded draws
+and logprobs, every parameter an array over the batch rows. The jit sites are in `steps.py`.
+
+Semantics (documented choices; llama.cpp and vLLM are the references):
+- Penalties follow llama.cpp's `penalties` sampler over a window of the last `RECENT` (= 64,
+  llama.cpp's `repeat_last_n` default) tokens of the row: the prompt's last tokens, then each
+  generated token as it is chosen (llama.cpp feeds the prompt into the sampler too). For every
+  distinct token of the window, with `c` its count there: `x *= repeat` if `x <= 0` else
+  `x /= repeat`, then `x -= c * frequency + presence` (that association). Neutral values
+  (1, 0, 0) leave the logits bit-identical.
+- Order, as transformers and vLLM (and the engine before this module): penalties, then
+  `/ temperature`, then top-k, then top-p (the smallest most-probable set whose probability
+  reaches top_p, on the tempered distribution), then min-p (keep `p >= min_p * p_max`), then a
+  draw from what is kept, renormalised. (llama.cpp applies temperature last.)
+- Temperature below `MIN_TEMPERATURE` (0 included) is greedy: the argmax of the (penalised)
+  logits, exactly `jnp.argmax` as before, so greedy tokens are the same as without sampling.
+- The draw is an inverse-CDF draw with one uniform per row and step:
+  `u = uniform(fold_in(fold_in(fold_in(key(0), seed_lo), seed_hi), step))`, `step` the index of
+  the token in the request's output. A request's tokens therefore depend on its prompt,
+  parameters and seed only: never on its neighbours, slot or the batch size.
+- Which candidates a row is drawn from (a static `Plan` says which paths a program computes;
+  every row's own path is always among them, so a row's token never depends on its neighbours):
+    * `cap`: 0 < top_k <= TOP_K_CAP (64): `lax.top_k(z, 64)`, no sort of the vocabulary;
+    * `full`: top_k = 0 and top_p >= 1: the whole vocabulary in id order (a draw needs no sort);
+    * `sort`: top-p without top-k, or top_k > 64: a sort of the whole vocabulary (stable, ties
+      by lower id, as `lax.top_k`). Top-p needs the exact nucleus, which on a flat distribution
+      (random models, high temperature) can hold most of the 151,936 ids, so no cap is applied
+      there; on the GPU XLA sorts [B, V] keys with indices in a fraction of a decode step.
+  The cap and sort paths see identical values for a row (the sort's first 64 entries equal
+  `lax.top_k`'s), and a capped row is drawn from those 64 entries in both.
+- Logprobs are `log_softmax` of the raw model logits the token was chosen from (before
+  penalties, temperature and filters), as OpenAI and llama.cpp's server report them; the top
+  `MAX_LOGPROBS` (20) per step come with them when a plan asks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+RECENT = 64            # penalty window (llama.cpp repeat_last_n default)
+TOP_K_CAP = 64         # top_k up to this never sorts the vocabulary
+MAX_LOGPROBS = 20      # OpenAI's top_logprobs bound
+MIN_TEMPERATURE = 1e-5
+
+GREEDY, CAP, FULL, SORT = 0, 1, 2, 3
+
+
+@struct.dataclass
+class SamplingParams:
+  """Per-row sampling parameters, each [B]."""
+  temperature: jax.Array   # float32
+  top_k: jax.Array         # int32, 0 = off
+  top_p: jax.Array         # float32, >= 1 = off
+  min_p: jax.Array         # float32, 0 = off
+  presence: jax.Array      # float32
+  frequency: jax.Array     # float32
+  repeat: jax.Array        # float32, 1 = off
+  seed_lo: jax.Array       # uint32
+  seed_hi: jax.Array       # uint32
+
+
+@struct.dataclass
+class Rows:
+  """Per-row decode bookkeeping carried from step to step on the device, each [B] or [B, W]."""
+  last: jax.Array        # int32 the last chosen token (fed at the next step)
+  active: jax.Array      # int32 1 while the row generates
+  remaining: jax.Array   # int32 tokens the row may still emit
+  n_gen: jax.Array       # int32 tokens emitted so far (the draw's step index)
+  recent: jax.Array      # int32 [B, RECENT] penalty window, oldest first, -1 = empty
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Which sampling paths a program computes (static: each combination is one program)."""
+  penalties: bool = False
+  cap: bool = False
+  full: bool = False
+  sort: bool = False
+  n_top: int = 0          # 0 or MAX_LOGPROBS: top logprobs per step
+  logprobs: bool = False  # the chosen token's logprob
+
+  @property
+  def sampled(self) -> bool:
+    return self.cap or self.full or self.sort
+
+
+def row_path(temperature, top_k, top_p):
+  """GREEDY / CAP / FULL / SORT for one row (host floats) or for arrays (jnp)."""
+  if isinstance(temperature, (int, float)):
+    if not temperature >= MIN_TEMPERATURE:
+      return GREEDY
+    if 0 < top_k <= TOP_K_CAP:
+      return CAP
+    return FULL if top_k == 0 and top_p >= 1.0 else SORT
+  return jnp.where(
+      temperature >= MIN_TEMPERATURE,
+      jnp.where((top_k > 0) & (top_k <= TOP_K_CAP), CAP,
+                jnp.where((top_k == 0) & (top_p >= 1.0), FULL, SORT)), GREEDY)
+
+
+def penalize(logits, recent, sp: SamplingParams):
+  """llama.cpp's repetition / frequency / presence penalties over the window. logits [B, V]."""
+  V = logits.shape[-1]
+  valid = recent >= 0
+  cnt = jnp.sum((recent[:, :, None] == recent[:, None, :]) & valid[:, None, :], axis=-1)
+  g = jnp.take_along_axis(logits, jnp.where(valid, recent, 0), axis=1)
+  rp = sp.repeat[:, None]
+  g = jnp.where(g <= 0, g * rp, g / rp)
+  g = g - (cnt.astype(g.dtype) * sp.frequency[:, None] + sp.presence[:, None])  # as llama.cpp
+  rows = jnp.arange(logits.shape[0])[:, None]
+  # duplicates of a token write the same value; empty window entries write nothing
+  return logits.at[rows, jnp.where(valid, recent, V)].set(g, mode="drop")
+
+
+def uniforms(sp: SamplingParams, step):
+  """One uniform in [0, 1) per row from (seed, step) alone."""
+  def one(lo, hi, s):
+    k = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), lo), hi)
+    return jax.random.uniform(jax.random.fold_in(k, s), (), jnp.float32)
+  return jax.vmap(one)(sp.seed_lo, sp.seed_hi, step.astype(jnp.uint32))
+
+
+def pick(vals, top_k, top_p, min_p, u, *, ordered: bool):
+  """Index into the last axis of vals [B, N] (tempered logits; sorted descending if `ordered`)
+  drawn with uniforms u [B] after top-k / top-p (ordered only) and min-p."""
+  N = vals.shape[-1]
+  rank = jnp.arange(N, dtype=jnp.int32)[None, :]
+  keep = jnp.ones(vals.shape, bool)
+  if ordered:
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+  z = jnp.where(keep, vals, -jnp.inf)
+  p = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
+  p = p / jnp.sum(p, axis=-1, keepdims=True)
+  if ordered:
+    excl = jnp.cumsum(p, axis=-1) - p
+    keep &= (excl < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0)
+  keep &= p >= min_p[:, None] * jnp.max(p, axis=-1, keepdims=True)
+  p = jnp.where(keep, p, 0.0)
+  cdf = jnp.cumsum(p, axis=-1)
+  idx = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
+  last_kept = jnp.max(jnp.where(keep & (p > 0), rank, 0), axis=-1)
+  return jnp.minimum(idx, last_kept)
+
+
+def sample(z, sp: SamplingParams, step, plan: Plan):
+  """Token ids [B] for the sampled rows of penalised logits z [B, V] (greedy rows get -1)."""
+  V = z.shape[-1]
+  path = row_path(sp.temperature, sp.top_k, sp.top_p)
+  t = jnp.where(path == GREEDY, 1.0, sp.temperature)[:, None]
+  zt = z / t
+  u = uniforms(sp, step)
+  tok = jnp.full(z.shape[:1], -1, jnp.int32)
+  if plan.full:
+    i = pick(zt, sp.top_k, sp.top_p, sp.min_p, u, ordered=False)
+    tok = jnp.where(path == FULL, i, tok)
+  if plan.cap or plan.sort:
+    if plan.sort:
+      ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), zt.shape)
+      neg, ids = lax.sort((-zt, ids), dimension=1, is_stable=True, num_keys=1)
+      vals = -neg
+      i = pick(vals, sp.top_k, sp.top_p, sp.min_p, u, ordered=True)
+      tok = jnp.where(path == SORT, jnp.take_along_axis(ids, i[:, None], 1)[:, 0], tok)
+      cv, ci = vals[:, :TOP_K_CAP], ids[:, :TOP_K_CAP]
+    else:
+      cv, ci = lax.top_k(zt, min(TOP_K_CAP, V))
+    i = pick(cv, sp.top_k, sp.top_p, sp.min_p, u, ordered=True)
+    tok = jnp.where(path == CAP, jnp.take_along_axis(ci, i[:, None], 1)[:, 0], tok)
+  return tok
+
+
+def choose(logits, recent, sp: SamplingParams, step, plan: Plan):
+  """The token of every row and its logprobs.
+
+  logits [B, V] float32 raw model logits; recent [B, RECENT]; step [B] draw index.
+  Returns (tok int32 [B], logprob float32 [B], top_ids int32 [B, n_top], top_lp [B, n_top]).
+  """
+  z = penalize(logits, recent, sp) if plan.penalties else logits
+  tok = jnp.argmax(z, axis=-1).astype(jnp.int32)
+  if plan.sampled:
+    s = sample(z, sp, step, plan)
+    tok = jnp.where(s >= 0, s, tok)
+  B = logits.shape[0]
+  lp = jnp.zeros((B,), jnp.float32)
+  top_lp, top_ids = jnp.zeros((B, plan.n_top), jnp.float32), jnp.zeros((B, plan.n_top), jnp.int32)
+  if plan.logprobs or plan.n_top:
+    lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lp = jnp.take_along_axis(lsm, tok[:, None], 1)[:, 0]
+    if plan.n_top:
+      top_lp, top_ids = lax.top_k(lsm, plan.n_top)
+  return tok, lp, top_ids, top_lp
+
+
+def advance(rows: Rows, tok, stop_ids):
+  """Rows after the active ones emitted `tok`; returns (rows, emitted [B]: tok or -1).
+  A row stops at a stop id (stop_ids [B, S], -1 padded) or when `remaining` runs out."""
+  act = rows.active.astype(bool)
+  remaining = rows.remaining - act.astype(jnp.int32)
+  hit = jnp.any((tok[:, None] == stop_ids) & (stop_ids >= 0), axis=-1)
+  shifted = jnp.concatenate([rows.recent[:, 1:], tok[:, None]], axis=1)
+  new = Rows(last=jnp.where(act, tok, rows.last),
+             active=(act & ~hit & (remaining > 0)).astype(jnp.int32),
+             remaining=remaining, n_gen=rows.n_gen + act.astype(jnp.int32),
+             recent=jnp.where(act[:, None], shifted, rows.recent))
+  return new, jnp.where(act, tok, -1)
