@@ -60,6 +60,7 @@ class Request:
   # (logprobs set) called with each token's logprobs entry (as in Result.logprobs) just
   # before on_token
   on_logprobs: Callable[[dict], None] | None = None
+  spec: int | None = None   # speculative drafts per step (0 off; None: the engine's `spec`)
 
 
 @dataclasses.dataclass
@@ -78,6 +79,7 @@ class Result:
   step_logits: np.ndarray | None = None     # [n, V] the raw logits each token was chosen from
   # (logprobs=k) per token: {"token": id, "logprob": x, "top": {id: x, ...} (k entries)}
   logprobs: list[dict] | None = None
+  draft: dict | None = None   # speculative decoding: {"proposed": p, "accepted": a}
 
 
 class Handle:
@@ -111,6 +113,10 @@ class _Running:
   step_logits: list = dataclasses.field(default_factory=list)
   prompt_logits: np.ndarray | None = None
   logprobs: list | None = None
+  spec: int = 0            # speculative drafts per round (0: the plain decode path)
+  proposed: int = 0
+  accepted: int = 0
+  rng: np.random.Generator | None = None   # the rejection rule's draws (sampled spec rows)
 
 
 @dataclasses.dataclass
