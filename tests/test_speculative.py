@@ -403,3 +403,16 @@ def test_gdn_keep_steps_equals_decode_steps(model, impl):
       for b in range(B):
         np.testing.assert_array_equal(np.asarray(rows)[b, n[b]:n[b] + cfg.conv_kernel - 1],
                                       np.asarray(c)[b])
+
+
+def test_spec_and_plain_rows_side_by_side(model, lora):
+  """Requests with and without speculation in one engine at once: the speculative rows run
+  beside the plain decode chunks and every row gives its plain greedy tokens."""
+  sw = [True, False, True]
+  plain = [r.tokens for r in _run(model, lora, sw, 0)]
+  eng = Engine(model, lora=lora, slots=3, max_seq=64, spec=0, draft="mtp")
+  reqs = [Request(tokens=t, max_tokens=14, lora=s, spec=n)
+          for t, s, n in zip(PROMPTS, sw, (3, 0, 2))]
+  res = eng.run(reqs)
+  assert [r.tokens for r in res] == plain
+  assert res[0].draft is not None and res[1].draft is None and res[2].draft is not None
