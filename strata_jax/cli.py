@@ -8,8 +8,14 @@ import sys
 
 
 def _lora_args(p):
-  p.add_argument("--lora", default=None, help="adapter GGUF file(s), comma-separated")
-  p.add_argument("--lora-scaled", default=None, help="F:S[,F:S...] adapter files with scales")
+  # Each flag occurrence is one numbered adapter (0, 1, ... in command-line order); the files
+  # of one occurrence, comma-separated, stack into one set (docs/adapters.md).
+  p.add_argument("--lora", dest="lora_groups", action="append", type=lambda v: ("plain", v),
+                 metavar="F[,F...]", help="adapter GGUF file(s); repeat the flag for numbered "
+                 "adapters, comma-separate files to stack them into one")
+  p.add_argument("--lora-scaled", dest="lora_groups", action="append",
+                 type=lambda v: ("scaled", v), metavar="F:S[,F:S...]",
+                 help="adapter file(s) with scales (one file: its default scale)")
   p.add_argument("--lora-off", action="store_true",
                  help="load the adapters, run with the switch off")
 
@@ -90,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--slot-save-path", default=None)
   s.add_argument("--config", default=None, help="JSON server config file")
   s.add_argument("--ctx-size", type=int, default=4096)
+  s.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                 help="rank columns to reserve for adapters (hot loads within it compile "
+                      "nothing new; default: the loaded adapters' total, rounded up to 64)")
   return ap
 
 
@@ -122,7 +131,7 @@ def cmd_generate(args) -> int:
     ids = model.encode(args.prompt if args.prompt is not None else "Hello")
   if args.n < 1:
     raise RequestError(f"-n must be >= 1, got {args.n}")
-  use_lora = lora is not None and not args.lora_off
+  use_lora = bool(lora) and not args.lora_off
   # A power-of-two capacity: repeat runs with other prompt lengths reuse the compiled program.
   need = len(ids) + args.n + 1
   engine = sj.Engine(model, lora=lora, slots=1, max_seq=max(256, 1 << (need - 1).bit_length()),

@@ -7,36 +7,51 @@ from __future__ import annotations
 from strata_jax.errors import AdapterError, ControlVectorError
 
 
-def parse_lora(args) -> tuple[list[str], list[float]]:
-  """--lora F[,F...] and --lora-scaled F:S[,F:S...] -> (paths, scales)."""
-  paths, scales = [], []
-  for f in (args.lora.split(",") if args.lora else []):
-    if f:
+def parse_lora(args) -> list[tuple[list[str], list[float]]]:
+  """--lora F[,F...] and --lora-scaled F:S[,F:S...], each repeatable -> one (paths, scales)
+  group per flag occurrence, in command-line order."""
+  groups = []
+  for kind, value in getattr(args, "lora_groups", None) or []:
+    paths, scales = [], []
+    for item in value.split(","):
+      if not item:
+        continue
+      if kind == "plain":
+        paths.append(item)
+        scales.append(1.0)
+        continue
+      f, sep, s = item.rpartition(":")
+      try:
+        if not sep or not f:
+          raise ValueError
+        scales.append(float(s))
+      except ValueError:
+        raise AdapterError(f"--lora-scaled {item!r}: expected FILE:SCALE") from None
       paths.append(f)
-      scales.append(1.0)
-  for item in (args.lora_scaled.split(",") if args.lora_scaled else []):
-    f, sep, s = item.rpartition(":")
-    try:
-      if not sep or not f:
-        raise ValueError
-      scales.append(float(s))
-    except ValueError:
-      raise AdapterError(f"--lora-scaled {item!r}: expected FILE:SCALE") from None
-    paths.append(f)
-  return paths, scales
+    if paths:
+      groups.append((paths, scales))
+  return groups
 
 
 def load_from_args(args):
-  """(Model, LoraSet or None) from --model, --dtype, --layer-split, --split-devices, --forms,
-  --weights, --lora*."""
+  """(Model, adapters) from --model, --dtype, --layer-split, --split-devices, --forms,
+  --weights, --lora*: adapters is a list of `(LoraSet, default scale, path)`, one numbered
+  adapter per flag occurrence (empty without --lora). A group of one file is loaded at scale 1
+  with its scale as the default (llama.cpp's `--lora-scaled`, changeable per request; a
+  negative scale, which requests cannot name, is folded in instead); a comma-separated group
+  stacks its files with their scales folded in, default scale 1."""
   from strata_jax.api import load_lora, load_model  # noqa: PLC0415 (keeps import light)
   from strata_jax.forms import parse_forms  # noqa: PLC0415
   model = load_model(args.model, dtype=args.dtype, layer_split=args.layer_split,
                      split_devices=args.split_devices, forms=parse_forms(args.forms),
                      weights=getattr(args, "weights", "keep"))
-  paths, scales = parse_lora(args)
-  lora = load_lora(model, paths, scales) if paths else None
-  return model, lora
+  adapters = []
+  for paths, scales in parse_lora(args):
+    if len(paths) == 1 and scales[0] >= 0:   # (a request's scale is >= 0: a negative folds)
+      adapters.append((load_lora(model, paths), scales[0], paths[0]))
+    else:
+      adapters.append((load_lora(model, paths, scales), 1.0, ",".join(paths)))
+  return model, adapters
 
 
 def parse_control_vectors(args) -> tuple[list[str], list[float]]:

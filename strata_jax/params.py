@@ -213,11 +213,17 @@ class LoraParams:
 
   Several adapter files stack along the rank axis R; a file without a given layer contributes
   zero rows there. `y = W x + B (A x)` for rows whose switch is on.
+
+  `table` (optional, the per-row adapter table): [C, R] float32, row c the scale of every rank
+  column for rows whose switch is c (row 0 unused: switch 0 is off). Without it a row that is
+  on uses every column at scale 1 (one stacked set); with it, adapters that share the rank
+  axis are chosen per row: `y = W x + B (table[switch] * (A x))` (the engine's AdapterTable).
   """
   gdn_a: jax.Array    # [Lg, R, Hv*Dv]   for ssm_out
   gdn_b: jax.Array    # [Lg, D, R]
   attn_a: jax.Array   # [La, R, H*Hd]    for attn_output
   attn_b: jax.Array   # [La, D, R]
+  table: jax.Array | None = None   # [C, R] float32 per-row-switch rank scales, or None
 
 
 LORA_RANK_BUCKET = 64
@@ -239,7 +245,8 @@ def pad_lora_rank(lora: LoraParams, rank: int) -> LoraParams:
     widths[axis] = (0, extra)
     return jnp.pad(x, widths)
   return LoraParams(gdn_a=pad(lora.gdn_a, 1), gdn_b=pad(lora.gdn_b, 2),
-                    attn_a=pad(lora.attn_a, 1), attn_b=pad(lora.attn_b, 2))
+                    attn_a=pad(lora.attn_a, 1), attn_b=pad(lora.attn_b, 2),
+                    table=None if lora.table is None else pad(lora.table, 1))
 
 
 def empty_lora(cfg: ModelConfig, rank: int = LORA_RANK_BUCKET, dtype=jnp.float32) -> LoraParams:

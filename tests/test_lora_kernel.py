@@ -175,6 +175,95 @@ def test_one_compile_serves_every_switch_state(impl):
   assert not np.array_equal(bits(outs["all"]), bits(base))
 
 
+# ---------------------------------------------------------------- several adapters per batch
+
+
+def table_inputs(n, d_in, d_out, ranks, *, seed=0, act=F32):
+  """Adapters of `ranks` stacked on R, and a per-row rank scale: row i picks adapter
+  i % (len(ranks) + 1) (the last choice: none, and such rows are off) at scale 0.5 + i / 4,
+  and every fourth on row also adds adapter 0 at 0.75."""
+  base, x, a, b, _ = make_inputs(n, d_in, d_out, sum(ranks), act=act, seed=seed)
+  offs = np.cumsum([0, *ranks])
+  rs = np.zeros((n, sum(ranks)), np.float32)
+  on = np.zeros(n, np.int32)
+  for i in range(n):
+    k = i % (len(ranks) + 1)
+    if k < len(ranks):
+      rs[i, offs[k]:offs[k + 1]] = 0.5 + i / 4
+      on[i] = 1
+      if i % 4 == 0:
+        rs[i, offs[0]:offs[1]] += 0.75
+  return base, x, a, b, on, rs
+
+
+def want64_table(base, x, a, b, on, rs):
+  f = np.float64
+  h = (x.astype(f) @ a.astype(f).T) * rs.astype(f)
+  y = base.astype(f) + h @ b.astype(f).T
+  return np.where(on[:, None] != 0, y, base.astype(f))
+
+
+def check_table(got, base, x, a, b, on, rs, what):
+  got = np.asarray(got)
+  off = on == 0
+  assert np.array_equal(bits(got[off]), bits(base[off])), f"{what}: off rows differ from base"
+  want = want64_table(base, x, a, b, on, rs)[~off]
+  assert_close(got[~off], want, rel=KERNEL_REL[np.dtype(base.dtype).name], what=what)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("n,ranks", [(1, (12,)), (9, (8, 50, 16, 30)), (33, (64, 64))],
+                         ids=["N1", "N9-4ad", "N33-2ad"])
+def test_rank_scale_table_parity(impl, n, ranks):
+  """Rows choose among adapters stacked on R (and mix them) through the rank-scale table."""
+  args = table_inputs(n, 96, 80, ranks, seed=n)
+  got = run(impl, *args[:5], rank_scale=jnp.asarray(args[5]))
+  check_table(got, *args, what=f"{impl} N{n} ranks {ranks}")
+  ref = lora_reference(*(jnp.asarray(v) for v in args[:5]), rank_scale=jnp.asarray(args[5]))
+  check_table(ref, *args, what=f"reference N{n}")
+
+
+@pytest.mark.parametrize("kw", [dict(din_splits=1, dout_splits=2, block_in=32),
+                                dict(block_rows=16, block_in=32, block_out=16, din_splits=3,
+                                     dout_splits=2)], ids=["fused", "split"])
+def test_rank_scale_table_kernel_forms(kw):
+  """Both kernel forms apply the table (the split form scales the summed partials)."""
+  args = table_inputs(21, 200, 72, (8, 50, 16), seed=5)
+  got = lora_pallas(*(jnp.asarray(v) for v in args), interpret=True, **kw)
+  check_table(got, *args, what=f"tiling {kw}")
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_rank_scale_row_equals_its_adapter_alone(impl):
+  """A row whose table picks one adapter at scale 1 gives what that adapter alone gives (the
+  other adapters' columns are exact zeros in h), to fp32 rounding (the sums differ in length)."""
+  base, x, a, b, on, _ = table_inputs(6, 96, 80, (8, 24), seed=9)
+  on[:] = 1
+  rs = np.zeros((6, 32), np.float32)
+  rs[:, 8:] = 1.0
+  got = run(impl, base, x, a, b, on, rank_scale=jnp.asarray(rs))
+  alone = run(impl, base, x, a[8:], b[:, 8:], on)
+  assert_close(got, alone, rel=KERNEL_REL["float32"], what=f"{impl} one adapter of two")
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_rank_scale_is_data_one_compile(impl):
+  f = jax.jit(functools.partial(lora_apply, implementation=impl))
+  base, x, a, b, on, rs = (jnp.asarray(v) for v in table_inputs(8, 96, 80, (8, 50), seed=2))
+  first = f(base, x, a, b, on, rank_scale=rs)
+  second = f(base, x, a, b, on, rank_scale=rs[::-1])
+  assert f._cache_size() == 1
+  assert not np.array_equal(bits(first), bits(second))
+
+
+def test_rank_scale_checks():
+  base, x, a, b, on, rs = (jnp.asarray(v) for v in table_inputs(3, 96, 80, (12,)))
+  with pytest.raises(ValueError, match="rank_scale .* must be \\[N, R\\]"):
+    lora_pallas(base, x, a, b, on, rs[:, :-1], interpret=True)
+  with pytest.raises(ValueError, match="takes no rank_scale"):
+    lora_apply(base, x, a, b, on, rank_scale=rs, implementation="mosaic")
+
+
 # ---------------------------------------------------------------- API
 
 
@@ -263,3 +352,17 @@ def test_gpu_switch(impl, act):
   for state in ("all", "none", "mixed"):
     f(base, x, a, b, jnp.asarray(make_inputs(8, 6144, 2560, 50, on=state)[4]))
   assert f._cache_size() == 1
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.usefixtures("highest_precision")
+@pytest.mark.parametrize("kw", [dict(din_splits=1), dict(din_splits=8, dout_splits=10)],
+                         ids=["fused", "split8x10"])
+@pytest.mark.parametrize("n", [1, 32, 300])
+@pytest.mark.parametrize("act", [F32, BF16], ids=["f32", "bf16"])
+def test_gpu_rank_scale_table(act, n, kw):
+  """The compiled kernel with the per-row adapter table: 4 rank-50 adapters on one R (200)."""
+  args = table_inputs(n, 4096, 2048, (50, 50, 50, 50), seed=31, act=act)
+  got = lora_pallas(*(jnp.asarray(v) for v in args[:5]), jnp.asarray(args[5]), **kw)
+  check_table(got, *args, what=f"gpu table {np.dtype(act).name} N{n} {kw}")

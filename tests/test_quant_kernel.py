@@ -157,6 +157,33 @@ def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_
     assert not np.array_equal(got[~off], plain[~off])
 
 
+@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
+def test_lora_rank_scale_table(impl):
+  """The per-row adapter table (rank_scale [N, R]) on the quantised path: h = x @ A^T scaled
+  per row and rank column before B; off rows stay qmatmul's bits."""
+  rank, n = 12, 18
+  qt, w64 = _weight("q8_0")
+  w = jax.device_put(qt)
+  x = _x(n, qt.shape[-1], F32)
+  a, b, on = _lora(n, qt.shape[-1], OUT, rank, F32, "mixed")
+  rs = np.random.default_rng(4).uniform(0, 2, (n, rank)).astype(np.float32)
+  rs[:, :5] *= np.arange(n)[:, None] % 2        # odd rows use "adapter 0" (columns 0..4)
+  tiles = None if impl == "xla" else (
+      dict(SMALL_TILES, block_rows=1) if n <= ROWS_MAX else SMALL_TILES)
+  kw = dict(index=jnp.int32(1), implementation=impl, tiles=tiles)
+  got = np.asarray(qmatmul_lora(jnp.asarray(x), w, jnp.asarray(a), jnp.asarray(b),
+                                jnp.asarray(on), rank_scale=jnp.asarray(rs), **kw))
+  plain = np.asarray(qmatmul(jnp.asarray(x), w, **kw))
+  off = on == 0
+  assert np.array_equal(bits(got[off]), bits(plain[off]))
+  f = np.float64
+  want = _want(x, w64[1]) + ((x.astype(f) @ a.astype(f).T) * rs) @ b.astype(f).T
+  assert_close(got[~off], want[~off], rel=_tol(F32), what=f"{impl} rank-scaled rows")
+  with pytest.raises(ValueError, match="lora_down='h'"):
+    qmatmul_lora(jnp.asarray(x), w, jnp.asarray(a), jnp.asarray(b), jnp.asarray(on),
+                 rank_scale=jnp.asarray(rs), lora_down="a", **kw)
+
+
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("qtype,dtype", [("q4_k", F32), ("q8_0", BF16)])
 def test_experts_match_float64(impl, qtype, dtype):

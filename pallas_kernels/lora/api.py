@@ -47,17 +47,19 @@ def resolve(implementation, n_rows):
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def lora_xla(base, x, a, b, on, *, scale=1.0):
+def lora_xla(base, x, a, b, on, rank_scale=None, *, scale=1.0):
   """XLA version of `lora_pallas`: same arguments, select and fp32 accumulation.
 
   x @ A^T follows the kernel's `dot_policy`; h @ B^T runs in fp32 at HIGHEST (the kernel
   splits h into bf16 hi + lo when B is bf16; the two agree to ~1e-5 relative).
   """
-  check_lora_inputs(base, x, a, b, on)
+  check_lora_inputs(base, x, a, b, on, rank_scale)
   f32 = jnp.float32
   cd, precision = dot_policy(x.dtype, a.dtype)
   h = lax.dot_general(x.astype(cd), a.astype(cd), _NT, precision=precision,
                       preferred_element_type=f32)  # [N, R]
+  if rank_scale is not None:
+    h = h * rank_scale.astype(f32)  # per row, per rank column: the adapter table's choice
   delta = lax.dot_general(h, b.astype(f32), _NT, precision=lax.Precision.HIGHEST,
                           preferred_element_type=f32)  # [N, Dout]
   if scale != 1.0:
@@ -66,8 +68,9 @@ def lora_xla(base, x, a, b, on, *, scale=1.0):
   return jnp.where((on != 0)[:, None], y, base)
 
 
-def lora_apply(base, x, a, b, on, *, scale=1.0, implementation=None):
-  """y = where(on != 0, base + scale * (x @ a^T) @ b^T, base) by the chosen implementation.
+def lora_apply(base, x, a, b, on, *, rank_scale=None, scale=1.0, implementation=None):
+  """y = where(on != 0, base + scale * (s * (x @ a^T)) @ b^T, base) by the chosen
+  implementation.
 
   Args:
     base: [N, Dout] float32/float16/bfloat16 (the output dtype).
@@ -75,6 +78,10 @@ def lora_apply(base, x, a, b, on, *, scale=1.0, implementation=None):
     a: [R, Din] stacked LoRA A (ranks of several files concatenated).
     b: [Dout, R] stacked LoRA B with each file's scale folded in.
     on: [N] int32 per-row switch; an off row returns base bit for bit.
+    rank_scale: [N, R] float32 per-row scale s of each rank column, or None (all ones). With
+      several adapters stacked on R, a row picks its adapters and their scales through it
+      (punica/BGMV-style; README "Several adapters per batch"). "mosaic" does not take it
+      ("auto" then picks "pallas").
     scale: static extra factor (model code passes 1.0).
     implementation: one of CHOICES (None: "auto").
 
@@ -82,13 +89,16 @@ def lora_apply(base, x, a, b, on, *, scale=1.0, implementation=None):
     [N, Dout] in base.dtype.
   """
   impl = resolve(implementation, x.shape[0])
+  rs = rank_scale
   if impl == "kernel":
-    impl = "mosaic" if mosaic_supported(base, x, a, b) is None else "pallas"
+    impl = "mosaic" if rs is None and mosaic_supported(base, x, a, b) is None else "pallas"
   if impl == "pallas":
     require_gpu("lora", impl, "'pallas_interpret' or 'xla'")
-    return lora_pallas(base, x, a, b, on, scale=scale)
+    return lora_pallas(base, x, a, b, on, rs, scale=scale)
   if impl == "mosaic":  # Mosaic GPU kernel; ValueError where `mosaic_supported` says no
+    if rs is not None:
+      raise ValueError("lora: the 'mosaic' kernel takes no rank_scale; use 'pallas' or 'xla'")
     return lora_mosaic(base, x, a, b, on, scale=scale)
   if impl == "pallas_interpret":
-    return lora_pallas(base, x, a, b, on, scale=scale, interpret=True)
-  return lora_xla(base, x, a, b, on, scale=scale)
+    return lora_pallas(base, x, a, b, on, rs, scale=scale, interpret=True)
+  return lora_xla(base, x, a, b, on, rs, scale=scale)

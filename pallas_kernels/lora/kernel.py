@@ -1,6 +1,9 @@
-"""Pallas LoRA kernel: y[n] = base[n] + scale * B @ (A @ x[n]) where on[n] != 0, else base[n].
+"""Pallas LoRA kernel: y[n] = base[n] + scale * B @ (s[n] * (A @ x[n])) where on[n] != 0,
+else base[n].
 
-Shapes: x [N, Din], base [N, Dout], a [R, Din], b [Dout, R], on [N] int32. The math, the
+Shapes: x [N, Din], base [N, Dout], a [R, Din], b [Dout, R], on [N] int32, and the optional
+per-row rank scale s [N, R] float32 (punica/BGMV-style adapter table: several adapters share the
+rank axis, and each row scales each adapter's columns; None means all ones). The math, the
 backend choice (Pallas Triton lowering) and the measured numbers are in this folder's README.
 
 The file reads top to bottom: two shared pieces of kernel math (`_down`: h = x @ A^T over Din
@@ -152,14 +155,30 @@ def _up_store(h, b_ref, base_ref, o_ref, row_ok, on, out0, t):
   lax.fori_loop(0, t.out_tiles, body, 0)
 
 
-def _fused_kernel(on_ref, x_ref, a_ref, b_ref, base_ref, o_ref, *, t):
+def _scale_rows(h, rs_ref, row_ok, t):
+  """h [bn, Rp] times the row block's rank scales (s[n, r]; padding reads 0); no-op without."""
+  if rs_ref is None:
+    return h
+  r_ok = jnp.arange(t.rank_pad) < t.rank if t.rank != t.rank_pad else None
+  return h * _load(rs_ref, _and(_col(row_ok), _row(r_ok))).astype(_F32)
+
+
+def _split_refs(refs, t):
+  """(on_ref, rs_ref or None, the other refs): the rank-scale operand follows `on` when used."""
+  if t.row_scaled:
+    return refs[0], refs[1], refs[2:]
+  return refs[0], None, refs[1:]
+
+
+def _fused_kernel(*refs, t):
   """One program: a row block x a range of Dout tiles; h is recomputed per Dout range."""
+  on_ref, rs_ref, (x_ref, a_ref, b_ref, base_ref, o_ref) = _split_refs(refs, t)
   row_ok, on, any_on = _row_flags(on_ref, t.n, t.block_rows)
   out0 = pl.program_id(1) * t.out_span  # program ids are read outside `when` (interpret)
 
   @pl.when(any_on)  # an all-off block writes nothing: o aliases base
   def _():
-    h = _down(x_ref, a_ref, row_ok, 0, t)
+    h = _scale_rows(_down(x_ref, a_ref, row_ok, 0, t), rs_ref, row_ok, t)
     _up_store(h, b_ref, base_ref, o_ref, row_ok, on, out0, t)
 
 
@@ -173,8 +192,10 @@ def _split_down_kernel(on_ref, x_ref, a_ref, h_ref, *, t):
     h_ref[...] = _down(x_ref, a_ref, row_ok, col0, t)
 
 
-def _split_up_kernel(on_ref, h_ref, b_ref, base_ref, o_ref, *, t):
-  """One program: a row block x a range of Dout tiles; sums the Din partials in order."""
+def _split_up_kernel(*refs, t):
+  """One program: a row block x a range of Dout tiles; sums the Din partials in order, then
+  applies the rank scales (when given) to the sum."""
+  on_ref, rs_ref, (h_ref, b_ref, base_ref, o_ref) = _split_refs(refs, t)
   row_ok, on, any_on = _row_flags(on_ref, t.n, t.block_rows)
   out0 = pl.program_id(1) * t.out_span
 
@@ -183,6 +204,7 @@ def _split_up_kernel(on_ref, h_ref, b_ref, base_ref, o_ref, *, t):
     h = h_ref[0]  # unrolled, fixed order: every load can be in flight at once
     for s in range(1, t.din_splits):
       h = h + h_ref[s]
+    h = _scale_rows(h, rs_ref, row_ok, t)
     _up_store(h, b_ref, base_ref, o_ref, row_ok, on, out0, t)
 
 
@@ -203,6 +225,7 @@ class Tiling(NamedTuple):
   cd: object = jnp.float32  # operand dtype of x @ A^T
   precision: object = None
   scale: float = 1.0
+  row_scaled: bool = False  # a per-row rank scale operand s [N, R] follows `on`
 
   @property
   def in_span(self):
@@ -270,7 +293,7 @@ def tiling(n, d_in, d_out, rank, *, interpret=False, in_itemsize=2, num_stages=3
                 out_tiles=out_tiles)
 
 
-def check_lora_inputs(base, x, a, b, on):
+def check_lora_inputs(base, x, a, b, on, rank_scale=None):
   """Validate shapes and dtypes; raise ValueError naming the offending operand."""
   for name, arr in (("base", base), ("x", x), ("a", a), ("b", b)):
     if arr.ndim != 2:
@@ -291,6 +314,11 @@ def check_lora_inputs(base, x, a, b, on):
   if b.shape != (d_out, r):
     raise ValueError(f"lora: b {b.shape} must be [Dout, R] = {(d_out, r)} "
                      f"(Dout from base {base.shape}, R from a {a.shape})")
+  if rank_scale is not None:
+    if rank_scale.shape != (n, r):
+      raise ValueError(f"lora: rank_scale {rank_scale.shape} must be [N, R] = {(n, r)}")
+    if jnp.dtype(rank_scale.dtype) not in _FLOATS:
+      raise ValueError(f"lora: rank_scale dtype {rank_scale.dtype} is not a float dtype")
 
 
 def _pow2_at_least(v, lo=_MIN_TILE):
@@ -300,10 +328,10 @@ def _pow2_at_least(v, lo=_MIN_TILE):
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_rows", "block_in", "block_out", "din_splits", "dout_splits", "num_warps",
     "num_stages", "interpret", "backend"))
-def lora_pallas(base, x, a, b, on, *, scale=1.0, block_rows=None, block_in=None, block_out=None,
-                din_splits=None, dout_splits=None, num_warps=None, num_stages=None,
-                interpret=False, backend="triton"):
-  """y = where(on != 0, base + scale * (x @ a^T) @ b^T, base), fp32 accumulation.
+def lora_pallas(base, x, a, b, on, rank_scale=None, *, scale=1.0, block_rows=None,
+                block_in=None, block_out=None, din_splits=None, dout_splits=None,
+                num_warps=None, num_stages=None, interpret=False, backend="triton"):
+  """y = where(on != 0, base + scale * (rank_scale * (x @ a^T)) @ b^T, base), fp32 accumulation.
 
   Args:
     base: [N, Dout] float32/float16/bfloat16; the output has its dtype. Its buffer is
@@ -312,6 +340,9 @@ def lora_pallas(base, x, a, b, on, *, scale=1.0, block_rows=None, block_in=None,
     a: [R, Din] LoRA down projection (any of the three float dtypes).
     b: [Dout, R] LoRA up projection, adapter scale(s) already folded in.
     on: [N] int32 switch per row (bool or other integers are compared with 0).
+    rank_scale: [N, R] float per-row scale of each rank column (h = x @ a^T is multiplied by
+      it in fp32 before the up projection), or None (all ones: exactly the unscaled kernel).
+      Several adapters stacked on the rank axis become per-row choices this way.
     scale: static extra factor on the delta (the model passes 1.0).
     block_rows, block_in, block_out: power-of-2 tiles (>= 16) over N, Din and Dout.
     din_splits: programs along Din. 1 runs one fused kernel; > 1 runs two (partial h per
@@ -324,7 +355,7 @@ def lora_pallas(base, x, a, b, on, *, scale=1.0, block_rows=None, block_in=None,
   Returns:
     [N, Dout] in base.dtype; rows with on == 0 are bit-identical to base.
   """
-  check_lora_inputs(base, x, a, b, on)
+  check_lora_inputs(base, x, a, b, on, rank_scale)
   if backend != "triton":
     raise ValueError(f"lora: backend {backend!r} is not supported; only 'triton' (README)")
   for name, v in (("block_rows", block_rows), ("block_in", block_in), ("block_out", block_out)):
@@ -345,7 +376,8 @@ def lora_pallas(base, x, a, b, on, *, scale=1.0, block_rows=None, block_in=None,
   t = tiling(n, d_in, d_out, rank, interpret=interpret, in_itemsize=jnp.dtype(cd).itemsize,
              num_stages=stages, block_rows=block_rows,
              block_in=block_in, block_out=block_out, din_splits=din_splits,
-             dout_splits=dout_splits)._replace(cd=cd, precision=precision, scale=float(scale))
+             dout_splits=dout_splits)._replace(cd=cd, precision=precision, scale=float(scale),
+                                               row_scaled=rank_scale is not None)
   bn, rp = t.block_rows, t.rank_pad
   params = None if interpret else triton_params(warps, stages)
   call = functools.partial(pl.pallas_call, interpret=interpret, compiler_params=params)
@@ -354,16 +386,19 @@ def lora_pallas(base, x, a, b, on, *, scale=1.0, block_rows=None, block_in=None,
   b_spec = pl.BlockSpec((t.out_span, rp), lambda i, j: (j, 0))
   out_spec = pl.BlockSpec((bn, t.out_span), lambda i, j: (i, j))
   out_shape = jax.ShapeDtypeStruct(base.shape, base.dtype)
+  # the rank scales, when given, ride right after `on` ([bn, Rp] tiles of s [N, R])
+  rs_in = [rank_scale.astype(_F32)] if rank_scale is not None else []
+  rs_spec = [pl.BlockSpec((bn, rp), lambda i, j: (i, 0))] if rank_scale is not None else []
   if t.din_splits == 1:
     return call(
         functools.partial(_fused_kernel, t=t), grid=(t.row_blocks, t.dout_splits),
         out_shape=out_shape,
-        in_specs=[on_spec,
+        in_specs=[on_spec, *rs_spec,
                   pl.BlockSpec((bn, t.in_span), lambda i, j: (i, 0)),  # x
                   pl.BlockSpec((rp, t.in_span), lambda i, j: (0, 0)),  # a
                   b_spec, out_spec],  # b, base
-        out_specs=out_spec, input_output_aliases={4: 0}, name="lora_fused",
-    )(on, x, a, b, base)
+        out_specs=out_spec, input_output_aliases={4 + len(rs_in): 0}, name="lora_fused",
+    )(on, *rs_in, x, a, b, base)
 
   h_part = call(  # [S, row_blocks * bn, Rp] fp32 partial sums of h over Din splits
       functools.partial(_split_down_kernel, t=t), grid=(t.row_blocks, t.din_splits),
@@ -376,7 +411,7 @@ def lora_pallas(base, x, a, b, on, *, scale=1.0, block_rows=None, block_in=None,
   return call(
       functools.partial(_split_up_kernel, t=t), grid=(t.row_blocks, t.dout_splits),
       out_shape=out_shape,
-      in_specs=[on_spec, pl.BlockSpec((t.din_splits, bn, rp), lambda i, j: (0, i, 0)), b_spec,
-                out_spec],
-      out_specs=out_spec, input_output_aliases={3: 0}, name="lora_up",
-  )(on, h_part, b, base)
+      in_specs=[on_spec, *rs_spec,
+                pl.BlockSpec((t.din_splits, bn, rp), lambda i, j: (0, i, 0)), b_spec, out_spec],
+      out_specs=out_spec, input_output_aliases={3 + len(rs_in): 0}, name="lora_up",
+  )(on, *rs_in, h_part, b, base)

@@ -107,14 +107,16 @@ def _lora_h(x, a):
                          preferred_element_type=_F32)
 
 
-def qmatmul_lora(x, w, a, b, on, *, scale=1.0, index=None, implementation="auto",
-                 precision=None, lora_down="h", tiles=None):
+def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
+                 implementation="auto", precision=None, lora_down="h", tiles=None):
   """y = W x + where(on, scale * B (A x)) per row: a select, so off rows are `qmatmul`'s.
 
   Args:
     x: [N, in]; w: QTensor [..., out, in]; index: as `qmatmul`.
     a: [R, in] LoRA A; b: [out, R] LoRA B (adapter scales folded in).
     on: [N] bool / int32 switch per row.
+    rank_scale: [N, R] float per-row scale of each rank column (h = x @ A^T times it before
+      B, as `pallas_kernels.lora`), or None (all ones); needs lora_down="h".
     scale: static factor on the delta.
     lora_down: "h" computes h = x @ A^T once in XLA and the kernel adds B h in its epilogue;
       "a" computes h inside the kernel's K loop (no extra op, but every output tile's
@@ -134,18 +136,25 @@ def qmatmul_lora(x, w, a, b, on, *, scale=1.0, index=None, implementation="auto"
     raise ValueError(f"quant: on {on.shape} must be [N] = [{n}]")
   if lora_down not in LORA_DOWN:
     raise ValueError(f"quant: lora_down={lora_down!r} is not one of {LORA_DOWN}")
+  if rank_scale is not None and rank_scale.shape != (n, a.shape[0]):
+    raise ValueError(f"quant: rank_scale {rank_scale.shape} must be [N, R] = "
+                     f"[{n}, {a.shape[0]}]")
+  if rank_scale is not None and lora_down != "h":
+    raise ValueError("quant: rank_scale needs lora_down='h' (h is scaled before the kernel)")
   impl = resolve(implementation)
   on = on.astype(jnp.int32)
+  lora_h = lambda: _lora_h(x, a) if rank_scale is None else (
+      _lora_h(x, a) * rank_scale.astype(_F32))
   if impl == "xla":
     acc = _xla_acc(x, w, index, precision)
-    delta = lax.dot_general(_lora_h(x, a), b.astype(_F32), _NT, precision=_HI,
+    delta = lax.dot_general(lora_h(), b.astype(_F32), _NT, precision=_HI,
                             preferred_element_type=_F32)
     if scale != 1.0:
       delta = delta * scale
     return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype), acc.astype(x.dtype))
   kw = dict(on=on, b=b, scale=scale, lora=lora_down)
   if lora_down == "h":
-    kw["h"] = _lora_h(x, a)
+    kw["h"] = lora_h()
   else:
     kw["a"] = a
   y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=d_out,

@@ -17,15 +17,16 @@ import numpy as np
 from strata_jax import sampling as smp
 from strata_jax import session as sess
 from strata_jax import speculative, steps
-from strata_jax.api import model_fingerprint
+from strata_jax.adapter_id import choice_identity
 from strata_jax.engine import sampling as host_sampling
+from strata_jax.engine.adapters import OFF, AdapterChoice, AdapterTable
 from strata_jax.engine.prefix_cache import PrefixCache, block_hashes
 from strata_jax.errors import ControlVectorError, RequestError, SessionError, StrataError
 from strata_jax.forms import Forms
 from strata_jax.parallel import distributed
 from strata_jax.parallel.plan import describe, plan_auto
 from strata_jax.parallel.split import make_stages, slice_cvec
-from strata_jax.params import LORA_RANK_BUCKET, empty_lora, lora_rank_bucket, pad_lora_rank
+from strata_jax.params import LoraSet
 from strata_jax.state import init_state
 
 log = logging.getLogger("strata_jax")
@@ -33,7 +34,12 @@ log = logging.getLogger("strata_jax")
 
 @dataclasses.dataclass
 class Request:
-  """One generation request. `lora`: None means on when an adapter is loaded.
+  """One generation request.
+
+  `lora`: None (every loaded adapter at its default scale; none loaded: off), True (the same,
+  an error when none is loaded), False (off), or llama.cpp's per-request form: a list of
+  `{"id": N, "scale": S}` (or `(id, scale)` pairs, or {id: scale}); adapters not listed are
+  off. Resolved and fixed when the request is submitted (docs/adapters.md).
 
   Sampling (on the device, `strata_jax.sampling`): temperature 0 is greedy; top_k 0, top_p 1,
   min_p 0, presence/frequency penalty 0 and repeat_penalty 1 are off. Penalties are llama.cpp's
@@ -52,7 +58,7 @@ class Request:
   repeat_penalty: float = 1.0
   seed: int = 0
   stop: Sequence[int] = ()
-  lora: bool | None = None
+  lora: bool | None | list | dict | AdapterChoice = None
   logprobs: int | None = None
   return_logits: bool = False       # prompt [T, V] and step logits (turns the caches off)
   return_step_logits: bool = False  # only the logits each token was chosen from (caches on)
@@ -79,6 +85,7 @@ class Result:
   step_logits: np.ndarray | None = None     # [n, V] the raw logits each token was chosen from
   # (logprobs=k) per token: {"token": id, "logprob": x, "top": {id: x, ...} (k entries)}
   logprobs: list[dict] | None = None
+  adapters: list | None = None              # [{"id", "scale"}] the adapters that served it
   draft: dict | None = None   # speculative decoding: {"proposed": p, "accepted": a}
 
 
@@ -166,8 +173,14 @@ class Engine:
                block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 32,
                max_prefill_chunk: int = 4096, decode_steps: Sequence[int] = (1, 4, 16),
                warmup: bool | Sequence[int] = False, forms: Forms | None = None,
-               control_vector=None, spec: int = 0, draft: str | None = None):
-    self.model, self.lora_set, self.n_slots = model, lora, int(slots)
+               control_vector=None, lora_rank: int | None = None, spec: int = 0,
+               draft: str | None = None):
+    self.model, self.n_slots = model, int(slots)
+    # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
+    pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
+        and not isinstance(lora[1], LoraSet)
+    items = [] if lora is None else [lora] if isinstance(lora, LoraSet) or pair else list(lora)
+    self.lora_set = items[0] if len(items) == 1 and isinstance(items[0], LoraSet) else None
     # Forms live in the config, the steps' static argument: an engine with other forms
     # compiles and runs its own programs beside this model's other engines.
     cfg = model.cfg if forms is None else dataclasses.replace(
@@ -185,16 +198,17 @@ class Engine:
     # Without an adapter the engine runs the very same program with an all-zero adapter and
     # every switch off: "off" is then bit-identical to "no adapter" by construction, on any
     # backend (GPU autotuning may otherwise pick different GEMM code for two programs).
-    rank = lora_rank_bucket(lora.params.gdn_a.shape[1]) if lora is not None else LORA_RANK_BUCKET
-    lora_params = (pad_lora_rank(lora.params, rank) if lora is not None
-                   else empty_lora(cfg, rank, model.dtype))
+    self.adapters = AdapterTable(cfg, model.dtype, self.n_slots + 1, lora_rank, items)
+    lora_params = self.adapters.params()
+    self._placed_versions = (self.adapters.params_version, self.adapters.table_version)
     ranges = model.layer_ranges
     placed = getattr(model, "stage_params", None)   # loaded with a split: stages on devices
     if ranges == "auto":
       if placed is not None:
         raise StrataError("a model loaded with a layer split keeps the ranges it was loaded "
                           "with; reload it to change them")
-      ranges = plan_auto(model, model.devices, lora, self.n_slots, self.max_seq)
+      ranges = plan_auto(model, model.devices, LoraSet(lora_params, (), (), 0), self.n_slots,
+                         self.max_seq)
       log.info("layer split (auto): %s", describe(ranges, model.devices[:len(ranges)]))
     if placed is not None and (len(placed) != len(ranges) or any(
         p.layers.attn_norm.shape[0] != hi - lo for p, (lo, hi) in zip(placed, ranges))):
@@ -208,26 +222,29 @@ class Engine:
     # Stages on devices of several processes (jax.distributed): host reads are broadcasts.
     self._shared = devices is not None and distributed.multi_process()
     self._host = lambda x: distributed.to_host(x, self._shared)
-    if lora is not None:
-      lp = lora.params
+    if self.adapters.loaded():
       n_adapted = int(sum(np.count_nonzero(np.abs(np.asarray(a, np.float32)).sum(axis=(1, 2)))
-                          for a in (lp.gdn_b, lp.attn_b)))
+                          for a in (lora_params.gdn_b, lora_params.attn_b)))
       per_dev = ", ".join(
           f"{sum(a.nbytes for a in jax.tree.leaves(st.lora)) / 2**20:.2f} MiB"
           for st in self.stages)
-      log.info("LoRA: %d files, %d layers adapted, %s per device", len(lora.files), n_adapted,
-               per_dev)
+      log.info("LoRA: %d files, %d layers adapted, %s per device; adapters %s, rank table %d",
+               sum(len(e.lora.files) for e in self.adapters.loaded()), n_adapted, per_dev,
+               ", ".join(f"{e.id}: {e.path} (rank {e.rank})" for e in self.adapters.loaded()),
+               self.adapters.rank)
     self.states = []
     for st in self.stages:
       s = init_state(st.cfg, self.n_slots, self.max_seq, model.dtype)
       self.states.append(jax.device_put(s, st.device) if st.device is not None else s)
-    self.adapter_id = lora.adapter_id if lora is not None else 0
+    # the identity `lora: true` runs under (the one LoraSet's adapter_id for a single adapter)
+    self.adapter_id = self.adapters.default_choice().identity
     self.control_vector_id = control_vector.control_vector_id if control_vector else 0
     self.prefix_cache = PrefixCache(prefix_cache_bytes, self.block_size)
     # per slot: the tokens whose state the row holds, and the (switch, adapter id, control
     # vector id) it was under
     self.slot_tokens: list[list[int]] = [[] for _ in range(self.n_slots)]
     self.slot_key: list[tuple[int, int, int]] = [(0, 0, 0)] * self.n_slots
+    self.slot_choice: list[AdapterChoice] = [OFF] * self.n_slots
     self._lru = collections.OrderedDict((s, None) for s in range(self.n_slots))
     self._pending: collections.deque = collections.deque()
     self._running: dict = {}
@@ -251,7 +268,71 @@ class Engine:
   # ----- public API -----------------------------------------------------------------------
   @property
   def has_lora(self) -> bool:
-    return self.lora_set is not None
+    return bool(self.adapters.loaded())
+
+  # ----- adapters (engine/adapters.py; docs/adapters.md) -------------------------------------
+  def lora_adapters(self) -> list[dict]:
+    """The loaded adapters as llama.cpp's GET /lora-adapters lists them: id, path, scale."""
+    return self.adapters.info()
+
+  def set_lora_scales(self, items):
+    """Default scales, as llama.cpp's POST /lora-adapters: `[{"id", "scale"}, ...]`, every
+    adapter not listed at 0. Submitted requests keep theirs."""
+    self.adapters.set_scales(items)
+    self.adapter_id = self.adapters.default_choice().identity
+
+  def load_adapter(self, lora, scale: float = 1.0) -> int:
+    """Load one more numbered adapter (a LoraSet, or an adapter GGUF path); returns its id.
+    May run between steps while requests are in flight. Without a new program while its rank
+    fits the table's free columns (docs/adapters.md)."""
+    path = None
+    if not isinstance(lora, LoraSet):
+      from strata_jax.api import load_lora  # noqa: PLC0415
+      path = str(lora)
+      lora = load_lora(self.model, [path])
+    aid = self.adapters.add(lora, scale, path)
+    self._sync_adapters()
+    self.adapter_id = self.adapters.default_choice().identity
+    return aid
+
+  def unload_adapter(self, adapter_id: int) -> bool:
+    """Refuse `adapter_id` to new requests from now on. Requests holding it finish with it;
+    its rank columns, and every cached block and conversation computed under it, are dropped
+    when the last one ends. Returns whether it was freed at once."""
+    freed = self._purge(self.adapters.unload(adapter_id))
+    self.adapter_id = self.adapters.default_choice().identity
+    return adapter_id in freed
+
+  def _purge(self, entries) -> list[int]:
+    """Drop the cached blocks and slot conversations of freed adapters; re-place the table."""
+    ids = {e.id for e in entries}
+    for e in entries:
+      self.prefix_cache.discard(self.adapters.blocks.pop(e.id, ()))
+    for slot in range(self.n_slots):
+      if ids & {i for i, _ in self.slot_choice[slot].pairs}:
+        self.slot_tokens[slot], self.slot_key[slot] = [], (0, 0, 0)
+        self.slot_choice[slot] = OFF
+    if entries:
+      self._sync_adapters()
+    return sorted(ids)
+
+  def _sync_adapters(self):
+    """Place the adapter arrays on the stages' devices when they changed (A/B: after a load or
+    a free; the table: after a slot took a request under other adapters)."""
+    from strata_jax.parallel.split import slice_lora  # noqa: PLC0415
+    pv, tv = self.adapters.params_version, self.adapters.table_version
+    if (pv, tv) == self._placed_versions:
+      return
+    put = lambda x, st: jax.device_put(x, st.device) if st.device is not None else x
+    if pv != self._placed_versions[0]:
+      full = self.adapters.params()
+      for st in self.stages:
+        st.lora = put(slice_lora(self.cfg, full, *st.layers), st)
+    else:
+      table = self.adapters.table()
+      for st in self.stages:
+        st.lora = st.lora.replace(table=put(table, st))
+    self._placed_versions = (pv, tv)
 
   def set_control_vector(self, control_vector):
     """Apply another control vector (or None) from now on. The vector is data: a vector of
@@ -296,7 +377,9 @@ class Engine:
     """Queue a request (validated now); `step()` drives it. Returns a handle whose `result`
     is set when it finishes."""
     self._check(req)
-    h = Handle(req)
+    choice = self.adapters.resolve(req.lora)
+    self.adapters.hold(choice)
+    h = Handle(dataclasses.replace(req, lora=choice))
     self._pending.append(h)
     return h
 
@@ -311,6 +394,7 @@ class Engine:
     while self._pending and len(self._running) < self.n_slots:
       h = self._pending.popleft()
       if h.cancelled:
+        self._release(h.req)
         continue
       slot = self._pick_slot(h.req, exclude=self._running.keys())
       run = self._start(slot, h.req)
@@ -389,8 +473,6 @@ class Engine:
       raise RequestError(f"max_tokens must be an integer, got {r.max_tokens!r}")
     if r.max_tokens < 1:
       raise RequestError(f"max_tokens must be >= 1, got {r.max_tokens}")
-    if r.lora and not self.has_lora:
-      raise RequestError("the request asks for the LoRA adapter but none is loaded")
     host_sampling.check(r)
     if r.spec is not None:
       speculative.check_spec(r.spec, None, True, where="speculative n")
@@ -408,16 +490,25 @@ class Engine:
   def _spec_n(self, r: Request) -> int:
     return self.spec if r.spec is None else int(r.spec)
 
-  def _switch(self, r: Request) -> int:
-    return int(self.has_lora if r.lora is None else bool(r.lora))
+  def _release(self, req: Request):
+    self._purge(self.adapters.release(req.lora))
 
-  def _cache_key(self, switch: int) -> tuple[int, int, int]:
-    return (switch, self.adapter_id if switch else 0, self.control_vector_id)
+  def _cache_key(self, choice: AdapterChoice) -> tuple[int, int, int]:
+    return (int(choice.on), choice.identity, self.control_vector_id)
+
+  def _switch(self, slot: int, choice: AdapterChoice) -> int:
+    """The slot's switch for the steps: its table row (slot + 1) set to the request's adapter
+    scales, or 0 (off) for none."""
+    if not choice.on:
+      return 0
+    self.adapters.set_row(slot + 1, choice)
+    self._sync_adapters()
+    return slot + 1
 
   def _conv_match(self, slot: int, req: Request) -> int:
     """Tokens of the slot's conversation the request can reuse (0 if none)."""
     have = self.slot_tokens[slot]
-    if (req.return_logits or self.slot_key[slot] != self._cache_key(self._switch(req))
+    if (req.return_logits or self.slot_key[slot] != self._cache_key(req.lora)
         or not have or len(have) >= len(req.tokens) or req.tokens[:len(have)] != have):
       return 0
     return len(have)
@@ -470,15 +561,17 @@ class Engine:
 
   def _start(self, slot: int, req: Request) -> _Running:
     self._lru.move_to_end(slot)
-    switch = self._switch(req)
+    choice = req.lora
+    switch = self._switch(slot, choice)
     run = _Running(req=req, switch=switch, tokens=[], t0=time.perf_counter(),
                    logprobs=[] if req.logprobs is not None else None)
     toks = list(map(int, req.tokens))
     start = self._conv_match(slot, req)
     aligned = start == 0
     # the chain of the prompt's full blocks, under the adapter id its switch state uses
-    hashes = (block_hashes(toks, self.block_size, self._cache_key(switch)[1],
+    hashes = (block_hashes(toks, self.block_size, choice.identity,
                            control_vector_id=self.control_vector_id) if aligned else [])
+    self.adapters.note_blocks(choice, hashes, self.prefix_cache)
     if aligned:
       self._reset(slot)
       start = self._restore_prefix(slot, toks, hashes, switch) if not req.return_logits else 0
@@ -512,7 +605,8 @@ class Engine:
     if req.return_logits:
       run.prompt_logits = np.concatenate(logits_parts, axis=0)
     self.slot_tokens[slot] = toks
-    self.slot_key[slot] = self._cache_key(switch)
+    self.slot_key[slot] = self._cache_key(choice)
+    self.slot_choice[slot] = choice
     # the first token: the device sampler on the prompt's last logits
     self.row_params.set(slot, req, switch)
     self._row_dev = None
@@ -729,7 +823,8 @@ class Engine:
           st.cfg, st.params, st.lora, n, self.draft, self.n_slots, self.max_seq,
           self.model.dtype, cvec=st.cvec)
     sd = self._spec_decoder
-    sd.n, sd.cvec = max(sd.n, n), st.cvec
+    # the adapter table and stacks are re-placed as requests change adapters: read them now
+    sd.n, sd.cvec, sd.lora = max(sd.n, n), st.cvec, st.lora
     return sd
 
   def _spec_step(self, running: dict):
@@ -768,6 +863,7 @@ class Engine:
 
   def _finish(self, slot: int, run: _Running, reason: str | None = None) -> Result:
     r = run.req
+    self._release(r)
     now = time.perf_counter()
     toks = run.tokens if run.cancel_at is None else run.tokens[:run.cancel_at]
     n_dec = len(toks) - 1
@@ -782,16 +878,68 @@ class Engine:
         prompt_logits=run.prompt_logits,
         step_logits=(np.stack(run.step_logits) if (r.return_logits or r.return_step_logits)
                      and run.step_logits else None),
-        logprobs=run.logprobs,
+        logprobs=run.logprobs, adapters=r.lora.as_json(),
         draft={"proposed": run.proposed, "accepted": run.accepted} if run.spec else None)
 
   # ----- sessions -------------------------------------------------------------------------
-  def _read_limits(self, supported_versions=frozenset({1, 2})) -> sess.SessionReadLimits:
+  def _session_fingerprint(self, choice: AdapterChoice | None = None) -> str:
+    """Session identity (api.model_fingerprint's format): the model's; `+lora:<id>` with the
+    slot's adapter identity when its switch was on (None: the default `lora: true` identity,
+    nothing when no adapter is loaded), and unless that is one adapter at scale 1,
+    `+mix:<content id>*<scale>;...` (so another engine with those adapters can verify it);
+    then `+cvec:<id>`."""
+    fp = self.model.fingerprint
+    if choice is None:
+      choice = self.adapters.default_choice() if self.has_lora else OFF
+      lora_id = self.adapter_id if self.has_lora else 0
+    else:
+      lora_id = choice.identity
+    if lora_id:
+      fp += f"+lora:{lora_id:016x}"
+      pairs = [(self.adapters.entries[i].content_id, sc) for i, sc in choice.pairs
+               if i in self.adapters.entries]
+      if pairs and not (len(pairs) == 1 and pairs[0] == (lora_id, 1.0)):
+        fp += "+mix:" + ";".join(f"{c:016x}*{sc!r}" for c, sc in sorted(pairs))
+    if self.control_vector is not None:
+      fp += f"+cvec:{self.control_vector.control_vector_id:016x}"
+    return fp
+
+  def _session_choice(self, path) -> AdapterChoice | None:
+    """The adapters a session file was saved under, when this engine has them loaded (the
+    `+mix:` tail names their contents and scales, checked against the `+lora:` id); OFF for a
+    session without adapters. None when this engine cannot run it (the fingerprint check then
+    refuses the file)."""
+    try:
+      saved = sess.read_session_meta(str(path)).fingerprint
+    except SessionError:
+      return None
+    head = saved.partition("+cvec:")[0]
+    base, sep, rest = head.partition("+lora:")
+    if base != self.model.fingerprint:
+      return None
+    if not sep:   # saved without adapters: as before, only an engine without them takes it
+      return None if self.has_lora else OFF
+    hexid, _, mix = rest.partition("+mix:")
+    try:
+      lora_id = int(hexid, 16)
+      pairs = ([(int(c, 16), float(sc)) for c, _, sc in
+                (item.partition("*") for item in mix.split(";"))] if mix else [(lora_id, 1.0)])
+    except ValueError:
+      return None
+    by_content = {}
+    for e in self.adapters.loaded():
+      by_content.setdefault(e.content_id, e.id)
+    if choice_identity(pairs) != lora_id or any(c not in by_content for c, _ in pairs):
+      return None
+    return self.adapters.resolve([{"id": by_content[c], "scale": sc} for c, sc in pairs])
+
+  def _read_limits(self, supported_versions=frozenset({1, 2}),
+                   choice: AdapterChoice | None = None) -> sess.SessionReadLimits:
     return sess.SessionReadLimits(
         max_tokens=self.max_seq - 1, max_stages=len(self.stages),
         stage_layers=tuple(st.layers for st in self.stages),
         stage_shapes=tuple(sess.stage_shapes_for(st.cfg, self.model.dtype) for st in self.stages),
-        fingerprint=model_fingerprint(self.model, self.lora_set, self.control_vector),
+        fingerprint=self._session_fingerprint(choice),
         supported_versions=frozenset(supported_versions))
 
   def save_session(self, slot: int, path) -> dict:
@@ -808,9 +956,9 @@ class Engine:
       stages.append({"k": np.asarray(k)[:, :n], "v": np.asarray(v)[:, :n],
                      "conv": np.asarray(conv), "ssm": np.asarray(ssm)})
     flags = sess.FLAG_LORA_ON if self.slot_key[slot][0] else 0
+    choice = self.slot_choice[slot] if flags else None
     return sess.save_session(str(path), stages, np.asarray(toks, np.int32),
-                             fingerprint=model_fingerprint(self.model, self.lora_set,
-                                                           self.control_vector), flags=flags,
+                             fingerprint=self._session_fingerprint(choice), flags=flags,
                              layer_ranges=[st.layers for st in self.stages])
 
   def load_session(self, slot: int, path, *, supported_versions=frozenset({1, 2})) -> dict:
@@ -819,11 +967,14 @@ class Engine:
     saved with. Returns {"n_tokens", "lora", "version"}."""
     self._check_slot(slot)
     self._check_single_process("load_session")
-    self._check_session_control_vector(path)
-    meta, stages, tokens = sess.load_session(str(path), self._read_limits(supported_versions))
+    saved = self._session_choice(path)
+    self._check_session_control_vector(path, saved)
+    meta, stages, tokens = sess.load_session(str(path),
+                                             self._read_limits(supported_versions, saved))
     n = int(meta.n_tokens)
     self._reset(slot)
     switch = int(meta.lora_on)
+    choice = saved if switch and saved is not None else OFF
     for i, (st, arrays) in enumerate(zip(self.stages, stages)):
       state = self.states[i]
       La = arrays["k"].shape[0]
@@ -835,18 +986,19 @@ class Engine:
       self.states[i] = steps.write_recurrent(state, jnp.int32(slot), put(arrays["conv"]),
                                              put(arrays["ssm"]), jnp.int32(n), jnp.int32(switch))
     self.slot_tokens[slot] = [int(t) for t in tokens]
-    self.slot_key[slot] = self._cache_key(switch)
+    self.slot_key[slot] = (switch, choice.identity if switch else 0, self.control_vector_id)
+    self.slot_choice[slot] = choice
     self._lru.move_to_end(slot)
     return {"n_tokens": n, "lora": bool(switch), "version": meta.version}
 
-  def _check_session_control_vector(self, path):
+  def _check_session_control_vector(self, path, choice=None):
     """A session made under another control vector (or none) is refused with that reason (the
     id is the `+cvec:<16 hex>` tail of the session's fingerprint)."""
     try:
       saved = sess.read_session_meta(str(path)).fingerprint
     except SessionError:
       return    # load_session reports it, with the limits
-    live = model_fingerprint(self.model, self.lora_set, self.control_vector)
+    live = self._session_fingerprint(choice)
     split = lambda fp: fp.rpartition("+cvec:") if "+cvec:" in fp else (fp, "", "")
     (s_base, _, s_id), (l_base, _, l_id) = split(saved), split(live)
     if s_base != l_base or s_id == l_id:
@@ -863,6 +1015,7 @@ class Engine:
       raise RequestError(f"slot {slot} is busy")
     self._reset(slot)
     self.slot_key[slot] = (0, 0, 0)
+    self.slot_choice[slot] = OFF
 
   @staticmethod
   def erase_session(path) -> bool:

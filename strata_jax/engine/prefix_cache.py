@@ -272,6 +272,19 @@ class PrefixCache:
     self._bytes += nbytes
     return True
 
+  def discard(self, digests) -> int:
+    """Drop these blocks now, wherever they are in the recency list (an unloaded adapter's
+    chains: every block of a chain carries its seed, so whole chains go). Returns how many
+    were cached. Not counted as evictions."""
+    n = 0
+    for digest in digests:
+      node = self._nodes.pop(digest, None)
+      if node is not None:
+        self._unlink(node)
+        self._bytes -= node.nbytes
+        n += 1
+    return n
+
   def _evict(self, node: _Node) -> None:
     self._unlink(node)
     del self._nodes[node.digest]

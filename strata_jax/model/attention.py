@@ -9,7 +9,7 @@ from strata_jax.model.common import linear, out_projection, rms_norm, rope_neox
 
 
 def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_valid, lora_a, lora_b, switch,
-               kv_start=None):
+               kv_start=None, *, row_scale=None):
   """x [B, T, D]; k_cache/v_cache [B, S, G, Hd]; pos [B] first position of x's tokens;
   n_valid [B] how many of the T tokens are real.
 
@@ -46,5 +46,6 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_valid, lora_a, l
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache.astype(jnp.float32)).reshape(B, T, H, Hd)
   out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype).reshape(B, T, H * Hd)
-  return (out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl), k_cache,
+  return (out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl,
+                         row_scale), k_cache,
           v_cache)

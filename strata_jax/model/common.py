@@ -91,29 +91,39 @@ def rope_neox(x, positions, n_rot, base):
   return out.astype(x.dtype)
 
 
-def out_projection(x, w, lora_a, lora_b, switch, implementation=None):
+def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=None):
   """The mixer output projection with the LoRA hook.
 
-  x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None; switch [B] int32.
+  x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None; switch [B] int32;
+  row_scale [B, R] float32 or None: each row's scale of every rank column (the adapter table:
+  adapters stacked on R chosen per row), None for one stacked set at unit scale.
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
   `implementation`: the LoRA kernel's (`Forms.lora_impl`). A quantised `w` (QRef) runs the
   LoRA delta inside the quantised matmul (`qmatmul_lora`) instead.
+
+  With one row (B == 1: a prefill chunk, or a one-slot decode) the row's scales are folded
+  into B's columns (one [D, R] multiply) and the plain kernel runs, so the large-N prefill
+  keeps every kernel form; with several rows the kernel scales h = A x per row.
   """
-  if lora_a is not None and is_quant(w):
+  if lora_a is None:
+    return linear(x, w)
+  B, T, _ = x.shape
+  rank_scale = None
+  if row_scale is not None:
+    if B == 1:
+      lora_b = (lora_b.astype(jnp.float32) * row_scale[0]).astype(lora_b.dtype)
+    else:
+      rank_scale = jnp.repeat(row_scale, T, axis=0)                          # [B*T, R]
+  on = jnp.repeat(switch.astype(jnp.int32), T)                               # [B*T]
+  x2 = x.reshape(B * T, -1)
+  if is_quant(w):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
     qt, index, impl = _qparts(w)
-    B, T, _ = x.shape
-    on = jnp.repeat(switch.astype(jnp.int32), T)                             # [B*T]
-    x2 = x.reshape(B * T, -1)
     y = quant_call(qt, index, lambda q, i: quant_api.qmatmul_lora(
-        x2, q, lora_a, lora_b, on, index=i, implementation=impl))
+        x2, q, lora_a, lora_b, on, rank_scale=rank_scale, index=i, implementation=impl))
     return y.reshape(B, T, -1)
   y = linear(x, w)
-  if lora_a is None:
-    return y
   from pallas_kernels.lora import api as lora_api  # noqa: PLC0415 (kernel package loads lazily)
-  B, T, _ = x.shape
-  on = jnp.repeat(switch.astype(jnp.int32), T)                               # [B*T]
-  out = lora_api.lora_apply(y.reshape(B * T, -1), x.reshape(B * T, -1), lora_a, lora_b, on,
-                            implementation=implementation)
+  out = lora_api.lora_apply(y.reshape(B * T, -1), x2, lora_a, lora_b, on,
+                            rank_scale=rank_scale, implementation=implementation)
   return out.reshape(y.shape)

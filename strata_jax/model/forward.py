@@ -105,9 +105,10 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
 
   layers: LayerParams; lora: LoraParams or None; kv: (k, v) [La, B, S, G, Hd];
   gdn_state: (conv [Lg, B, K-1, C], ssm [Lg, B, Hv, Dv, Dk]); x [B, T, D]; pos, n_valid,
-  switch [B]; cvec: the control vector [L, D] (row il added to layer il's output, after its
-  MoE residual add, as llama.cpp's `build_cvec`), or None: then nothing is added and the
-  program is the one without control vectors. Returns (x, kv, gdn_state).
+  switch [B] (with `lora.table`, each row's index into it); cvec: the control vector [L, D]
+  (row il added to layer il's output, after its MoE residual add, as llama.cpp's
+  `build_cvec`), or None: then nothing is added and the program is the one without control
+  vectors. Returns (x, kv, gdn_state).
   keep_steps (static): gdn_state comes back as (conv_rows [Lg, B, K-1+T, C], ssm_steps
   [Lg, B, T, Hv, Dv, Dk]), every step's state (`gdn.gdn_mixer`), for speculative verification.
 
@@ -128,6 +129,12 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
   n_g, n_a = block_types.count(GDN), block_types.count(ATTN)
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
+  # The adapter table: each row's scale per rank column [B, R] (None: one stacked set, unit
+  # scales), looked up once per step from the row's switch.
+  row_scale = None
+  if lora is not None and lora.table is not None:
+    sw = jnp.broadcast_to(switch, pos.shape).astype(jnp.int32)
+    row_scale = jnp.take(lora.table, sw, axis=0, mode="clip").astype(jnp.float32)
   kv_b, gdn_b = _blocks(kv, n_blocks), _blocks(gdn_state, n_blocks)
   cvec_b = _blocks(cvec, n_blocks)   # [n_blocks, period, D], or None
   B, T, D = x.shape
@@ -145,13 +152,13 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
         p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
         y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, n_valid, *la_i,
-                                        switch)
+                                        switch, row_scale=row_scale)
         ai += 1
       else:
         p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi)
         lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
         y, conv[gi], ssm[gi] = gdn_mixer(cfg, p, h, conv[gi], ssm[gi], n_valid, *lg_i, switch,
-                                         keep_steps)
+                                         keep_steps, row_scale=row_scale)
         gi += 1
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)

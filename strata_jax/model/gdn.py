@@ -31,7 +31,7 @@ def causal_conv(x, conv_state, w, n_valid):
 
 
 def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, switch,
-              keep_steps: bool = False):
+              keep_steps: bool = False, *, row_scale=None):
   """x [B, T, D]; p one layer's GDNParams; conv_state [B, K-1, C]; ssm [B, Hv, Dv, Dk] f32;
   n_valid [B] tokens of the T that are real (the rest is padding and leaves state unchanged).
   Returns (y [B, T, D], conv_state, ssm).
@@ -79,7 +79,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
     ok = tm(valid[..., 0])                                                   # [T, B]
     _, (o, steps) = lax.scan(one, ssm, (jnp.arange(T), tm(g), tm(beta), tm(a), tm(b), ok))
     o, conv_state, ssm = jnp.moveaxis(o, 0, 1), rows, jnp.moveaxis(steps, 0, 1)
-    return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch), conv_state, ssm
+    return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), conv_state, ssm
   qkv, conv_state = causal_conv(qkv, conv_state, p.conv, n_valid)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
@@ -101,12 +101,12 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
     chunked = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
                                 pallas_chunk=cfg.forms.gdn_pallas_chunk)
     o, ssm = jax.vmap(chunked)(q, k, v, g, beta, ssm)
-  return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch), conv_state, ssm
+  return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), conv_state, ssm
 
 
-def _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch):
+def _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale=None):
   """The gated norm and the output projection (with the LoRA hook): o [B, T, Hv, Dv] f32."""
   B, T, Hv, Dv = o.shape
   o = rms_norm(o, p.norm, cfg.rms_eps).astype(jnp.float32)                   # [B, T, Hv, Dv]
   o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, Hv * Dv)
-  return out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl)
+  return out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl, row_scale)

@@ -41,7 +41,7 @@ def slice_lora(cfg: ModelConfig, lora: LoraParams | None, lo: int, hi: int) -> L
     return None
   g, a = _kind_range(cfg, lo, hi, GDN), _kind_range(cfg, lo, hi, ATTN)
   return LoraParams(gdn_a=lora.gdn_a[g], gdn_b=lora.gdn_b[g], attn_a=lora.attn_a[a],
-                    attn_b=lora.attn_b[a])
+                    attn_b=lora.attn_b[a], table=lora.table)
 
 
 def parse_ranges(n_layers: int, counts: list[int]) -> list[tuple[int, int]]:

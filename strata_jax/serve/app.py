@@ -8,9 +8,13 @@ Endpoints (one module per family):
   GET  /v1/models, GET /v1/models/{id}, GET /health  -> info_api
   POST /slots/{id}?action=save|restore|erase         llama.cpp slot sessions (--slot-save-path)
                                                      -> slots_api
+  GET|POST /lora-adapters, POST /lora-adapters/load|unload
+                                                     llama.cpp adapter list and default scales,
+                                                     hot load / unload -> lora_api
 
 Every generation body takes `"lora": true|false` (absent: the config's default, else on when an
-adapter is loaded). Requests in both switch states share the slots and batch together.
+adapter is loaded) or llama.cpp's `"lora": [{"id": 0, "scale": 0.5}, ...]`. Requests under any
+adapters share the slots and batch together.
 Beyond the two APIs: non-stream responses carry `"lora"` (the state that served them) and an
 `X-Slot-Id` header (the slot to save afterwards); `/v1/completions` takes a prompt of token ids
 and `"return_tokens": true` adds the sampled ids to the choice; `top_k` and `seed` are accepted
@@ -30,7 +34,7 @@ import sys
 from fastapi import FastAPI
 
 from strata_jax.errors import StrataError
-from strata_jax.serve import anthropic_api, info_api, openai_api, slots_api
+from strata_jax.serve import anthropic_api, info_api, lora_api, openai_api, slots_api
 from strata_jax.serve.config import check_sampling_defaults, load_config
 from strata_jax.serve.errors import install_error_handlers
 from strata_jax.serve.generation import Server
@@ -84,7 +88,7 @@ def create_app(engine, *, model_name: str, slot_save_path: str | None = None,
                             max_tokens_cap)
   app.add_middleware(_JsonBodies)
   install_error_handlers(app)
-  for family in (info_api, openai_api, anthropic_api, slots_api):
+  for family in (info_api, openai_api, anthropic_api, slots_api, lora_api):
     app.include_router(family.router)
   worker.start()
   return app
@@ -114,16 +118,16 @@ def serve_main(args) -> int:
   cvec = control_vector_from_args(args, model)
   if getattr(args, "lora_off", False):
     defaults["lora"] = False          # the command line wins over the config file
-  if defaults.get("lora") and lora is None:
+  if defaults.get("lora") and not lora:
     raise StrataError(f"{args.config}: sampling.lora is true but no adapter is loaded "
                       "(pass --lora FILE)")
   from strata_jax.speculative import check_spec  # noqa: PLC0415
   check_spec(getattr(args, "spec", 0), None, True)
   engine = sj.Engine(model, lora=lora, slots=args.slots, max_seq=args.ctx_size,
-                     control_vector=cvec, spec=getattr(args, "spec", 0),
-                     draft=getattr(args, "draft", None))
+                     control_vector=cvec, lora_rank=getattr(args, "lora_rank", None),
+                     spec=getattr(args, "spec", 0), draft=getattr(args, "draft", None))
   print("compiling the engine's steps...", file=sys.stderr)
-  for sw in ([False, True] if lora is not None else [False]):
+  for sw in ([False, True] if lora else [False]):
     engine.generate(tokens=[0], max_tokens=2, lora=sw)
   app = create_app(engine, model_name=os.path.basename(model.path),
                    slot_save_path=args.slot_save_path, defaults=defaults)

@@ -35,7 +35,7 @@ class GenSpec:
   top_k: int
   top_p: float
   seed: int
-  lora: bool | None
+  lora: bool | list | None       # True / False / [{"id", "scale"}] / None (the default)
   stop_ids: frozenset
   stops: list[str]               # text-level stop strings
   stop_id_text: dict             # stop-string tokens -> their string
@@ -114,7 +114,9 @@ class Server:
                      f"{eng.max_seq - 1} prompt tokens per slot (--ctx-size {eng.max_seq})",
                      code="context_length_exceeded", param="prompt")
     lora = first(body.lora, d.get("lora"))
-    if lora and not eng.has_lora:
+    if isinstance(lora, list):
+      lora = [c.model_dump(include={"id", "scale"}) for c in lora]
+    elif lora and not eng.has_lora:
       raise ApiError(400, "the request asks for the LoRA adapter (\"lora\": true) but this "
                      "server has none loaded (start it with --lora FILE)", param="lora")
     temperature = first(body.temperature, d.get("temperature"), 1.0)

@@ -25,6 +25,14 @@ class Speculative(_Body):
   n: int
 
 
+class LoraChoice(_Body):
+  """One adapter of a request, as llama.cpp's server takes it: `{"id": 0, "scale": 0.5}`.
+  A missing scale is the adapter's default; the value checks (id loaded, scale finite and
+  >= 0) are the engine's (400)."""
+  id: int
+  scale: float | None = None
+
+
 class _Sampling(_Body):
   """Fields every generation endpoint shares. `lora`: None = the server's default."""
   temperature: float | None = None
@@ -36,9 +44,10 @@ class _Sampling(_Body):
   repeat_penalty: float | None = Field(default=None, description="llama.cpp's; 1 = off")
   seed: int | None = None
   stream: StrictBool | None = False
-  lora: StrictBool | None = Field(
-      default=None, description="LoRA switch for this request; absent: the server default "
-      "(on when an adapter is loaded)")
+  lora: StrictBool | list[LoraChoice] | None = Field(
+      default=None, description="LoRA for this request: true (every loaded adapter at its "
+      "default scale), false (none), or llama.cpp's [{\"id\": 0, \"scale\": 0.5}, ...] "
+      "(the adapters not listed are off); absent: the server default (on when one is loaded)")
   speculative: Speculative | None = Field(
       default=None, description='speculative decoding for this request, {"n": N} drafts per '
       "step (0: off); absent: the server's --spec")
@@ -104,6 +113,16 @@ class MessagesRequest(_Sampling):
   messages: list[AnthropicMessage] = Field(min_length=1)
   system: str | list[ContentBlock] | None = None
   stop_sequences: list[str] | None = None
+
+
+# ----- LoRA adapters (llama.cpp's /lora-adapters, plus hot load / unload) -------------------
+class LoraLoadRequest(_Body):
+  path: str = Field(description="adapter GGUF file, as the server process sees it")
+  scale: float = Field(default=1.0, description="its default scale")
+
+
+class LoraUnloadRequest(_Body):
+  id: int
 
 
 # ----- slots (llama.cpp) -------------------------------------------------------------------

@@ -8,6 +8,8 @@ events back through each job's asyncio queue with `loop.call_soon_threadsafe`. T
 
 Calls that touch a slot (session save / restore / erase) act as barriers: the thread stops
 admitting requests, finishes the running ones, runs the call on the idle engine, then goes on.
+Calls made with `barrier=False` (adapter load / unload / default scales) run between two steps,
+while requests stay in flight.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class _Call:
   fn: Callable[[Any], Any]
   loop: asyncio.AbstractEventLoop
   future: asyncio.Future
+  barrier: bool = True
 
 
 _STOP = object()
@@ -133,12 +136,13 @@ class EngineWorker:
     self._q.put(_Gen(req=req, loop=loop, events=events, cancel=events.cancel))
     return events
 
-  async def call(self, fn: Callable[[Any], Any]):
-    """Run `fn(engine)` on the worker thread once the engine is idle; returns its result."""
+  async def call(self, fn: Callable[[Any], Any], barrier: bool = True):
+    """Run `fn(engine)` on the worker thread, once the engine is idle (`barrier`) or between
+    two steps (not `barrier`: running requests go on after it); returns its result."""
     self._check_alive()
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
-    self._q.put(_Call(fn=fn, loop=loop, future=fut))
+    self._q.put(_Call(fn=fn, loop=loop, future=fut, barrier=barrier))
     return await fut
 
   # ----- the worker thread ------------------------------------------------------------------
@@ -179,6 +183,8 @@ class EngineWorker:
             break
           if item is _STOP:
             stop = True
+          elif isinstance(item, _Call) and not item.barrier:
+            self._run_call(item)
           elif isinstance(item, _Call):
             barrier = item
           else:
