@@ -46,6 +46,11 @@ def _model_args(p):
                       "lora_branch=select,gdn_chunked=products; default: each 'auto'")
   _lora_args(p)
   _control_vector_args(p)
+  p.add_argument("--spec", type=int, default=0, metavar="N",
+                 help="speculative decoding: N draft tokens per step, 0..16 (0: off)")
+  p.add_argument("--draft", default=None, metavar="mtp|ngram",
+                 help="drafter: mtp (the model's MTP layer; the default when it has one) or "
+                      "ngram (prompt lookup)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +110,8 @@ def cmd_generate(args) -> int:
   from strata_jax.engine.sampling import check  # noqa: PLC0415
   from strata_jax.errors import RequestError  # noqa: PLC0415
   from strata_jax.loading import control_vector_from_args, load_from_args  # noqa: PLC0415
+  from strata_jax.speculative import check_spec  # noqa: PLC0415
+  check_spec(args.spec, None, True)          # the range, before the model loads
   check(Request(tokens=[0], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, repeat_penalty=args.repeat_penalty,
@@ -128,7 +135,7 @@ def cmd_generate(args) -> int:
   # A power-of-two capacity: repeat runs with other prompt lengths reuse the compiled program.
   need = len(ids) + args.n + 1
   engine = sj.Engine(model, lora=lora, slots=1, max_seq=max(256, 1 << (need - 1).bit_length()),
-                     control_vector=cvec)
+                     control_vector=cvec, spec=args.spec, draft=args.draft)
   stop = model.stop_ids()   # end-of-generation tokens end the run, as in llama.cpp and transformers
   res = engine.generate(tokens=ids, max_tokens=args.n, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -150,6 +157,8 @@ def cmd_generate(args) -> int:
       out["logprobs"] = [{"token": e["token"], "logprob": e["logprob"],
                           "top": {str(k): v for k, v in e["top"].items()}}
                          for e in res.logprobs]
+    if res.draft is not None:
+      out["draft"] = res.draft
     print(json.dumps(out))
   else:
     print(text if model.tokenizer is not None else " ".join(map(str, res.tokens)))

@@ -38,6 +38,9 @@ class ModelConfig:
   d_ff_shared: int
   rms_eps: float = 1e-6
   context_length: int = 4096
+  # multi-token-prediction (MTP) layers after the trunk (GGUF `nextn_predict_layers`; 0 or 1):
+  # a draft head, not part of `layer_types` (docs/mtp.md)
+  n_mtp: int = 0
   # how each op is computed (implementation choices, matmul precision); see strata_jax/forms.py
   forms: Forms = Forms()
 
@@ -90,6 +93,8 @@ class ModelConfig:
     if not 0 < self.n_experts_used <= self.n_experts:
       bad.append(f"expert_used_count {self.n_experts_used} must be in "
                  f"1..expert_count {self.n_experts}")
+    if self.n_mtp not in (0, 1):
+      bad.append(f"nextn_predict_layers {self.n_mtp}: only 0 or 1 MTP layer is supported")
     if self.conv_kernel < 1:
       bad.append(f"ssm.conv_kernel {self.conv_kernel} must be >= 1")
     return bad

@@ -32,3 +32,7 @@ class FormsError(StrataError):
 
 class ControlVectorError(StrataError):
   """A control-vector GGUF (llama.cpp's format) that cannot be applied to the loaded model."""
+
+
+class SpecError(StrataError):
+  """A speculative-decoding request the model cannot serve (`--spec`, `--draft`)."""

@@ -87,11 +87,28 @@ class LayerParams:
 
 
 @struct.dataclass
+class MTPParams:
+  """The multi-token-prediction (MTP) head: one gated-attention + MoE block fed
+  `eh_proj · [enorm(embed(t)) ; hnorm(h)]` (docs/mtp.md). GGUF block `n_layers` (`blk.N.*`,
+  with `blk.N.nextn.*`); its layer leaves keep a leading axis of 1 so the layer code reads
+  them as a stack of one."""
+  eh_proj: jax.Array     # [D, 2D]  nextn.eh_proj (columns: embedding half, then hidden half)
+  enorm: jax.Array       # [D]      nextn.enorm (+1 folded in)
+  hnorm: jax.Array       # [D]      nextn.hnorm
+  head_norm: jax.Array   # [D]      nextn.shared_head_norm (before the shared LM head)
+  attn_norm: jax.Array   # [1, D]
+  post_norm: jax.Array   # [1, D]
+  attn: AttnParams       # [1, ...]
+  moe: MoEParams         # [1, ...]
+
+
+@struct.dataclass
 class Params:
   embed: jax.Array       # [V, D]
   final_norm: jax.Array  # [D]
   lm_head: jax.Array     # [V, D]
   layers: LayerParams
+  mtp: MTPParams | None = None   # the MTP head (last stage only), None when the file has none
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -117,9 +134,30 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   }
 
 
+def mtp_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """The MTP head's leaves, keyed "mtp.<leaf>" (empty when `cfg.n_mtp` is 0)."""
+  if not cfg.n_mtp:
+    return {}
+  D = cfg.d_model
+  H, G, Hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+  E, F, Fs = cfg.n_experts, cfg.d_ff_expert, cfg.d_ff_shared
+  return {
+      "mtp.eh_proj": (D, 2 * D), "mtp.enorm": (D,), "mtp.hnorm": (D,), "mtp.head_norm": (D,),
+      "mtp.attn_norm": (1, D), "mtp.post_norm": (1, D),
+      "mtp.attn.q": (1, 2 * H * Hd, D), "mtp.attn.k": (1, G * Hd, D),
+      "mtp.attn.v": (1, G * Hd, D), "mtp.attn.q_norm": (1, Hd), "mtp.attn.k_norm": (1, Hd),
+      "mtp.attn.out": (1, D, H * Hd),
+      "mtp.moe.router": (1, E, D), "mtp.moe.gate_exps": (1, E, F, D),
+      "mtp.moe.up_exps": (1, E, F, D), "mtp.moe.down_exps": (1, E, D, F),
+      "mtp.moe.shared_gate": (1, Fs, D), "mtp.moe.shared_up": (1, Fs, D),
+      "mtp.moe.shared_down": (1, D, Fs), "mtp.moe.shared_gate_inp": (1, 1, D),
+  }
+
+
 def leaf_dtype(path: str, dtype) -> jnp.dtype:
   """The storage dtype of a leaf for a given compute dtype."""
-  return jnp.float32 if path.removeprefix("layers.") in FP32_LEAVES else jnp.dtype(dtype)
+  short = path.removeprefix("layers.").removeprefix("mtp.")
+  return jnp.float32 if short in FP32_LEAVES else jnp.dtype(dtype)
 
 
 def params_from_flat(flat: dict[str, object]) -> Params:
@@ -131,8 +169,14 @@ def params_from_flat(flat: dict[str, object]) -> Params:
       attn_norm=flat["layers.attn_norm"], post_norm=flat["layers.post_norm"],
       gdn=sub("layers.gdn.", GDNParams), attn=sub("layers.attn.", AttnParams),
       moe=sub("layers.moe.", MoEParams))
+  mtp = None
+  if flat.get("mtp.eh_proj") is not None:
+    mtp = MTPParams(eh_proj=flat["mtp.eh_proj"], enorm=flat["mtp.enorm"],
+                    hnorm=flat["mtp.hnorm"], head_norm=flat["mtp.head_norm"],
+                    attn_norm=flat["mtp.attn_norm"], post_norm=flat["mtp.post_norm"],
+                    attn=sub("mtp.attn.", AttnParams), moe=sub("mtp.moe.", MoEParams))
   return Params(embed=flat["embed"], final_norm=flat["final_norm"], lm_head=flat["lm_head"],
-                layers=layers)
+                layers=layers, mtp=mtp)
 
 
 def params_to_flat(params: Params) -> dict[str, jax.Array]:
@@ -146,9 +190,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
   """Random parameters with sane magnitudes (for tests and benchmarks; numpy, on host)."""
   rng = np.random.default_rng(seed)
   flat = {}
-  for path, shape in param_shapes(cfg).items():
+  for path, shape in {**param_shapes(cfg), **mtp_param_shapes(cfg)}.items():
     name = path.split(".")[-1]
-    if name in ("attn_norm", "post_norm", "final_norm", "q_norm", "k_norm", "norm"):
+    if name in ("attn_norm", "post_norm", "final_norm", "q_norm", "k_norm", "norm", "enorm",
+                "hnorm", "head_norm"):
       x = 1.0 + 0.1 * rng.standard_normal(shape)
     elif name == "a":
       x = -np.exp(rng.uniform(-1.0, 1.0, shape))

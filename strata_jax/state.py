@@ -29,3 +29,24 @@ def init_state(cfg: ModelConfig, batch: int, max_seq: int, dtype=jnp.float32) ->
       pos=jnp.zeros((batch,), jnp.int32),
       lora=jnp.zeros((batch,), jnp.int32),
   )
+
+
+@struct.dataclass
+class MTPState:
+  """The MTP head's cache (speculative decoding with `--draft mtp`, docs/mtp.md)."""
+  k: jax.Array      # [B, S, G, Hd]  the MTP layer's keys, at trunk positions
+  v: jax.Array      # [B, S, G, Hd]
+  start: jax.Array  # [B] int32 the row's first cached position (its attention starts there)
+
+
+def init_mtp_state(cfg: ModelConfig, batch: int, max_seq: int, dtype=jnp.float32) -> MTPState:
+  z = lambda: jnp.zeros((batch, max_seq, cfg.n_kv_head, cfg.head_dim), dtype)
+  return MTPState(k=z(), v=z(), start=jnp.zeros((batch,), jnp.int32))
+
+
+@struct.dataclass
+class Pending:
+  """The GDN state after every position of a verification step, until `steps.commit` keeps
+  the one after each row's accepted tokens."""
+  conv: jax.Array   # [Lg, B, K-1+T, C]  the previous K-1 raw rows, then the T new ones
+  ssm: jax.Array    # [Lg, B, T, Hv, Dv, Dk] float32, after position t

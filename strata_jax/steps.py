@@ -17,7 +17,7 @@ from pallas_kernels.gdn.api import FUSED_CHOICES as FUSED_GDN_DECODE
 from strata_jax import sampling
 from strata_jax.config import ModelConfig
 from strata_jax.model import forward
-from strata_jax.state import ModelState
+from strata_jax.state import ModelState, Pending
 
 
 def _precision(cfg: ModelConfig, state: ModelState):
@@ -157,6 +157,139 @@ def decode_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, swi
 
   (_, state), out = lax.scan(body, (tokens.astype(jnp.int32), state), None, length=n_steps)
   return out, state
+
+
+# ----- speculative decoding (strata_jax/speculative.py drives these; docs/mtp.md) -------------
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def verify(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, n_valid, *,
+           cvec=None):
+  """The main model over T = N+1 positions of every row: its last token and N drafts.
+
+  Attention reads the cache plus the new positions (their K/V are written at pos..pos+T-1;
+  what a row does not accept lies past its length and is overwritten later); the GDN layers
+  run T decode steps and keep the state after each (`Pending`). Position, conv and recurrent
+  state are left for `commit`. tokens int32 [B, T]; switch, n_valid int32 [B] (n_valid 0: the
+  row is idle). Returns (logits float32 [B, T, V], hidden [B, T, D] (pre-norm, what the MTP
+  head reads), state, pending)."""
+  with _precision(cfg, state):
+    x = forward.embed(params, tokens)
+    x, (k, v), (rows, ssm_steps) = forward.run_layers(
+        cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
+        n_valid, switch, cvec, keep_steps=True)
+    logits = forward.logits_from_hidden(cfg, params, x)
+  return logits, x, state.replace(k=k, v=v), Pending(conv=rows, ssm=ssm_steps)
+
+
+def _commit(state: ModelState, pending: Pending, n_commit, switch) -> ModelState:
+  K1 = state.conv.shape[2]
+  n = n_commit.astype(jnp.int32)
+  conv = jax.vmap(lambda r, i: lax.dynamic_slice_in_dim(r, i, K1, axis=1),
+                  in_axes=(1, 0), out_axes=1)(pending.conv, n)             # [Lg, B, K-1, C]
+  idx = jnp.maximum(n - 1, 0).reshape(1, -1, 1, 1, 1, 1)
+  ssm = jnp.take_along_axis(pending.ssm, idx, axis=2)[:, :, 0]             # [Lg, B, Hv, Dv, Dk]
+  on = (n > 0).reshape(1, -1, 1, 1)
+  return state.replace(conv=jnp.where(on, conv.astype(state.conv.dtype), state.conv),
+                       ssm=jnp.where(on[..., None], ssm, state.ssm), pos=state.pos + n,
+                       lora=jnp.where(n > 0, switch.astype(jnp.int32), state.lora))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def commit(state: ModelState, pending: Pending, n_commit, switch):
+  """Keep the first n_commit [B] positions of each row's verification (0: the row is left as
+  it was): the state is then exactly the one decoding those tokens one by one leaves."""
+  return _commit(state, pending, n_commit, switch)
+
+
+def _greedy_accept(logits, tokens, n_valid):
+  """(choice int32 [B, T] the argmax at every position, accepted drafts k [B]): a draft is
+  accepted while every earlier one was and it equals the argmax before it."""
+  T = tokens.shape[1]
+  choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  match = (choice[:, :-1] == tokens[:, 1:]) & (jnp.arange(T - 1)[None] < n_valid[:, None] - 1)
+  k = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+  return choice, k
+
+
+def _greedy_emit(logits, tokens, n_valid, cap, stop):
+  """Greedy acceptance with the round's limits: (choice [B, T], accepted drafts k [B], tokens
+  to emit n_emit [B]). A row emits choice[:n_emit]: its accepted drafts and then the model's own
+  token, cut after the first stop id (stop int32 [S], -1 padded) and at cap [B] tokens; it has
+  then consumed tokens[:n_emit] (0 for an idle row)."""
+  choice, k = _greedy_accept(logits, tokens, n_valid)
+  T = tokens.shape[1]
+  is_stop = jnp.any(choice[:, :, None] == stop[None, None, :], axis=-1)      # [B, T]
+  first_stop = jnp.min(jnp.where(is_stop, jnp.arange(T)[None], T), axis=1)
+  n_emit = jnp.minimum(jnp.minimum(k + 1, first_stop + 1), jnp.maximum(cap, 1))
+  return choice, k, jnp.where(n_valid > 0, n_emit, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def verify_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, n_valid,
+                  cap, stop, *, cvec=None):
+  """`verify`, greedy acceptance (`_greedy_emit`) and `commit` in one program. Returns
+  (choice int32 [B, T], accepted drafts k [B], n_emit [B], hidden [B, T, D], state)."""
+  logits, hidden, state, pending = verify(cfg, params, lora, state, tokens, switch, n_valid,
+                                          cvec=cvec)
+  choice, k, n_emit = _greedy_emit(logits, tokens, n_valid, cap, stop)
+  state = _commit(state, pending, n_emit, switch)
+  return choice, k, n_emit, hidden, state
+
+
+def _mtp_draft(cfg, params, mstate, tokens, hidden, pos, n_valid, n_draft):
+  """Feed the MTP head T entries per row, then draft `n_draft` tokens greedily from entry
+  n_valid-1 on: the first from that entry's logits, each next one from one more MTP step on
+  the previous draft and the head's own hidden state."""
+  from strata_jax.model.mtp import mtp_forward  # noqa: PLC0415
+  B = tokens.shape[0]
+  rows = jnp.arange(B)
+  logits, h, k, v = mtp_forward(cfg, params, tokens, hidden, mstate.k, mstate.v, pos, n_valid,
+                                mstate.start)
+  last = jnp.maximum(n_valid - 1, 0)
+  d = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)              # [B]
+  hl = h[rows, last]                                                         # [B, D]
+  p = pos + n_valid                                                          # next entry
+  drafts = [d]
+  act = (n_valid > 0).astype(jnp.int32)
+  for _ in range(n_draft - 1):
+    lg, hn, k, v = mtp_forward(cfg, params, d[:, None], hl[:, None], k, v, p, act,
+                               mstate.start)
+    d = jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32)
+    hl, p = hn[:, 0], p + 1
+    drafts.append(d)
+  return jnp.stack(drafts, axis=1), mstate.replace(k=k, v=v)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_draft"), donate_argnames=("mstate",))
+def mtp_draft(cfg: ModelConfig, params, mstate, tokens, hidden, pos, n_valid, *, n_draft: int):
+  """The MTP head (never adapted) proposes `n_draft` tokens per row. tokens int32 [B, T]: the
+  tokens at positions pos+1.., hidden [B, T, D] the trunk's pre-norm hidden state at pos..;
+  n_valid [B] real entries (0: idle row). Returns (drafts int32 [B, n_draft], mstate)."""
+  p = cfg.forms.jax_precision(hidden.dtype)
+  with jax.default_matmul_precision(p) if p else contextlib.nullcontext():
+    return _mtp_draft(cfg, params, mstate, tokens, hidden, pos, n_valid, n_draft)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_draft"),
+                   donate_argnames=("state", "mstate"))
+def spec_step_greedy(cfg: ModelConfig, params, lora, state: ModelState, mstate, tokens, switch,
+                     n_valid, cap, stop, *, n_draft: int, cvec=None):
+  """One greedy speculative round in one program: `verify_greedy`, then the MTP head takes the
+  emitted positions and drafts the next `n_draft` tokens. Returns (choice [B, T], k [B],
+  n_emit [B], drafts [B, n_draft], state, mstate)."""
+  pos = state.pos
+  choice, k, n_emit, hidden, state = verify_greedy(cfg, params, lora, state, tokens, switch,
+                                                   n_valid, cap, stop, cvec=cvec)
+  with _precision(cfg, state):
+    drafts, mstate = _mtp_draft(cfg, params, mstate, choice, hidden, pos, n_emit, n_draft)
+  return choice, k, n_emit, drafts, state, mstate
+
+
+@functools.partial(jax.jit, donate_argnames=("mstate",))
+def mtp_restart(mstate, rows, start):
+  """Rows where rows [B] is true start feeding the MTP head at position start [B]."""
+  r = rows.astype(bool)
+  return mstate.replace(start=jnp.where(r, start.astype(jnp.int32), mstate.start))
 
 
 # ----- sampling on the device ------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 
 from strata_jax import sampling as smp
 from strata_jax import session as sess
-from strata_jax import steps
+from strata_jax import speculative, steps
 from strata_jax.adapter_id import choice_identity
 from strata_jax.engine import sampling as host_sampling
 from strata_jax.engine.adapters import OFF, AdapterChoice, AdapterTable
@@ -66,6 +66,7 @@ class Request:
   # (logprobs set) called with each token's logprobs entry (as in Result.logprobs) just
   # before on_token
   on_logprobs: Callable[[dict], None] | None = None
+  spec: int | None = None   # speculative drafts per step (0 off; None: the engine's `spec`)
 
 
 @dataclasses.dataclass
@@ -85,6 +86,7 @@ class Result:
   # (logprobs=k) per token: {"token": id, "logprob": x, "top": {id: x, ...} (k entries)}
   logprobs: list[dict] | None = None
   adapters: list | None = None              # [{"id", "scale"}] the adapters that served it
+  draft: dict | None = None   # speculative decoding: {"proposed": p, "accepted": a}
 
 
 class Handle:
@@ -118,6 +120,10 @@ class _Running:
   step_logits: list = dataclasses.field(default_factory=list)
   prompt_logits: np.ndarray | None = None
   logprobs: list | None = None
+  spec: int = 0            # speculative drafts per round (0: the plain decode path)
+  proposed: int = 0
+  accepted: int = 0
+  rng: np.random.Generator | None = None   # the rejection rule's draws (sampled spec rows)
 
 
 @dataclasses.dataclass
@@ -158,13 +164,17 @@ class Engine:
       queued, the first row's to finish), else the most.
     warmup: compile the programs before the first request: True for every prefill bucket, or
       a list of prompt lengths for the buckets those use; plus the greedy decode programs.
+    spec: speculative decoding, drafts per step for requests that do not say (0: off).
+    draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
+      (prompt lookup). `strata_jax.speculative`.
   """
 
   def __init__(self, model, lora=None, slots: int = 1, max_seq: int | None = None,
                block_size: int = 64, prefix_cache_bytes: int = 256 << 20, state_every: int = 32,
                max_prefill_chunk: int = 4096, decode_steps: Sequence[int] = (1, 4, 16),
                warmup: bool | Sequence[int] = False, forms: Forms | None = None,
-               control_vector=None, lora_rank: int | None = None):
+               control_vector=None, lora_rank: int | None = None, spec: int = 0,
+               draft: str | None = None):
     self.model, self.n_slots = model, int(slots)
     # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
     pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
@@ -248,6 +258,10 @@ class Engine:
     self._row_dev = None          # device copy of row_params (None: rebuild at next dispatch)
     self._inflight: _Chunk | None = None
     self._snaps: list = []        # prefix-cache snapshots read to the host after the first token
+    has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
+    self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
+    self.draft = speculative.check_spec(self.spec, draft, has_mtp)
+    self._spec_decoder = None
     if warmup:
       self.warmup(None if warmup is True else warmup)
 
@@ -400,6 +414,10 @@ class Engine:
     if self._inflight is not None:
       self._collect(self._inflight)
     self._inflight = chunk
+    spec_rows = {s: hr for s, hr in self._running.items()
+                 if hr[1].spec and hr[1].cancel_at is None}
+    if spec_rows:
+      self._spec_step(spec_rows)
     for slot in list(self._running):
       h, run = self._running[slot]
       if run.cancel_at is not None and run.inflight == 0:
@@ -456,9 +474,21 @@ class Engine:
     if r.max_tokens < 1:
       raise RequestError(f"max_tokens must be >= 1, got {r.max_tokens}")
     host_sampling.check(r)
+    if r.spec is not None:
+      speculative.check_spec(r.spec, None, True, where="speculative n")
+    if self._spec_n(r):
+      if len(self.stages) > 1:
+        raise RequestError("speculative decoding runs on a one-stage model (no layer split)")
+      if (r.return_logits or r.return_step_logits or r.logprobs is not None or r.min_p
+          or r.presence_penalty or r.frequency_penalty or r.repeat_penalty != 1.0):
+        raise RequestError("speculative decoding samples with temperature, top_k and top_p "
+                           "only (no penalties, min_p, logprobs or logits); use spec 0")
     bad = [t for t in r.stop if not 0 <= int(t) < v]
     if bad:
       raise RequestError(f"stop token {bad[0]} is outside the vocabulary [0, {v})")
+
+  def _spec_n(self, r: Request) -> int:
+    return self.spec if r.spec is None else int(r.spec)
 
   def _release(self, req: Request):
     self._purge(self.adapters.release(req.lora))
@@ -592,6 +622,12 @@ class Engine:
     self._emit_chunk(slot, run, self._read(out1, plan), 1,
                      self._host(last) if want_logits else None)
     self._flush_snapshots()
+    run.spec = self._spec_n(req)
+    if run.spec:    # speculative rounds from now on, off the device sampler's rows
+      run.rng = np.random.default_rng(req.seed)
+      self._speculator(run.spec).restart(slot, len(toks))
+      mask = self._put((np.arange(self.n_slots) == slot).astype(np.int32))
+      self.rows = self._on_last(steps.deactivate_rows, self.rows, mask)
     return run
 
   def _prefill_chunk(self, slot, chunk, n, switch, all_logits):
@@ -692,7 +728,7 @@ class Engine:
   def _dispatch(self) -> _Chunk | None:
     """Queue the next decode chunk for the rows that may still be active."""
     live = {s: run for s, (_, run) in self._running.items()
-            if run.cancel_at is None and run.remaining - run.inflight > 0}
+            if run.cancel_at is None and run.remaining - run.inflight > 0 and not run.spec}
     if not live:
       return None
     left = [run.remaining - run.inflight for run in live.values()]
@@ -778,6 +814,48 @@ class Engine:
       if r.on_token is not None:
         r.on_token(t)
 
+  # ----- speculative decoding (strata_jax/speculative.py; docs/mtp.md) ---------------------
+  def _speculator(self, n: int) -> speculative.SpecDecoder:
+    """The engine's SpecDecoder, made on first use; its n grows to the largest asked."""
+    st = self.stages[0]
+    if self._spec_decoder is None:
+      self._spec_decoder = speculative.SpecDecoder(
+          st.cfg, st.params, st.lora, n, self.draft, self.n_slots, self.max_seq,
+          self.model.dtype, cvec=st.cvec)
+    sd = self._spec_decoder
+    # the adapter table and stacks are re-placed as requests change adapters: read them now
+    sd.n, sd.cvec, sd.lora = max(sd.n, n), st.cvec, st.lora
+    return sd
+
+  def _spec_step(self, running: dict):
+    """One speculative round for the rows that decode speculatively (their device-sampler
+    rows are inactive, so the plain decode chunks leave them alone). Rows accept different
+    lengths; each row's tokens stop at its stop ids and length."""
+    sd = self._speculator(max(run.spec for _, run in running.values()))
+    rows = {}
+    for slot, (_, run) in running.items():
+      r = run.req
+      cap = min(r.max_tokens - len(run.tokens), self.max_seq - 1 - len(self.slot_tokens[slot]))
+      rows[slot] = speculative.Row(
+          last=run.tokens[-1], switch=run.switch, context=list(r.tokens) + run.tokens,
+          cap=max(cap, 1), stop=tuple(r.stop), temperature=r.temperature, top_k=r.top_k,
+          top_p=r.top_p, rng=run.rng, n=run.spec)
+    self.states[0], out = sd.round(self.states[0], rows)
+    for slot, o in out.items():
+      h, run = running[slot]
+      self.slot_tokens[slot].extend(o.consumed)
+      run.proposed += o.proposed
+      run.accepted += o.accepted
+      for tok in o.emitted:
+        run.tokens.append(tok)
+        run.remaining -= 1
+        if run.req.on_token is not None:
+          run.req.on_token(tok)
+      if self._finished(slot, run):
+        h.result = self._finish(slot, run)
+        del self._running[slot]
+        self._row_dev = None
+
   def _finished(self, slot: int, run: _Running) -> bool:
     r = run.req
     return (run.tokens[-1] in r.stop or len(run.tokens) >= r.max_tokens
@@ -800,7 +878,8 @@ class Engine:
         prompt_logits=run.prompt_logits,
         step_logits=(np.stack(run.step_logits) if (r.return_logits or r.return_step_logits)
                      and run.step_logits else None),
-        logprobs=run.logprobs, adapters=r.lora.as_json())
+        logprobs=run.logprobs, adapters=r.lora.as_json(),
+        draft={"proposed": run.proposed, "accepted": run.accepted} if run.spec else None)
 
   # ----- sessions -------------------------------------------------------------------------
   def _session_fingerprint(self, choice: AdapterChoice | None = None) -> str:

@@ -126,7 +126,7 @@ def read_adapters(cfg: ModelConfig, paths: Sequence[str | os.PathLike],
   shapes = gguf_tensor_shapes(cfg)
   loaded = []
   for path, s in zip(paths, user_scales):
-    f = _read_file(path, s, shapes)
+    f = _read_file(path, s, shapes, mtp_block=cfg.n_layers if cfg.n_mtp else None)
     if f.ignored:
       warnings.warn(
           f"adapter '{path}': {len(f.ignored)} LoRA tensor(s) target weights strata-jax does not "
@@ -206,7 +206,8 @@ def _scale(user_scale: float, alpha: float, rank: int) -> np.float32:
   return np.float32(user_scale) * np.float32(alpha) / np.float32(rank)
 
 
-def _read_file(path: str, user_scale: float, shapes: dict[str, tuple[int, ...]]) -> _Loaded:
+def _read_file(path: str, user_scale: float, shapes: dict[str, tuple[int, ...]],
+               mtp_block: int | None = None) -> _Loaded:
   where = f"adapter '{path}'"
   if not os.path.isfile(path):
     raise AdapterError(f"{where}: no such file")
@@ -271,7 +272,9 @@ def _read_file(path: str, user_scale: float, shapes: dict[str, tuple[int, ...]])
                            f"unsupported type {_type_name(t.tensor_type)}; supported: "
                            f"{', '.join(q.name for q in SUPPORTED_TYPES)}")
     _check_shapes(where, base, shapes[base], _np_shape(ta), _np_shape(tb))
-    if not _APPLIED.match(base):
+    hit = _APPLIED.match(base)
+    # the MTP block (block n_layers) is never adapted: reported as not applied
+    if not hit or (mtp_block is not None and int(hit.group(1)) == mtp_block):
       ignored.append(base)
       continue
     a, b = _to_f32(ta), _to_f32(tb)

@@ -101,8 +101,12 @@ def _rope(hf: dict, key: str, default):
   return (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get(key, default)
 
 
-def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
-  """ModelConfig from a transformers Qwen3NextConfig dict."""
+def model_config_from_hf(hf: dict, where: str = "config.json", has_mtp: bool = False
+                         ) -> ModelConfig:
+  """ModelConfig from a transformers Qwen3NextConfig dict. `has_mtp`: the checkpoint holds
+  `mtp.*` tensors; the MTP layer count is then `mtp_num_hidden_layers` (default 1). A config
+  that declares MTP layers whose tensors are absent gets none (llama.cpp's converter trusts the
+  declaration and writes a block count one too high for such checkpoints)."""
   if hf.get("model_type") != "qwen3_next":
     raise StrataError(f"{where}: model_type is {hf.get('model_type')!r}, expected 'qwen3_next'")
   if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
@@ -132,7 +136,8 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
       n_experts=hf["num_experts"], n_experts_used=hf["num_experts_per_tok"],
       d_ff_expert=hf["moe_intermediate_size"], d_ff_shared=hf["shared_expert_intermediate_size"],
       rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      context_length=int(hf.get("max_position_embeddings", 4096)))
+      context_length=int(hf.get("max_position_embeddings", 4096)),
+      n_mtp=int(hf.get("mtp_num_hidden_layers", 1)) if has_mtp else 0)
   bad = cfg.validate()
   if bad:
     raise StrataError(f"{where}: inconsistent config: " + "; ".join(bad))
@@ -248,7 +253,7 @@ def add_model_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, *, file_type: int =
   w.add_file_type(int(file_type))
   w.add_quantization_version(gguf.GGML_QUANT_VERSION)
   u32 = {
-      "block_count": cfg.n_layers, "context_length": cfg.context_length,
+      "block_count": cfg.n_layers + cfg.n_mtp, "context_length": cfg.context_length,
       "embedding_length": cfg.d_model,
       "feed_forward_length": feed_forward_length or cfg.d_ff_expert,
       "attention.head_count": cfg.n_head, "attention.head_count_kv": cfg.n_kv_head,
@@ -262,11 +267,15 @@ def add_model_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, *, file_type: int =
       "ssm.inner_size": cfg.gdn_value_dim,
       "full_attention_interval": full_attention_interval,
   }
+  if cfg.n_mtp:
+    u32["nextn_predict_layers"] = cfg.n_mtp
   for k, v in u32.items():
     w.add_uint32(a + k, int(v))
   w.add_float32(a + "attention.layer_norm_rms_epsilon", float(cfg.rms_eps))
   w.add_float32(a + "rope.freq_base", float(cfg.rope_base))
-  w.add_array(a + "attention.recurrent_layers", [t == config_lib.GDN for t in cfg.layer_types])
+  # one entry per block, the MTP block (full attention) included, as llama.cpp writes it
+  w.add_array(a + "attention.recurrent_layers",
+              [t == config_lib.GDN for t in cfg.layer_types] + [False] * cfg.n_mtp)
 
 
 def default_tensor_type(outtype: str) -> Callable[[str, tuple[int, ...]], T]:
@@ -415,9 +424,13 @@ def hf_gguf_tensors(st: SafeTensorsDir, cfg: ModelConfig, tied: bool
   thunks: dict[str, Callable[[], np.ndarray]] = {}
   experts: dict[str, dict[int, str]] = {}
   for key in st.keys():
-    if key.startswith("mtp."):  # multi-token-prediction head: llama.cpp drops it too
-      continue
-    m = names.match_hf(key)
+    if key.startswith("mtp."):
+      # the multi-token-prediction head -> block n_layers, as llama.cpp's converter writes it
+      m = names.match_hf_mtp(key, cfg.n_layers) if cfg.n_mtp else None
+      if m is None:
+        raise StrataError(f"{where}: MTP tensor {key!r} has no qwen3next GGUF counterpart")
+    else:
+      m = names.match_hf(key)
     if m is None:
       raise StrataError(f"{where}: tensor {key!r} has no qwen3next GGUF counterpart")
     if tied and m.gguf_names == ("output.weight",):
@@ -459,7 +472,8 @@ def convert_hf(hf_dir, out_path, outtype: str = "f32", *, name: str | None = Non
 
   Args:
     hf_dir: directory with config.json and *.safetensors (per-expert keys as saved by
-      `save_pretrained`, or transformers 5's fused `experts.gate_up_proj`/`down_proj`), and
+      `save_pretrained`, or transformers 5's fused `experts.gate_up_proj`/`down_proj`; an
+      `mtp.*` head becomes block n_layers with `nextn_predict_layers`, docs/mtp.md), and
       optionally tokenizer.json, tokenizer_config.json (chat_template) or chat_template.jinja.
     out_path: the GGUF to write.
     outtype: "f32", "f16" or "bf16"; 1-D tensors, ssm_a, ssm_dt.bias, ssm_conv1d,
@@ -475,8 +489,11 @@ def convert_hf(hf_dir, out_path, outtype: str = "f32", *, name: str | None = Non
   """
   hf_dir = os.fspath(hf_dir)
   hf = read_hf_config(hf_dir)
-  cfg = model_config_from_hf(hf, where=os.path.join(hf_dir, "config.json"))
+  where = os.path.join(hf_dir, "config.json")
+  model_config_from_hf(hf, where=where)   # a config problem is reported before the tensors
   st = SafeTensorsDir(hf_dir)
+  has_mtp = any(k.startswith("mtp.") for k in st.keys())
+  cfg = model_config_from_hf(hf, where=where, has_mtp=has_mtp)
   tied = bool(hf.get("tie_word_embeddings")) or "lm_head.weight" not in st.entries
   tensors = hf_gguf_tensors(st, cfg, tied)
   return write_model_gguf(

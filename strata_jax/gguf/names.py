@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from strata_jax.config import ATTN, GDN, ModelConfig
-from strata_jax.params import param_shapes
+from strata_jax.params import mtp_param_shapes, param_shapes
 
 # Which layers a Params leaf is stacked over.
 TOP = "top"          # not per layer
@@ -68,6 +68,23 @@ MODEL_TENSORS: tuple[TensorName, ...] = (
     TensorName("layers.moe.shared_gate_inp", "blk.{i}.ffn_gate_inp_shexp.weight", EVERY),
 )
 
+# The MTP head: GGUF block `n_layers` (block_count = n_layers + nextn_predict_layers), named as
+# llama.cpp names it (`LLM_TENSOR_NEXTN_*` for the head's own tensors, the ordinary block names
+# for its attention and MoE). `{i}` is that block index. No `nextn.embed_tokens` /
+# `nextn.shared_head_head` for Qwen3-Next: the head shares token_embd and output.
+MTP = "mtp"
+MTP_TENSORS: tuple[TensorName, ...] = (
+    TensorName("mtp.eh_proj", "blk.{i}.nextn.eh_proj.weight", MTP),
+    TensorName("mtp.enorm", "blk.{i}.nextn.enorm.weight", MTP),
+    TensorName("mtp.hnorm", "blk.{i}.nextn.hnorm.weight", MTP),
+    TensorName("mtp.head_norm", "blk.{i}.nextn.shared_head_norm.weight", MTP),
+) + tuple(
+    TensorName("mtp." + t.path.removeprefix("layers."), t.gguf, MTP)
+    for t in MODEL_TENSORS
+    if t.over in (EVERY, ATTN_ONLY))
+# MTP leaves with no layer axis (the rest carry a leading axis of 1).
+MTP_HEAD_LEAVES = frozenset({"mtp.eh_proj", "mtp.enorm", "mtp.hnorm", "mtp.head_norm"})
+
 # Tensors llama.cpp's converter keeps in F32 under f16/bf16 output (besides every 1-D tensor):
 # tiny and precision-critical (decay rates, conv taps, router logits).
 KEEP_F32_SUFFIXES = ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ffn_gate_inp.weight",
@@ -89,6 +106,17 @@ def layer_indices(cfg: ModelConfig, over: str) -> list[int] | None:
   return [i for i, t in enumerate(cfg.layer_types) if t == kind]
 
 
+def mtp_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """The MTP head's GGUF tensors (block `cfg.n_layers`) with their numpy shapes; empty when the
+  config has no MTP layer. Its layer leaves drop their leading axis of 1 (one block's tensor)."""
+  shapes = mtp_param_shapes(cfg)
+  out = {}
+  for spec in MTP_TENSORS if cfg.n_mtp else ():
+    s = shapes[spec.path]
+    out[spec.gguf.format(i=cfg.n_layers)] = s if spec.path in MTP_HEAD_LEAVES else s[1:]
+  return out
+
+
 def gguf_tensor_shapes(cfg: ModelConfig, tied: bool = False) -> dict[str, tuple[int, ...]]:
   """Every GGUF tensor a model of this geometry has, with its numpy shape.
 
@@ -107,6 +135,7 @@ def gguf_tensor_shapes(cfg: ModelConfig, tied: bool = False) -> dict[str, tuple[
     else:
       for i in idx:
         out[spec.gguf.format(i=i)] = shapes[spec.path][1:]
+  out.update(mtp_tensor_shapes(cfg))
   return out
 
 
@@ -127,6 +156,10 @@ def params_to_gguf_tensors(cfg: ModelConfig, flat: dict[str, object],
     else:
       for j, i in enumerate(idx):
         out[spec.gguf.format(i=i)] = leaf[j]
+  if cfg.n_mtp:
+    for spec in MTP_TENSORS:
+      leaf = np.asarray(flat[spec.path], dtype=np.float32)
+      out[spec.gguf.format(i=cfg.n_layers)] = leaf if spec.path in MTP_HEAD_LEAVES else leaf[0]
   return out
 
 
@@ -191,6 +224,31 @@ HF_TENSORS: tuple[HFName, ...] = (
     HFName(_L + "mlp.shared_expert.down_proj.weight", ("blk.{i}.ffn_down_shexp.weight",), COPY),
     HFName(_L + "mlp.shared_expert_gate.weight", ("blk.{i}.ffn_gate_inp_shexp.weight",), COPY),
 )
+
+
+# The MTP head in a transformers checkpoint (`mtp.*`, which transformers itself ignores on load):
+# `mtp.layers.0.<key>` is an ordinary block's `model.layers.<N>.<key>` (N = n_layers: llama.cpp's
+# converter renames it so), and these four become the `nextn` tensors. Every `*norm.weight`
+# gets the +1 of Qwen3NextRMSNorm (llama.cpp's converter: all but linear_attn.norm).
+HF_MTP_TENSORS: tuple[HFName, ...] = (
+    HFName("mtp.fc.weight", ("blk.{i}.nextn.eh_proj.weight",), COPY),
+    HFName("mtp.pre_fc_norm_embedding.weight", ("blk.{i}.nextn.enorm.weight",), PLUS_ONE),
+    HFName("mtp.pre_fc_norm_hidden.weight", ("blk.{i}.nextn.hnorm.weight",), PLUS_ONE),
+    HFName("mtp.norm.weight", ("blk.{i}.nextn.shared_head_norm.weight",), PLUS_ONE),
+)
+
+
+def match_hf_mtp(hf_name: str, n_layers: int) -> HFMatch | None:
+  """Resolve an `mtp.*` key of a checkpoint whose trunk has `n_layers` layers (None if the key
+  is not one of the MTP head's)."""
+  m = re.fullmatch(r"mtp\.layers\.0\.(.+)", hf_name)
+  if m:
+    hit = match_hf(f"model.layers.{n_layers}.{m.group(1)}")
+    return hit
+  for spec in HF_MTP_TENSORS:
+    if spec.hf == hf_name:
+      return HFMatch(spec, n_layers, None)
+  return None
 
 
 def _template_regex(template: str) -> re.Pattern:

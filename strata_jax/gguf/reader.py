@@ -212,14 +212,20 @@ def config_from_kv(kv: dict[str, Any], path: str, vocab_size: int) -> ModelConfi
     raise GGUFError(f"{path}: general.type is {kv['general.type']!r}, expected 'model' "
                     "(a LoRA adapter is loaded with load_lora)")
   m = _Meta(kv, path)
-  n_layers = m.get("block_count")
+  n_blocks = m.get("block_count")
+  # llama.cpp counts the MTP block(s) in block_count: the trunk is the first n_layers blocks.
+  n_mtp = m.get("nextn_predict_layers", default=0)
+  if not 0 <= n_mtp < n_blocks:
+    raise GGUFError(f"{path}: inconsistent metadata: {ARCH}.nextn_predict_layers is {n_mtp}, "
+                    f"block_count is {n_blocks}")
+  n_layers = n_blocks - n_mtp
   rec = kv.get(f"{ARCH}.attention.recurrent_layers")
   if rec is not None:
-    if not isinstance(rec, list) or len(rec) != n_layers:
+    if not isinstance(rec, list) or len(rec) not in (n_blocks, n_layers):
       n = len(rec) if isinstance(rec, list) else "a scalar"
       raise GGUFError(f"{path}: inconsistent metadata: {ARCH}.attention.recurrent_layers has "
-                      f"{n} entries, block_count is {n_layers}")
-    layer_types = "".join(config_lib.GDN if r else config_lib.ATTN for r in rec)
+                      f"{n} entries, block_count is {n_blocks}")
+    layer_types = "".join(config_lib.GDN if r else config_lib.ATTN for r in rec[:n_layers])
   else:
     interval = m.get("full_attention_interval", default=4)
     if interval < 1:
@@ -252,7 +258,7 @@ def config_from_kv(kv: dict[str, Any], path: str, vocab_size: int) -> ModelConfi
       d_ff_expert=m.get("expert_feed_forward_length"),
       d_ff_shared=m.get("expert_shared_feed_forward_length"),
       rms_eps=m.get("attention.layer_norm_rms_epsilon", float),
-      context_length=m.get("context_length"))
+      context_length=m.get("context_length"), n_mtp=n_mtp)
   bad = cfg.validate()
   if bad:
     raise GGUFError(f"{path}: inconsistent metadata: " + "; ".join(bad))
@@ -389,6 +395,7 @@ def plan_leaves(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.
       lp.entry_bytes = [int(np.prod(lp.shape)) * lp.dtype.itemsize] * len(lp.tensors)
     else:
       lp.entry_bytes = [_quant_entry_bytes(q, lp.shape) for q in lp.qtypes]
+  plans += _plan_mtp(tensors, cfg, path, dtype, weights)
   if weights == "keep":
     dq = [t.name for lp in plans if lp.qtypes is None for t in lp.tensors
           if t.tensor_type not in FLOAT_TYPES]
@@ -399,17 +406,68 @@ def plan_leaves(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.
   return plans
 
 
+def _plan_mtp(tensors: dict, cfg: ModelConfig, path: str, dtype, weights: str
+              ) -> list[LeafPlan]:
+  """The MTP head's leaves (block `cfg.n_layers`), or none. `nextn_predict_layers` and the
+  tensors present must agree: a head declared but missing, or present but undeclared, is an
+  error naming the file."""
+  stray = sorted(n for n in tensors if ".nextn." in n)
+  if not cfg.n_mtp:
+    if stray:
+      raise GGUFError(f"{path}: inconsistent metadata: {ARCH}.nextn_predict_layers is 0 (or "
+                      f"absent) but the file has MTP tensors ({stray[0]!r}, ...)")
+    return []
+  N = cfg.n_layers
+  want_names = names.mtp_tensor_shapes(cfg)
+  outside = [n for n in stray if not n.startswith(f"blk.{N}.")]
+  if outside:
+    raise GGUFError(f"{path}: inconsistent metadata: MTP tensor {outside[0]!r} is not in block "
+                    f"{N} (block_count - nextn_predict_layers)")
+  plans = []
+  for spec in names.MTP_TENSORS:
+    name = spec.gguf.format(i=N)
+    if name not in tensors:
+      raise GGUFError(f"{path}: inconsistent metadata: {ARCH}.nextn_predict_layers is "
+                      f"{cfg.n_mtp} but tensor {name!r} of the MTP block is missing")
+    t = tensors[name]
+    _check_shape(t, want_names[name], path)
+    _check_type(t, path)
+    trunk_leaf = "layers." + spec.path.removeprefix("mtp.")
+    qtypes = None
+    if (weights == "keep" and trunk_leaf in QUANT_LEAVES and t.tensor_type in KEEP_TYPES):
+      qtypes = [KEEP_TYPES[t.tensor_type]]
+    head = spec.path in names.MTP_HEAD_LEAVES
+    plans.append(LeafPlan(path=spec.path, shape=tuple(want_names[name]),
+                          layers=[None] if head else [N], tensors=[t], qtypes=qtypes,
+                          dtype=jnp.dtype(leaf_dtype(spec.path, dtype)), entry_bytes=[],
+                          keys=qtypes))
+  exps = [lp for lp in plans if lp.path.endswith("_exps")]
+  if any(lp.qtypes is None for lp in exps):
+    for lp in exps:
+      lp.qtypes = lp.keys = None
+  else:
+    trio = list(zip(*(lp.qtypes for lp in exps)))
+    for lp in exps:
+      lp.keys = trio
+  return plans
+
+
 def plan_bytes(cfg: ModelConfig, plans: list[LeafPlan]) -> tuple[np.ndarray, int, int]:
-  """(device bytes of each layer's weights [L], of the embedding, of the final norm + head)."""
+  """(device bytes of each layer's weights [L], of the embedding, of the final norm + head
+  (+ the MTP head, which lives with them on the last stage))."""
   per_layer = np.zeros(cfg.n_layers, np.float64)
   top = {}
+  mtp = 0
   for lp in plans:
+    if lp.path.startswith("mtp."):
+      mtp += sum(lp.entry_bytes)
+      continue
     for layer, nb in zip(lp.layers, lp.entry_bytes):
       if layer is None:
         top[lp.path] = nb
       else:
         per_layer[layer] += nb
-  return per_layer, top["embed"], top["final_norm"] + top["lm_head"]
+  return per_layer, top["embed"], top["final_norm"] + top["lm_head"] + mtp
 
 
 def _gib(n: float) -> str:
@@ -513,6 +571,13 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
       flat = {}
       try:
         for lp in plans:
+          if lp.path.startswith("mtp."):   # the MTP head: on the last stage, beside the LM head
+            if i == last:
+              x = _entry(lp, 0, path, put)
+              flat[lp.path] = x if not lp.stacked else _stack([x], lp.keys)
+              _release(reader, lp.tensors[0])
+              bar.update(int(lp.tensors[0].n_bytes))
+            continue
           if not lp.stacked:
             own = ((lp.path == "embed" and i == 0)
                    or (lp.path in ("final_norm", "lm_head") and i == last))
@@ -548,7 +613,7 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
 
 
 def _owner(layer, leaf: str, ranges) -> int | None:
-  if layer is None:
+  if layer is None or leaf.startswith("mtp."):
     return 0
   for i, (lo, hi) in enumerate(ranges):
     if lo <= layer < hi:

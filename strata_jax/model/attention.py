@@ -9,13 +9,15 @@ from strata_jax.model.common import linear, out_projection, rms_norm, rope_neox
 
 
 def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_valid, lora_a, lora_b, switch,
-               *, row_scale=None):
+               kv_start=None, *, row_scale=None):
   """x [B, T, D]; k_cache/v_cache [B, S, G, Hd]; pos [B] first position of x's tokens;
   n_valid [B] how many of the T tokens are real.
 
   The n_valid real keys/values are written at pos..pos+n_valid-1 (writes past S are dropped;
   padding and rows with n_valid = 0 write nothing, so such a row's cache is left as is); each query
-  attends causally to cache positions <= its own. Returns (y [B, T, D], k_cache, v_cache).
+  attends causally to cache positions <= its own (and >= kv_start [B] when given: the MTP
+  layer's cache starts where its row began feeding it, docs/mtp.md). Returns (y [B, T, D],
+  k_cache, v_cache).
   """
   B, T, _ = x.shape
   H, G, Hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
@@ -36,6 +38,10 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_valid, lora_a, l
   qh = q.reshape(B, T, G, H // G, Hd).astype(jnp.float32)   # q-head h <- kv-head h//(H/G)
   scores = jnp.einsum("btgrd,bsgd->bgrts", qh, k_cache.astype(jnp.float32)) * (Hd ** -0.5)
   mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]              # [B, T, S]
+  if kv_start is not None:
+    # (a query before its row's start sees itself only: no all-masked row, no NaN)
+    lo = jnp.minimum(kv_start[:, None], positions)                          # [B, T]
+    mask = mask & (jnp.arange(S)[None, None, :] >= lo[:, :, None])
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache.astype(jnp.float32)).reshape(B, T, H, Hd)

@@ -56,7 +56,7 @@ def _unblocks(tree):
 
 
 def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch,
-               cvec=None):
+               cvec=None, keep_steps: bool = False):
   """`layers_scan` with the adapter; under `cfg.forms.lora_branch` "cond", one of three
   branches ("select": one scan, the delta computed for every row and a select keeping the base
   rows).
@@ -71,18 +71,27 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
                          scan with only the on rows active (about twice the work of one).
   An inactive row (n_valid 0) leaves its K/V, conv and recurrent state untouched, so the two
   passes compose; rows are independent, so an off row's numbers do not depend on the others.
+
+  keep_steps: the GDN state of every step comes back instead of the last (`layers_scan`); the
+  mixed case then runs both passes from the same GDN state and keeps each row's own pass.
   """
   if lora is None or cfg.forms.lora_branch == "select":
-    return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch, cvec)
+    return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch, cvec,
+                       keep_steps)
   switch = jnp.broadcast_to(switch, n_valid.shape)
   on = (switch != 0) & (n_valid > 0)
   off = (switch == 0) & (n_valid > 0)
-  scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch, cvec)
+  scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch, cvec,
+                                            keep_steps)
 
   def mixed():
     x_off, kv1, gs1 = scan(None, kv, gdn_state, jnp.where(off, n_valid, 0))
-    x_on, kv2, gs2 = scan(lora, kv1, gs1, jnp.where(on, n_valid, 0))
+    x_on, kv2, gs2 = scan(lora, kv1, gdn_state if keep_steps else gs1,
+                          jnp.where(on, n_valid, 0))
     rows = on.reshape((-1,) + (1,) * (x.ndim - 1))
+    if keep_steps:   # [Lg, B, ...]: each row from its own pass
+      pick = lambda a, b: jnp.where(on.reshape((1, -1) + (1,) * (a.ndim - 2)), a, b)
+      gs2 = jax.tree.map(pick, gs2, gs1)
     return jnp.where(rows, x_on, x_off), kv2, gs2
 
   which = jnp.where(jnp.any(on), jnp.where(jnp.any(off), 2, 1), 0)
@@ -91,7 +100,7 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
 
 
 def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch,
-                cvec=None):
+                cvec=None, keep_steps: bool = False):
   """Apply every layer of `cfg.layer_types`.
 
   layers: LayerParams; lora: LoraParams or None; kv: (k, v) [La, B, S, G, Hd];
@@ -100,6 +109,8 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
   (row il added to layer il's output, after its MoE residual add, as llama.cpp's
   `build_cvec`), or None: then nothing is added and the program is the one without control
   vectors. Returns (x, kv, gdn_state).
+  keep_steps (static): gdn_state comes back as (conv_rows [Lg, B, K-1+T, C], ssm_steps
+  [Lg, B, T, Hv, Dv, Dk]), every step's state (`gdn.gdn_mixer`), for speculative verification.
 
   The scan runs over repeats of the pattern's period (e.g. 12 x "GGGA"); the period's
   layers are unrolled in the body, so compile time does not grow with depth.
@@ -147,12 +158,13 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
         p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi)
         lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
         y, conv[gi], ssm[gi] = gdn_mixer(cfg, p, h, conv[gi], ssm[gi], n_valid, *lg_i, switch,
-                                         row_scale=row_scale)
+                                         keep_steps, row_scale=row_scale)
         gi += 1
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
       x = x + moe(cfg, _layer(cfg, moe_p, moe_q, li, blk * period + li), h, stacks,
-                  blk * period + li, real=real).reshape(B, T, D)
+                  blk * period + li, real=real,
+                  form_tokens=B if keep_steps else None).reshape(B, T, D)
       if cv is not None:
         x = x + cv[li].astype(x.dtype)
     restack = lambda new, old: jnp.stack(new) if new else old   # a kind may be absent

@@ -30,11 +30,17 @@ def causal_conv(x, conv_state, w, n_valid):
   return y, new_state.astype(conv_state.dtype)
 
 
-def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, switch, *,
-              row_scale=None):
+def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, switch,
+              keep_steps: bool = False, *, row_scale=None):
   """x [B, T, D]; p one layer's GDNParams; conv_state [B, K-1, C]; ssm [B, Hv, Dv, Dk] f32;
   n_valid [B] tokens of the T that are real (the rest is padding and leaves state unchanged).
-  Returns (y [B, T, D], conv_state, ssm)."""
+  Returns (y [B, T, D], conv_state, ssm).
+
+  keep_steps (speculative verification, static): the T tokens run as T decode steps (the very
+  step `decode` runs, one token at a time) and the state after every step is kept: returns
+  (y, conv_rows [B, K-1+T, C] the previous K-1 raw rows then the T new ones, ssm_steps
+  [B, T, Hv, Dv, Dk] the recurrent state after token t). The state after the first n tokens is
+  then (conv_rows[:, n:n+K-1], ssm_steps[:, n-1]) (`strata_jax.speculative`)."""
   B, T, _ = x.shape
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
@@ -42,15 +48,42 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
   z = linear(x, p.gate).reshape(B, T, Hv, Dv)
   ba = linear(x, p.ba).astype(jnp.float32).reshape(B, T, Hk, 2 * r)
   b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)
-  qkv, conv_state = causal_conv(qkv, conv_state, p.conv, n_valid)
   kd = cfg.gdn_key_dim
-  q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
-  k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
-  v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
   beta = jax.nn.sigmoid(b)
   g = p.a.astype(jnp.float32) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
   valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]             # [B, T, 1]
   beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
+  if keep_steps:
+    # Token by token, as `decode` computes it: the conv over the window of the last K raw
+    # rows, then one delta-rule step (same shapes, so the same rounding as a decode step).
+    K = p.conv.shape[1]
+    rows = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)    # [B, K-1+T, C]
+    one_each = jnp.ones((B,), jnp.int32)
+
+    fused = cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES
+
+    def one(s, xs):
+      t, g_t, beta_t, a_t, b_t, ok_t = xs
+      win = lax.dynamic_slice_in_dim(rows, t, K, axis=1)                     # [B, K, C]
+      c, _ = causal_conv(win[:, K - 1:], win[:, :K - 1], p.conv, one_each)
+      q_t, k_t = c[:, 0, :kd].reshape(B, Hk, Dk), c[:, 0, kd:2 * kd].reshape(B, Hk, Dk)
+      v_t = c[:, 0, 2 * kd:].reshape(B, Hv, Dv).astype(jnp.float32)
+      if fused:   # the decode step's own kernel (gates inside), as `decode` runs it
+        o_t, s = gdn_api.step_fused(q_t, k_t, v_t, a_t, b_t, p.a, p.dt_bias, s, ok_t,
+                                    implementation=cfg.forms.gdn_decode)
+      else:
+        o_t, s = gdn_api.step_raw(q_t, k_t, v_t, g_t, beta_t, s,
+                                  implementation=cfg.forms.gdn_decode)
+      return s, (o_t, s)
+    tm = lambda a: jnp.moveaxis(a, 1, 0)                                     # [T, B, ...]
+    ok = tm(valid[..., 0])                                                   # [T, B]
+    _, (o, steps) = lax.scan(one, ssm, (jnp.arange(T), tm(g), tm(beta), tm(a), tm(b), ok))
+    o, conv_state, ssm = jnp.moveaxis(o, 0, 1), rows, jnp.moveaxis(steps, 0, 1)
+    return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), conv_state, ssm
+  qkv, conv_state = causal_conv(qkv, conv_state, p.conv, n_valid)
+  q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
+  k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
+  v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
   if T == 1 and cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES:
     # One launch from the raw inputs: gates, L2 norms, head expansion, the delta rule; the
     # state of a row with no valid token is not stored (it is unchanged).
@@ -68,8 +101,12 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
     chunked = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
                                 pallas_chunk=cfg.forms.gdn_pallas_chunk)
     o, ssm = jax.vmap(chunked)(q, k, v, g, beta, ssm)
+  return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), conv_state, ssm
+
+
+def _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale=None):
+  """The gated norm and the output projection (with the LoRA hook): o [B, T, Hv, Dv] f32."""
+  B, T, Hv, Dv = o.shape
   o = rms_norm(o, p.norm, cfg.rms_eps).astype(jnp.float32)                   # [B, T, Hv, Dv]
   o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, Hv * Dv)
-  return (out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl,
-                         row_scale), conv_state,
-          ssm)
+  return out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl, row_scale)

@@ -51,11 +51,15 @@ def many_tokens_form(form: str) -> str:
   return form
 
 
-def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None):
+def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
+        form_tokens: int | None = None):
   """x [N, D] -> [N, D]; p one layer's MoEParams. `stacks` (the whole [L, ...] expert weight
   stacks) and `layer` (this layer's index in them, may be traced) let the few-token kernel read
   the experts where they lie: a layer slice made by the scan would be copied for it first.
-  `real` [N] bool marks the rows whose output is used (not padding, not an inactive slot)."""
+  `real` [N] bool marks the rows whose output is used (not padding, not an inactive slot).
+  `form_tokens` (static): the token count the few/many form is chosen for (default N); a
+  speculative verification passes its row count, so each position takes the form (and the
+  rounding) the decode step of that batch takes."""
   N, D = x.shape
   k = cfg.n_experts_used
   logits = linear(x.astype(jnp.float32), p.router)                          # [N, E] f32
@@ -72,7 +76,8 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None):
   # layer's arrays.
   ew, at = (stacks, layer) if stacks is not None else (
       (p.gate_exps, p.up_exps, p.down_exps), None)
-  form = "few" if N * k <= cfg.n_experts else many_tokens_form(cfg.forms.moe_many)
+  n_form = N if form_tokens is None else form_tokens
+  form = "few" if n_form * k <= cfg.n_experts else many_tokens_form(cfg.forms.moe_many)
   if is_quant(p.gate_exps):
     # Quantised expert stacks: every token count goes through the quantised experts kernel,
     # which reads only the chosen experts' blocks of layer `layer`, in place.

@@ -84,7 +84,8 @@ def make_stages(cfg: ModelConfig, params: Params | None, lora: LoraParams | None
       p = Params(embed=params.embed if i == 0 else None,
                  final_norm=params.final_norm if i == last else None,
                  lm_head=params.lm_head if i == last else None,
-                 layers=slice_layers(cfg, params.layers, lo, hi))
+                 layers=slice_layers(cfg, params.layers, lo, hi),
+                 mtp=params.mtp if i == last else None)
     lr = slice_lora(cfg, lora, lo, hi)
     dev = devices[i] if devices else None
     if dev is not None:

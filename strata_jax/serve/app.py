@@ -121,8 +121,11 @@ def serve_main(args) -> int:
   if defaults.get("lora") and not lora:
     raise StrataError(f"{args.config}: sampling.lora is true but no adapter is loaded "
                       "(pass --lora FILE)")
+  from strata_jax.speculative import check_spec  # noqa: PLC0415
+  check_spec(getattr(args, "spec", 0), None, True)
   engine = sj.Engine(model, lora=lora, slots=args.slots, max_seq=args.ctx_size,
-                     control_vector=cvec, lora_rank=getattr(args, "lora_rank", None))
+                     control_vector=cvec, lora_rank=getattr(args, "lora_rank", None),
+                     spec=getattr(args, "spec", 0), draft=getattr(args, "draft", None))
   print("compiling the engine's steps...", file=sys.stderr)
   for sw in ([False, True] if lora else [False]):
     engine.generate(tokens=[0], max_tokens=2, lora=sw)

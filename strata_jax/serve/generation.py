@@ -44,6 +44,7 @@ class GenSpec:
   frequency_penalty: float = 0.0
   repeat_penalty: float = 1.0
   logprobs: int | None = None    # top logprobs per token (0..20); None: no logprobs
+  spec: int | None = None        # speculative drafts per step (None: the server's --spec)
 
   def request(self) -> Request:
     return Request(tokens=self.ids, max_tokens=self.max_tokens, temperature=self.temperature,
@@ -51,7 +52,8 @@ class GenSpec:
                    presence_penalty=self.presence_penalty,
                    frequency_penalty=self.frequency_penalty,
                    repeat_penalty=self.repeat_penalty, seed=self.seed,
-                   stop=tuple(sorted(self.stop_ids)), lora=self.lora, logprobs=self.logprobs)
+                   stop=tuple(sorted(self.stop_ids)), lora=self.lora, logprobs=self.logprobs,
+                   spec=self.spec)
 
 
 @dataclasses.dataclass
@@ -135,6 +137,16 @@ class Server:
         stop_ids.add(one[0])
         stop_id_text[one[0]] = s
     seed = body.seed % (1 << 63) if body.seed is not None else secrets.randbits(63)
+    sp = getattr(body, "speculative", None)
+    n_spec = None if sp is None else sp.n
+    if n_spec is not None:
+      from strata_jax.speculative import MAX_SPEC  # noqa: PLC0415
+      if not 0 <= n_spec <= MAX_SPEC:
+        raise ApiError(400, f"speculative.n {n_spec}: expected 0 (off) to {MAX_SPEC}",
+                       param="speculative")
+      if n_spec and len(eng.stages) > 1:
+        raise ApiError(400, "speculative decoding runs on a one-stage model (no layer split)",
+                       param="speculative")
     get = lambda name, default: first(getattr(body, name, None), default)
     spec = GenSpec(ids=[int(t) for t in ids], max_tokens=mt, temperature=temperature,
                    top_k=first(body.top_k, d.get("top_k"), 0),
@@ -142,7 +154,8 @@ class Server:
                    stop_ids=frozenset(stop_ids), stops=stops, stop_id_text=stop_id_text,
                    min_p=get("min_p", 0.0), presence_penalty=get("presence_penalty", 0.0),
                    frequency_penalty=get("frequency_penalty", 0.0),
-                   repeat_penalty=get("repeat_penalty", 1.0), logprobs=logprobs)
+                   repeat_penalty=get("repeat_penalty", 1.0), logprobs=logprobs,
+                   spec=n_spec)
     try:   # never clamped: a bad value is the client's error, named
       check(spec.request(), names={"logprobs": logprobs_param})
     except SamplingParamError as e:

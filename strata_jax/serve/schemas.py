@@ -21,6 +21,10 @@ class _Body(BaseModel):
   model_config = ConfigDict(extra="allow")
 
 
+class Speculative(_Body):
+  n: int
+
+
 class LoraChoice(_Body):
   """One adapter of a request, as llama.cpp's server takes it: `{"id": 0, "scale": 0.5}`.
   A missing scale is the adapter's default; the value checks (id loaded, scale finite and
@@ -44,6 +48,9 @@ class _Sampling(_Body):
       default=None, description="LoRA for this request: true (every loaded adapter at its "
       "default scale), false (none), or llama.cpp's [{\"id\": 0, \"scale\": 0.5}, ...] "
       "(the adapters not listed are off); absent: the server default (on when one is loaded)")
+  speculative: Speculative | None = Field(
+      default=None, description='speculative decoding for this request, {"n": N} drafts per '
+      "step (0: off); absent: the server's --spec")
 
 
 # ----- OpenAI ------------------------------------------------------------------------------

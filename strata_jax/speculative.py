@@ -1,0 +1,236 @@
+"""Speculative decoding: a drafter proposes up to N tokens per row, the (adapted) main model
+verifies them in one step, and each row keeps the longest prefix the target model itself would
+have produced (docs/mtp.md).
+
+Drafters: "mtp", the model's own MTP head (never adapted, whatever the row's LoRA switch), and
+"ngram", prompt lookup over the row's own tokens (any model). Acceptance: greedy rows keep
+drafts while they equal the argmax; sampled rows use the standard rejection rule with the
+draft as a point mass (draft d at a position with target distribution p is kept with
+probability p(d); on rejection the token is drawn from p with d removed, renormalised), so the
+output distribution is exactly the target model's. Host orchestration (numpy) here; the jitted
+programs are in `strata_jax.steps`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax import steps
+from strata_jax.errors import SpecError
+from strata_jax.state import init_mtp_state
+
+DRAFTS = ("mtp", "ngram")
+MAX_SPEC = 16          # --spec above this is refused
+NGRAM_MAX, NGRAM_MIN = 3, 1
+GREEDY_BELOW = 1e-5    # temperatures below this are greedy (as `engine.sampling.sample`)
+
+
+def check_spec(n: int, draft: str | None, has_mtp: bool, where: str = "--spec") -> str:
+  """Validate a speculation request; returns the drafter ("mtp" when the model has an MTP head
+  and none is named, else "ngram"). Raises SpecError naming the flag or the model."""
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_SPEC:
+    raise SpecError(f"{where} {n!r}: expected an integer from 0 (off) to {MAX_SPEC}")
+  if draft is None:
+    return "mtp" if has_mtp else "ngram"
+  if draft not in DRAFTS:
+    raise SpecError(f"--draft {draft!r}: expected one of {', '.join(DRAFTS)}")
+  if draft == "mtp" and not has_mtp:
+    raise SpecError("--draft mtp: the model has no MTP layer (qwen3next.nextn_predict_layers "
+                    "is 0); use --draft ngram")
+  return draft
+
+
+def ngram_draft(tokens: Sequence[int], n: int, max_ngram: int = NGRAM_MAX,
+                min_ngram: int = NGRAM_MIN) -> list[int]:
+  """Prompt lookup: the tokens that followed the latest earlier occurrence of the row's last
+  `g`-gram (g from max_ngram down to min_ngram), at most n of them; [] when none recurs."""
+  toks = list(tokens)
+  L = len(toks)
+  for g in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+    tail = toks[L - g:]
+    for start in range(L - g - 1, -1, -1):
+      if toks[start:start + g] == tail:
+        follow = toks[start + g:start + g + n]
+        if follow:
+          return follow
+  return []
+
+
+def target_probs(logits: np.ndarray, temperature: float, top_k: int = 0,
+                 top_p: float = 1.0) -> np.ndarray:
+  """The distribution a plain decode step samples from (`engine.sampling.sample`'s): softmax
+  of logits / temperature over the top-k, then the top-p nucleus; float64 [V]."""
+  z = np.asarray(logits, np.float64) / temperature
+  if 0 < top_k < z.size:
+    kth = np.partition(z, -top_k)[-top_k]
+    z = np.where(z >= kth, z, -np.inf)
+  z = z - z.max()
+  p = np.exp(z)
+  p /= p.sum()
+  if top_p < 1.0:
+    order = np.argsort(-p, kind="stable")
+    cum = np.cumsum(p[order])
+    keep = order[: int(np.searchsorted(cum, top_p) + 1)]
+    mask = np.zeros_like(p)
+    mask[keep] = p[keep]
+    p = mask / mask.sum()
+  return p
+
+
+def accept(logits: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> tuple[list[int], int]:
+  """Verify one row's drafts. logits [T, V]: the target's logits after the row's last token
+  (position 0) and after each draft. Returns (emitted tokens, accepted drafts k): the k kept
+  drafts, then one token of the target's own (a correction on rejection, a bonus when all
+  were kept)."""
+  out = []
+  for i, d in enumerate(drafts):
+    if temperature < GREEDY_BELOW or not temperature == temperature:
+      tok = int(np.argmax(logits[i]))
+      if tok == d:
+        out.append(d)
+        continue
+      return out + [tok], i
+    p = target_probs(logits[i], temperature, top_k, top_p)
+    if rng.random() < p[d]:
+      out.append(int(d))
+      continue
+    p[d] = 0.0
+    return out + [int(rng.choice(p.size, p=p / p.sum()))], i
+  last = logits[len(drafts)]
+  if temperature < GREEDY_BELOW or not temperature == temperature:
+    return out + [int(np.argmax(last))], len(drafts)
+  p = target_probs(last, temperature, top_k, top_p)
+  return out + [int(rng.choice(p.size, p=p))], len(drafts)
+
+
+@dataclasses.dataclass
+class Row:
+  """One row of a speculative round.
+
+  Attributes:
+    last: the row's last token (sampled, not yet fed to the model).
+    switch: its LoRA switch.
+    context: every token of the row so far, `last` included (the n-gram drafter reads it).
+    cap: tokens the row may still emit (>= 1).
+    stop: token ids that end the row (emitted, then nothing more).
+    temperature, top_k, top_p, rng: its sampling (temperature below 1e-5: greedy).
+    n: drafts the row takes per round (at most the decoder's n; None: the decoder's n).
+  """
+  last: int
+  switch: int
+  context: Sequence[int]
+  cap: int
+  stop: Sequence[int] = ()
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  rng: np.random.Generator | None = None
+  n: int | None = None
+
+
+@dataclasses.dataclass
+class Out:
+  """What a row got from a round: `emitted` tokens (in order), `consumed` tokens (now in the
+  model state: the old `last` and the kept drafts), drafts proposed and accepted."""
+  emitted: list[int]
+  consumed: list[int]
+  proposed: int
+  accepted: int
+
+
+class SpecDecoder:
+  """Speculative rounds over the batch rows of one (single-stage) model state.
+
+  Each row carries the drafts proposed for it in the previous round; a round verifies them and
+  proposes the next. A row (re)starts with `restart(slot, pos)` once its prompt is in the
+  state: its first round has no drafts (and, with "mtp", begins the MTP head's cache there).
+  """
+
+  def __init__(self, cfg, params, lora, n: int, draft: str, n_slots: int, max_seq: int,
+               dtype=jnp.float32, cvec=None):
+    self.cfg, self.params, self.lora, self.cvec = cfg, params, lora, cvec
+    self.n, self.draft = int(n), draft
+    self.n_slots = n_slots
+    self.mstate = (init_mtp_state(cfg, n_slots, max_seq, dtype) if draft == "mtp" else None)
+    self.drafts: dict[int, list[int]] = {}
+
+  def restart(self, slot: int, pos: int):
+    self.drafts[slot] = []
+    if self.mstate is not None:
+      rows = jnp.asarray(np.arange(self.n_slots) == slot, jnp.int32)
+      self.mstate = steps.mtp_restart(self.mstate, rows,
+                                      jnp.full((self.n_slots,), pos, jnp.int32))
+
+  def round(self, state, rows: dict[int, Row]):
+    """Verify and draft for `rows` {slot: Row}; the other slots are left as they are.
+    Returns (state, {slot: Out})."""
+    B, T = self.n_slots, self.n + 1
+    toks = np.zeros((B, T), np.int32)
+    nv, sw = np.zeros(B, np.int32), np.zeros(B, np.int32)
+    cap = np.zeros(B, np.int32)
+    for slot, r in rows.items():
+      d = self.drafts.get(slot, [])[:self.n if r.n is None else min(r.n, self.n)]
+      toks[slot, 0], toks[slot, 1:1 + len(d)] = r.last, d
+      nv[slot], sw[slot], cap[slot] = 1 + len(d), r.switch, r.cap
+    stops = sorted({int(s) for r in rows.values() for s in r.stop}) or [-1]
+    stop = jnp.asarray(np.asarray(stops, np.int32))
+    greedy = all(r.temperature < GREEDY_BELOW or not r.temperature == r.temperature
+                 for r in rows.values())
+    pos = state.pos + 0      # a copy: the steps donate the state
+    args = (self.cfg, self.params, self.lora, state)
+    arrs = (jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(nv))
+    if greedy and self.draft == "mtp":
+      choice, k, n_emit, drafts, state, self.mstate = steps.spec_step_greedy(
+          *args, self.mstate, *arrs, jnp.asarray(cap), stop, n_draft=self.n, cvec=self.cvec)
+    else:
+      if greedy:
+        choice, k, n_emit, hidden, state = steps.verify_greedy(
+            *args, *arrs, jnp.asarray(cap), stop, cvec=self.cvec)
+      else:
+        choice, k, n_emit, hidden, state = self._verify_sampled(state, rows, toks, nv, cap)
+      drafts = None
+      if self.draft == "mtp":
+        drafts, self.mstate = steps.mtp_draft(
+            self.cfg, self.params, self.mstate, jnp.asarray(choice), hidden, pos,
+            jnp.asarray(n_emit), n_draft=self.n)
+    choice, k, n_emit = np.asarray(choice), np.asarray(k), np.asarray(n_emit)
+    drafts = np.asarray(drafts) if drafts is not None else None
+    out = {}
+    for slot, r in rows.items():
+      e = int(n_emit[slot])
+      emitted = [int(t) for t in choice[slot, :e]]
+      consumed = [int(t) for t in toks[slot, :e]]
+      proposed = int(nv[slot]) - 1
+      out[slot] = Out(emitted=emitted, consumed=consumed, proposed=proposed,
+                      accepted=min(int(k[slot]), e))
+      if drafts is not None:
+        self.drafts[slot] = [int(t) for t in drafts[slot]]
+      else:
+        self.drafts[slot] = ngram_draft(list(r.context) + emitted, self.n)
+    return state, out
+
+  def _verify_sampled(self, state, rows, toks, nv, cap):
+    """`steps.verify`, the rejection rule per row on the host, `steps.commit`."""
+    B, T = toks.shape
+    logits, hidden, state, pending = steps.verify(
+        self.cfg, self.params, self.lora, state, jnp.asarray(toks),
+        jnp.asarray(np.array([rows[s].switch if s in rows else 0 for s in range(B)], np.int32)),
+        jnp.asarray(nv), cvec=self.cvec)
+    logits = np.asarray(jax.device_get(logits))
+    choice = np.zeros((B, T), np.int32)
+    k, n_emit, sw = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    for slot, r in rows.items():
+      n_d = int(nv[slot]) - 1
+      emitted, acc = accept(logits[slot, :n_d + 1], list(toks[slot, 1:1 + n_d]), r.rng,
+                            r.temperature, r.top_k, r.top_p)
+      stop_at = next((i for i, t in enumerate(emitted) if t in set(r.stop)), len(emitted) - 1)
+      e = min(len(emitted), stop_at + 1, max(int(cap[slot]), 1))
+      choice[slot, :len(emitted)] = emitted
+      k[slot], n_emit[slot], sw[slot] = acc, e, r.switch
+    state = steps.commit(state, pending, jnp.asarray(n_emit), jnp.asarray(sw))
+    return choice, k, n_emit, hidden, state

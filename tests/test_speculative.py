@@ -1,0 +1,418 @@
+"""Speculative decoding with the model's MTP head (issue 18): the head in GGUF as llama.cpp
+writes it, its forward against a float64 reference of docs/mtp.md, lossless greedy output
+(adapter on, off and mixed in one batch; MTP and n-gram drafts), the state after a commit
+against one-by-one decoding, the rejection rule's output distribution, and bad input."""
+import dataclasses
+import json
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_fixtures import random_lora
+from scipy import stats
+from tolerances import SPEC_STATE_REL_FP32, assert_close
+
+import strata_jax as sj
+from strata_jax import speculative
+from strata_jax.config import ModelConfig
+from strata_jax.engine.engine import Engine, Request
+from strata_jax.errors import GGUFError, SpecError, StrataError
+from strata_jax.gguf import names
+from strata_jax.gguf.convert_hf import convert_hf, write_model_gguf
+from strata_jax.model.mtp import mtp_forward
+from strata_jax.params import init_params, params_to_flat
+from strata_jax.state import init_mtp_state
+
+# Small enough to compile fast: one GDN and one attention layer, plus the MTP head.
+CFG = ModelConfig(vocab_size=96, d_model=32, layer_types="GA", n_head=2, n_kv_head=1,
+                  head_dim=16, n_rot=8, rope_base=1e4, gdn_n_k_heads=1, gdn_n_v_heads=2,
+                  gdn_d_k=16, gdn_d_v=8, conv_kernel=4, n_experts=4, n_experts_used=2,
+                  d_ff_expert=16, d_ff_shared=24, rms_eps=1e-6, context_length=512, n_mtp=1)
+
+
+def _model(cfg=CFG, seed=0):
+  forms = sj.Forms().resolve("cpu", jnp.float32)
+  cfg = dataclasses.replace(cfg, forms=dataclasses.replace(forms, lora_impl="xla"))
+  return sj.Model(cfg=cfg, params=init_params(cfg, seed, scale=0.15), dtype=jnp.float32,
+                  path=f"<spec seed={seed}>", fingerprint=f"spec-{seed}",
+                  layer_ranges=[(0, cfg.n_layers)])
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _model()
+
+
+@pytest.fixture(scope="module")
+def lora():
+  return random_lora(CFG, rank=4, seed=3, scale=0.6)
+
+
+# ----- GGUF ---------------------------------------------------------------------------------
+
+def _flat(cfg, seed=0):
+  return {k: np.asarray(v, np.float32)
+          for k, v in params_to_flat(init_params(cfg, seed, scale=0.15)).items()}
+
+
+def test_gguf_mtp_block_round_trip(tmp_path):
+  path = write_model_gguf(tmp_path / "m.gguf", CFG, names.params_to_gguf_tensors(CFG, _flat(CFG)))
+  r = gguf.GGUFReader(path)
+  kv = {k: f.contents() for k, f in r.fields.items() if k.startswith("qwen3next.")}
+  assert kv["qwen3next.block_count"] == 3 and kv["qwen3next.nextn_predict_layers"] == 1
+  assert kv["qwen3next.attention.recurrent_layers"] == [True, False, False]
+  shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in r.tensors}
+  D = CFG.d_model
+  assert shapes["blk.2.nextn.eh_proj.weight"] == (D, 2 * D)          # ggml ne {2D, D}
+  for n in ("enorm", "hnorm", "shared_head_norm"):
+    assert shapes[f"blk.2.nextn.{n}.weight"] == (D,)
+  assert shapes["blk.2.attn_q.weight"] == (2 * CFG.n_head * CFG.head_dim, D)
+  assert shapes["blk.2.ffn_gate_exps.weight"] == (CFG.n_experts, CFG.d_ff_expert, D)
+  assert not any(n.startswith("blk.2.nextn.embed") or "shared_head_head" in n for n in shapes)
+  m = sj.load_model(path)
+  assert m.cfg.n_mtp == 1 and m.cfg.layer_types == "GA"
+  got = params_to_flat(m.params)
+  for k, v in _flat(CFG).items():
+    np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
+  # a model without the head still loads, with no MTP params
+  plain = dataclasses.replace(CFG, n_mtp=0)
+  p2 = write_model_gguf(tmp_path / "p.gguf", plain,
+                        names.params_to_gguf_tensors(plain, _flat(plain)))
+  assert sj.load_model(p2).params.mtp is None
+
+
+def test_gguf_nextn_disagreeing_with_tensors(tmp_path):
+  flat = _flat(CFG)
+  tensors = names.params_to_gguf_tensors(CFG, flat)
+  missing = dict(tensors)
+  del missing["blk.2.nextn.hnorm.weight"]
+  p = tmp_path / "missing.gguf"
+  w = gguf.GGUFWriter(str(p), "qwen3next")
+  from strata_jax.gguf.convert_hf import add_model_metadata  # noqa: PLC0415
+  add_model_metadata(w, CFG)
+  for n, x in missing.items():
+    w.add_tensor(n, np.ascontiguousarray(x, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(GGUFError, match=r"missing.gguf: .*nextn_predict_layers is 1 but tensor "
+                     r"'blk.2.nextn.hnorm.weight'"):
+    sj.load_model(str(p))
+  # the head's tensors present but not declared
+  plain = dataclasses.replace(CFG, n_mtp=0)
+  extra = names.params_to_gguf_tensors(plain, _flat(plain))
+  extra["blk.2.nextn.eh_proj.weight"] = tensors["blk.2.nextn.eh_proj.weight"]
+  q = tmp_path / "undeclared.gguf"
+  w = gguf.GGUFWriter(str(q), "qwen3next")
+  add_model_metadata(w, plain)
+  for n, x in extra.items():
+    w.add_tensor(n, np.ascontiguousarray(x, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(GGUFError, match=r"undeclared.gguf: .*nextn_predict_layers is 0 .* MTP "
+                     r"tensors \('blk.2.nextn.eh_proj.weight'"):
+    sj.load_model(str(q))
+
+
+def test_convert_hf_writes_mtp_head(tmp_path):
+  import gguf_fixtures as F  # noqa: PLC0415 (transformers + torch)
+  from safetensors.numpy import save_file  # noqa: PLC0415
+  d = tmp_path / "ckpt"
+  F.save_tiny_hf(d, tokenizer=False)
+  H = F.HF_DIMS
+  D, E, Fe, Fs = (H["hidden_size"], H["num_experts"], H["moe_intermediate_size"],
+                  H["shared_expert_intermediate_size"])
+  nh, nkv, hd = H["num_attention_heads"], H["num_key_value_heads"], H["head_dim"]
+  rng = np.random.default_rng(7)
+  r = lambda *s: rng.standard_normal(s).astype(np.float32) * 0.1  # noqa: E731
+  L = "mtp.layers.0."
+  mtp = {"mtp.fc.weight": r(D, 2 * D), "mtp.norm.weight": r(D),
+         "mtp.pre_fc_norm_embedding.weight": r(D), "mtp.pre_fc_norm_hidden.weight": r(D),
+         L + "input_layernorm.weight": r(D), L + "post_attention_layernorm.weight": r(D),
+         L + "self_attn.q_proj.weight": r(2 * nh * hd, D),
+         L + "self_attn.k_proj.weight": r(nkv * hd, D),
+         L + "self_attn.v_proj.weight": r(nkv * hd, D),
+         L + "self_attn.o_proj.weight": r(D, nh * hd),
+         L + "self_attn.q_norm.weight": r(hd), L + "self_attn.k_norm.weight": r(hd),
+         L + "mlp.gate.weight": r(E, D), L + "mlp.shared_expert_gate.weight": r(1, D),
+         L + "mlp.shared_expert.gate_proj.weight": r(Fs, D),
+         L + "mlp.shared_expert.up_proj.weight": r(Fs, D),
+         L + "mlp.shared_expert.down_proj.weight": r(D, Fs)}
+  for j in range(E):
+    for w, s in (("gate_proj", (Fe, D)), ("up_proj", (Fe, D)), ("down_proj", (D, Fe))):
+      mtp[f"{L}mlp.experts.{j}.{w}.weight"] = r(*s)
+  save_file(mtp, str(d / "mtp.safetensors"))
+  cfg = json.loads((d / "config.json").read_text())
+  cfg["mtp_num_hidden_layers"] = 1
+  (d / "config.json").write_text(json.dumps(cfg))
+  out = convert_hf(d, tmp_path / "m.gguf")
+  rd = gguf.GGUFReader(out)
+  n = H["num_hidden_layers"]
+  assert rd.fields["qwen3next.block_count"].contents() == n + 1
+  assert rd.fields["qwen3next.nextn_predict_layers"].contents() == 1
+  ts = {t.name: np.asarray(t.data, np.float32) for t in rd.tensors}
+  b = f"blk.{n}."
+  want = {b + "nextn.eh_proj.weight": mtp["mtp.fc.weight"],
+          b + "nextn.enorm.weight": 1 + mtp["mtp.pre_fc_norm_embedding.weight"],
+          b + "nextn.hnorm.weight": 1 + mtp["mtp.pre_fc_norm_hidden.weight"],
+          b + "nextn.shared_head_norm.weight": 1 + mtp["mtp.norm.weight"],
+          b + "attn_norm.weight": 1 + mtp[L + "input_layernorm.weight"],
+          b + "attn_q.weight": mtp[L + "self_attn.q_proj.weight"],
+          b + "attn_q_norm.weight": 1 + mtp[L + "self_attn.q_norm.weight"],
+          b + "ffn_gate_inp_shexp.weight": mtp[L + "mlp.shared_expert_gate.weight"],
+          b + "ffn_down_exps.weight": np.stack([mtp[f"{L}mlp.experts.{j}.down_proj.weight"]
+                                                for j in range(E)])}
+  for k, v in want.items():
+    np.testing.assert_array_equal(ts[k].reshape(v.shape), v, err_msg=k)
+  m = sj.load_model(out)
+  assert m.cfg.n_mtp == 1 and m.params.mtp is not None
+
+
+# ----- the MTP forward --------------------------------------------------------------------------
+
+def _rms(x, w, eps):
+  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+def test_mtp_forward_matches_float64_definition(model):
+  """One entry on an empty cache (the attention then reads only itself: out = sigmoid(gate)·v)
+  against docs/mtp.md in float64: [enorm(e) ; hnorm(h)] in that order, eh_proj, residual
+  attention and MoE, shared_head_norm, the shared LM head."""
+  cfg, p = model.cfg, model.params
+  f = {k: np.asarray(v, np.float64) for k, v in params_to_flat(p).items()}
+  eps, D = cfg.rms_eps, cfg.d_model
+  rng = np.random.default_rng(0)
+  h = rng.standard_normal((1, 1, D)).astype(np.float32)
+  tok = np.array([[17]], np.int32)
+  ms = init_mtp_state(cfg, 1, 16)
+  with jax.default_matmul_precision("highest"):
+    logits, hout, _, _ = jax.jit(lambda t, h, k, v: mtp_forward(
+        cfg, p, t, h, k, v, jnp.array([5]), jnp.array([1]), jnp.array([5])))(tok, h, ms.k, ms.v)
+  e = f["embed"][17]
+  x = f["mtp.eh_proj"] @ np.concatenate([_rms(e, f["mtp.enorm"], eps),
+                                         _rms(h[0, 0].astype(np.float64), f["mtp.hnorm"], eps)])
+  a = _rms(x, f["mtp.attn_norm"][0], eps)
+  Hd, H = cfg.head_dim, cfg.n_head
+  qg = (f["mtp.attn.q"][0] @ a).reshape(H, 2 * Hd)
+  v = (f["mtp.attn.v"][0] @ a).reshape(cfg.n_kv_head, Hd)
+  o = np.concatenate([v[hh // (H // cfg.n_kv_head)] / (1 + np.exp(-qg[hh, Hd:]))
+                      for hh in range(H)])
+  x = x + f["mtp.attn.out"][0] @ o
+  m = _rms(x, f["mtp.post_norm"][0], eps)
+  pr = np.exp(f["mtp.moe.router"][0] @ m)
+  pr /= pr.sum()
+  top = np.argsort(-pr)[:cfg.n_experts_used]
+  silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+  glu = lambda g, u, dn: dn @ (silu(g @ m) * (u @ m))  # noqa: E731
+  y = sum(pr[j] / pr[top].sum() * glu(f["mtp.moe.gate_exps"][0, j], f["mtp.moe.up_exps"][0, j],
+                                      f["mtp.moe.down_exps"][0, j]) for j in top)
+  gate = 1 / (1 + np.exp(-(f["mtp.moe.shared_gate_inp"][0] @ m)))
+  x = x + y + gate * glu(f["mtp.moe.shared_gate"][0], f["mtp.moe.shared_up"][0],
+                         f["mtp.moe.shared_down"][0])
+  want = f["lm_head"] @ _rms(x, f["mtp.head_norm"], eps)
+  assert_close(np.asarray(hout)[0, 0], x, rel=1e-5, what="mtp hidden")
+  assert_close(np.asarray(logits)[0, 0], want, rel=1e-5, what="mtp logits")
+
+
+def test_mtp_entries_at_once_equal_one_by_one(model):
+  cfg, p = model.cfg, model.params
+  rng = np.random.default_rng(1)
+  T = 4
+  toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, T)), jnp.int32)
+  hid = jnp.asarray(rng.standard_normal((2, T, cfg.d_model)), jnp.float32)
+  pos, start = jnp.array([3, 9]), jnp.array([3, 9])
+  f = jax.jit(lambda t, h, k, v, pos, nv: mtp_forward(cfg, p, t, h, k, v, pos, nv, start))
+  ms = init_mtp_state(cfg, 2, 32)
+  all_lg, _, k_all, _ = f(toks, hid, ms.k, ms.v, pos, jnp.array([T, T]))
+  k, v = ms.k, ms.v
+  for t in range(T):
+    lg, _, k, v = f(toks[:, t:t + 1], hid[:, t:t + 1], k, v, pos + t, jnp.array([1, 1]))
+    assert_close(np.asarray(lg[:, 0]), np.asarray(all_lg[:, t]), rel=1e-5, what=f"entry {t}")
+  assert_close(np.asarray(k), np.asarray(k_all), rel=1e-6, what="mtp keys")
+
+
+# ----- lossless ---------------------------------------------------------------------------------
+
+PROMPTS = [[5, 17, 33, 2, 9, 40, 7], [1, 2, 3, 1, 2, 3, 1, 2], [9, 9, 8, 8, 7]]
+
+
+def _run(model, lora, switches, spec, draft="mtp", n=14, temperature=0.0, top_k=0,
+         engine=False):
+  eng = Engine(model, lora=lora, slots=3, max_seq=64, spec=spec, draft=draft)
+  reqs = [Request(tokens=t, max_tokens=n, lora=s, temperature=temperature, top_k=top_k,
+                  seed=11) for t, s in zip(PROMPTS, switches)]
+  res = eng.run(reqs)
+  return (res, eng) if engine else res
+
+
+@pytest.mark.parametrize("draft", ["mtp", "ngram"])
+def test_greedy_speculative_equals_plain_greedy(model, lora, draft):
+  """Adapter loaded with the switch on, off and mixed in one batch, and no adapter at all:
+  the speculative tokens equal plain greedy decoding's, bit for bit."""
+  for lr, sw in ((lora, [True, False, True]), (lora, [False, False, False]),
+                 (lora, [True, True, True]), (None, [None, None, None])):
+    plain = [r.tokens for r in _run(model, lr, sw, 0)]
+    res = _run(model, lr, sw, 3, draft)
+    assert [r.tokens for r in res] == plain, (draft, sw)
+    assert all(r.draft is not None and 0 <= r.draft["accepted"] <= r.draft["proposed"]
+               for r in res)
+
+
+def test_rows_accept_different_lengths(model, lora, monkeypatch):
+  """A drafter that knows the answer (row 0 fully, row 1 with its last draft wrong, row 2 never):
+  the rows accept different lengths in the same rounds and still give the plain tokens; and
+  every row's state (K/V up to its length, conv, recurrent) then equals the plain engine's,
+  which decoded the same tokens one at a time."""
+  sw = [True, False, True]
+  res0, eng0 = _run(model, lora, sw, 0, engine=True)
+  plain = [r.tokens for r in res0]
+
+  def oracle(ctx, n):
+    row = next(i for i, t in enumerate(PROMPTS) if list(ctx[:len(t)]) == t)
+    done = len(ctx) - len(PROMPTS[row])
+    d = list(plain[row][done:done + n])
+    if row == 1 and d:
+      d[-1] = (d[-1] + 1) % CFG.vocab_size
+    return [(x + 1) % CFG.vocab_size for x in d] if row == 2 else d
+  monkeypatch.setattr(speculative, "ngram_draft", oracle)
+  res, eng = _run(model, lora, sw, 3, "ngram", engine=True)
+  assert [r.tokens for r in res] == plain
+  acc = [r.draft["accepted"] / max(r.draft["proposed"], 1) for r in res]
+  assert acc[0] == 1.0 and 0.5 < acc[1] < 1.0 and acc[2] == 0.0, [r.draft for r in res]
+  assert eng.slot_tokens == eng0.slot_tokens     # the caches see the same (accepted) tokens
+  st, ref = eng.states[0], eng0.states[0]
+  np.testing.assert_array_equal(np.asarray(st.pos), np.asarray(ref.pos))
+  for name in ("conv", "ssm"):
+    assert_close(np.asarray(getattr(st, name)), np.asarray(getattr(ref, name)),
+                 rel=SPEC_STATE_REL_FP32, what=name)
+  for b, n in enumerate(np.asarray(ref.pos)):
+    for name in ("k", "v"):
+      assert_close(np.asarray(getattr(st, name))[:, b, :n],
+                   np.asarray(getattr(ref, name))[:, b, :n], rel=SPEC_STATE_REL_FP32,
+                   what=f"{name} row {b}")
+
+
+def test_sampled_path_with_top_k_1_equals_greedy(model, lora):
+  """temperature > 0 runs the sampled path (verify, rejection rule on the host, commit, MTP
+  drafts); with top_k = 1 the target is a point mass, so it must equal greedy decoding."""
+  sw = [True, False, True]
+  plain = [r.tokens for r in _run(model, lora, sw, 0)]
+  res = _run(model, lora, sw, 3, "mtp", temperature=0.8, top_k=1)
+  assert [r.tokens for r in res] == plain
+
+
+# ----- the rejection rule ---------------------------------------------------------------------
+
+def test_rejection_sampling_gives_the_target_distribution():
+  """Drafts are point masses; the emitted first token must follow the target p0 whatever the
+  draft, and, after an accepted first draft, the second token p1 (chi-square, 40,000 draws)."""
+  rng = np.random.default_rng(0)
+  V = 6
+  logits = rng.standard_normal((3, V)) * 1.5
+  temperature, trials = 0.9, 40_000
+  p = [speculative.target_probs(lg, temperature) for lg in logits]
+  drafts = [int(np.argmax(p[0])), int(np.argmin(p[1]))]   # a likely and an unlikely draft
+  first = np.zeros(V)
+  second = np.zeros(V)
+  for _ in range(trials):
+    out, _ = speculative.accept(logits, drafts, rng, temperature)
+    first[out[0]] += 1
+    if out[0] == drafts[0] and len(out) > 1:
+      second[out[1]] += 1
+  for counts, probs in ((first, p[0]), (second, p[1])):
+    _, pval = stats.chisquare(counts, probs * counts.sum())
+    assert pval > 1e-3, (counts / counts.sum(), probs)
+
+
+def test_ngram_draft_prompt_lookup():
+  assert speculative.ngram_draft([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]
+  assert speculative.ngram_draft([1, 2, 3, 9, 2], 2) == [3, 9]
+  assert speculative.ngram_draft([1, 2, 3], 2) == []
+
+
+# ----- bad input --------------------------------------------------------------------------------
+
+def test_spec_bad_input(model):
+  for bad in (-1, 17):
+    with pytest.raises(SpecError, match=rf"--spec {bad}: expected an integer from 0"):
+      speculative.check_spec(bad, None, True)
+  with pytest.raises(SpecError, match="--draft 'eagle'"):
+    speculative.check_spec(2, "eagle", True)
+  plain = _model(dataclasses.replace(CFG, n_mtp=0))
+  with pytest.raises(SpecError, match="--draft mtp: the model has no MTP layer"):
+    Engine(plain, spec=2, draft="mtp")
+  assert Engine(plain, spec=2).draft == "ngram"
+  assert Engine(model, spec=2).draft == "mtp"
+  with pytest.raises(StrataError, match="speculative n 20"):
+    Engine(model, spec=2).generate(tokens=[1, 2], spec=20)
+
+
+def test_cli_spec_json_and_errors(tmp_path):
+  """`generate --spec N --json` gives plain greedy's tokens plus the draft counts; a bad
+  --spec, and --draft mtp on a model with no MTP layer, exit 2 with `error: ...`."""
+  from test_cli import cli  # noqa: PLC0415
+  m = write_model_gguf(tmp_path / "m.gguf", CFG, names.params_to_gguf_tensors(CFG, _flat(CFG)))
+  plain_cfg = dataclasses.replace(CFG, n_mtp=0)
+  p = write_model_gguf(tmp_path / "p.gguf", plain_cfg,
+                       names.params_to_gguf_tensors(plain_cfg, _flat(plain_cfg)))
+  base = ["generate", "--model", m, "--prompt-tokens", "5,17,33,2", "-n", "8", "--json"]
+  ref = json.loads(cli(*base).stdout)
+  got = json.loads(cli(*base, "--spec", "3").stdout)
+  assert got["tokens"] == ref["tokens"] and "draft" not in ref
+  assert set(got["draft"]) == {"proposed", "accepted"} and got["draft"]["proposed"] > 0
+  for args, msg in ((["--spec", "17"], "error: --spec 17: expected an integer from 0 (off) to 16"),
+                    (["--spec", "-1"], "error: --spec -1: expected an integer"),
+                    (["--model", p, "--spec", "2", "--draft", "mtp"],
+                     "error: --draft mtp: the model has no MTP layer")):
+    r = cli(*base, *args, check=False)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused_interpret"])
+def test_gdn_keep_steps_equals_decode_steps(model, impl):
+  """The verification's GDN form (T tokens as T decode steps, every state kept) against T
+  one-token decode calls, under the decode kernel the forms name (the fused one included)."""
+  from strata_jax.model.gdn import gdn_mixer  # noqa: PLC0415
+  cfg = dataclasses.replace(model.cfg, forms=dataclasses.replace(model.cfg.forms,
+                                                                 gdn_decode=impl))
+  p = jax.tree.map(lambda a: a[0], model.params.layers.gdn)
+  rng = np.random.default_rng(2)
+  B, T = 2, 3
+  x = jnp.asarray(rng.standard_normal((B, T, cfg.d_model)), jnp.float32)
+  conv = jnp.asarray(rng.standard_normal((B, cfg.conv_kernel - 1, cfg.gdn_conv_dim)),
+                     jnp.float32)
+  ssm = jnp.asarray(0.1 * rng.standard_normal((B, cfg.gdn_n_v_heads, cfg.gdn_d_v,
+                                               cfg.gdn_d_k)), jnp.float32)
+  nv, sw = jnp.array([T, 2]), jnp.zeros((B,), jnp.int32)
+  with jax.default_matmul_precision("highest"):
+    y, rows, steps_ = jax.jit(lambda x, c, s: gdn_mixer(cfg, p, x, c, s, nv, None, None, sw,
+                                                        keep_steps=True))(x, conv, ssm)
+    one = jax.jit(lambda x, c, s, n: gdn_mixer(cfg, p, x, c, s, n, None, None, sw))
+    c, s = conv, ssm
+    for t in range(T):
+      yt, c, s = one(x[:, t:t + 1], c, s, (nv > t).astype(jnp.int32))
+      assert_close(np.asarray(y[:, t]), np.asarray(yt[:, 0]), rel=1e-6, what=f"y {t}")
+      ok = np.asarray(nv) > t
+      assert_close(np.asarray(steps_[:, t])[ok], np.asarray(s)[ok], rel=1e-6, what=f"ssm {t}")
+      n = np.minimum(np.asarray(nv), t + 1)
+      for b in range(B):
+        np.testing.assert_array_equal(np.asarray(rows)[b, n[b]:n[b] + cfg.conv_kernel - 1],
+                                      np.asarray(c)[b])
+
+
+def test_spec_and_plain_rows_side_by_side(model, lora):
+  """Requests with and without speculation in one engine at once: the speculative rows run
+  beside the plain decode chunks and every row gives its plain greedy tokens."""
+  sw = [True, False, True]
+  plain = [r.tokens for r in _run(model, lora, sw, 0)]
+  eng = Engine(model, lora=lora, slots=3, max_seq=64, spec=0, draft="mtp")
+  reqs = [Request(tokens=t, max_tokens=14, lora=s, spec=n)
+          for t, s, n in zip(PROMPTS, sw, (3, 0, 2))]
+  res = eng.run(reqs)
+  assert [r.tokens for r in res] == plain
+  assert res[0].draft is not None and res[1].draft is None and res[2].draft is not None
