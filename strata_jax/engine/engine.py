@@ -455,7 +455,8 @@ class Engine:
           st = self.stages[0]
           out, self.rows, self.states[0] = distributed.call_on_stage(
               steps.decode_sample, st.device, st.cfg, st.params, st.lora, self.states[0],
-              self.rows, dev[0], dev[1], dev[2], n_steps=n, plan=plan, cvec=st.cvec)
+              self.rows, dev[0], dev[1], dev[2], n_steps=n, plan=plan, with_logits=False,
+              cvec=st.cvec)  # the same keywords as _dispatch: jit keys on which are passed
     jax.block_until_ready(self.states)
 
   # ----- requests -------------------------------------------------------------------------
