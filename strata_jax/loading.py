@@ -7,27 +7,30 @@ from __future__ import annotations
 from strata_jax.errors import AdapterError, ControlVectorError
 
 
+def _file_scales(value: str, scaled: bool, flag: str, error) -> tuple[list[str], list[float]]:
+  """One flag value "F[,F...]" (scale 1 each) or, scaled, "F:S[,F:S...]" -> (paths, scales);
+  a malformed item raises `error` naming the flag."""
+  paths, scales = [], []
+  for item in value.split(","):
+    if not item:
+      continue
+    f, sep, s = item.rpartition(":") if scaled else (item, ":", "1")
+    try:
+      if not sep or not f:
+        raise ValueError
+      scales.append(float(s))
+    except ValueError:
+      raise error(f"{flag} {item!r}: expected FILE:SCALE") from None
+    paths.append(f)
+  return paths, scales
+
+
 def parse_lora(args) -> list[tuple[list[str], list[float]]]:
   """--lora F[,F...] and --lora-scaled F:S[,F:S...], each repeatable -> one (paths, scales)
   group per flag occurrence, in command-line order."""
   groups = []
   for kind, value in getattr(args, "lora_groups", None) or []:
-    paths, scales = [], []
-    for item in value.split(","):
-      if not item:
-        continue
-      if kind == "plain":
-        paths.append(item)
-        scales.append(1.0)
-        continue
-      f, sep, s = item.rpartition(":")
-      try:
-        if not sep or not f:
-          raise ValueError
-        scales.append(float(s))
-      except ValueError:
-        raise AdapterError(f"--lora-scaled {item!r}: expected FILE:SCALE") from None
-      paths.append(f)
+    paths, scales = _file_scales(value, kind != "plain", "--lora-scaled", AdapterError)
     if paths:
       groups.append((paths, scales))
   return groups
@@ -59,22 +62,9 @@ def parse_control_vectors(args) -> tuple[list[str], list[float]]:
   files keep their command-line order) -> (paths, scales)."""
   paths, scales = [], []
   for kind, value in getattr(args, "control_vectors", None) or []:
-    for item in value.split(","):
-      if not item:
-        continue
-      if kind == "plain":
-        paths.append(item)
-        scales.append(1.0)
-        continue
-      f, sep, s = item.rpartition(":")
-      try:
-        if not sep or not f:
-          raise ValueError
-        scales.append(float(s))
-      except ValueError:
-        raise ControlVectorError(
-            f"--control-vector-scaled {item!r}: expected FILE:SCALE") from None
-      paths.append(f)
+    p, s = _file_scales(value, kind != "plain", "--control-vector-scaled", ControlVectorError)
+    paths += p
+    scales += s
   return paths, scales
 
 
