@@ -38,14 +38,14 @@ def _set_row(a, row, slot):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("state",))
-def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_valid, switch,
+def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_new, switch,
             *, all_logits: bool = False, cvec=None):
   """Run one chunk of a slot's prompt.
 
   Args:
     slot: int32 [] the batch row.  tokens: int32 [T] (padded), or the hidden [T, D] coming from
       the previous stage when this stage's params have no embedding (layer split).
-    n_valid: int32 [] real tokens.
+    n_new: int32 [] real tokens.
     switch: int32 [] LoRA switch for this row (ignored when `lora` is None).
     cvec: the control vector rows of this stage's layers [L, D], or None (none: the program
       without control vectors).
@@ -53,7 +53,7 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
     (logits, state): float32 [T, V] (all_logits) or [V] (after the last valid token).
   """
   pos = state.pos[slot][None]
-  nv = jnp.reshape(n_valid, (1,)).astype(jnp.int32)
+  nv = jnp.reshape(n_new, (1,)).astype(jnp.int32)
   sw = jnp.reshape(switch, (1,)).astype(jnp.int32)
   kv = (_row(state.k, slot), _row(state.v, slot))
   gdn = (_row(state.conv, slot), _row(state.ssm, slot))
@@ -65,11 +65,11 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_v
     elif all_logits:
       logits = forward.logits_from_hidden(cfg, params, x[0])
     else:
-      logits = forward.logits_from_hidden(cfg, params, x[0, n_valid - 1])
+      logits = forward.logits_from_hidden(cfg, params, x[0, n_new - 1])
   state = state.replace(
       k=_set_row(state.k, kv[0], slot), v=_set_row(state.v, kv[1], slot),
       conv=_set_row(state.conv, gdn[0], slot), ssm=_set_row(state.ssm, gdn[1], slot),
-      pos=state.pos.at[slot].add(n_valid), lora=state.lora.at[slot].set(sw[0]))
+      pos=state.pos.at[slot].add(n_new), lora=state.lora.at[slot].set(sw[0]))
   return logits, state
 
 
@@ -81,11 +81,12 @@ def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, ac
   rows keep their state (their K/V write lands past their length and is overwritten later).
   Returns (logits float32 [B, V], state)."""
   act = active.astype(bool)
+  n_new = act.astype(jnp.int32)   # tokens each row adds: its one token if active, else none
   with _precision(cfg, state):
     x = forward.embed(params, tokens[:, None]) if params.embed is not None else tokens[:, None]
     x, (k, v), (conv, ssm) = forward.run_layers(
         cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
-        act.astype(jnp.int32), switch, cvec)
+        n_new, switch, cvec)
     logits = (x[:, 0] if params.lm_head is None
               else forward.logits_from_hidden(cfg, params, x[:, 0]))
   keep = lambda new, old: jnp.where(act.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)
@@ -162,21 +163,21 @@ def decode_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, swi
 # ----- speculative decoding (strata_jax/speculative.py drives these; docs/mtp.md) -------------
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def verify(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, n_valid, *,
+def verify(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, n_new, *,
            cvec=None):
   """The main model over T = N+1 positions of every row: its last token and N drafts.
 
   Attention reads the cache plus the new positions (their K/V are written at pos..pos+T-1;
   what a row does not accept lies past its length and is overwritten later); the GDN layers
   run T decode steps and keep the state after each (`Pending`). Position, conv and recurrent
-  state are left for `commit`. tokens int32 [B, T]; switch, n_valid int32 [B] (n_valid 0: the
+  state are left for `commit`. tokens int32 [B, T]; switch, n_new int32 [B] (n_new 0: the
   row is idle). Returns (logits float32 [B, T, V], hidden [B, T, D] (pre-norm, what the MTP
   head reads), state, pending)."""
   with _precision(cfg, state):
     x = forward.embed(params, tokens)
     x, (k, v), (rows, ssm_steps) = forward.run_layers(
         cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
-        n_valid, switch, cvec, keep_steps=True)
+        n_new, switch, cvec, keep_steps=True)
     logits = forward.logits_from_hidden(cfg, params, x)
   return logits, x, state.replace(k=k, v=v), Pending(conv=rows, ssm=ssm_steps)
 
@@ -201,56 +202,56 @@ def commit(state: ModelState, pending: Pending, n_commit, switch):
   return _commit(state, pending, n_commit, switch)
 
 
-def _greedy_accept(logits, tokens, n_valid):
+def _greedy_accept(logits, tokens, n_new):
   """(choice int32 [B, T] the argmax at every position, accepted drafts k [B]): a draft is
   accepted while every earlier one was and it equals the argmax before it."""
   T = tokens.shape[1]
   choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  match = (choice[:, :-1] == tokens[:, 1:]) & (jnp.arange(T - 1)[None] < n_valid[:, None] - 1)
+  match = (choice[:, :-1] == tokens[:, 1:]) & (jnp.arange(T - 1)[None] < n_new[:, None] - 1)
   k = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
   return choice, k
 
 
-def _greedy_emit(logits, tokens, n_valid, cap, stop):
+def _greedy_emit(logits, tokens, n_new, cap, stop):
   """Greedy acceptance with the round's limits: (choice [B, T], accepted drafts k [B], tokens
   to emit n_emit [B]). A row emits choice[:n_emit]: its accepted drafts and then the model's own
   token, cut after the first stop id (stop int32 [S], -1 padded) and at cap [B] tokens; it has
   then consumed tokens[:n_emit] (0 for an idle row)."""
-  choice, k = _greedy_accept(logits, tokens, n_valid)
+  choice, k = _greedy_accept(logits, tokens, n_new)
   T = tokens.shape[1]
   is_stop = jnp.any(choice[:, :, None] == stop[None, None, :], axis=-1)      # [B, T]
   first_stop = jnp.min(jnp.where(is_stop, jnp.arange(T)[None], T), axis=1)
   n_emit = jnp.minimum(jnp.minimum(k + 1, first_stop + 1), jnp.maximum(cap, 1))
-  return choice, k, jnp.where(n_valid > 0, n_emit, 0)
+  return choice, k, jnp.where(n_new > 0, n_emit, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def verify_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, n_valid,
+def verify_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, n_new,
                   cap, stop, *, cvec=None):
   """`verify`, greedy acceptance (`_greedy_emit`) and `commit` in one program. Returns
   (choice int32 [B, T], accepted drafts k [B], n_emit [B], hidden [B, T, D], state)."""
-  logits, hidden, state, pending = verify(cfg, params, lora, state, tokens, switch, n_valid,
+  logits, hidden, state, pending = verify(cfg, params, lora, state, tokens, switch, n_new,
                                           cvec=cvec)
-  choice, k, n_emit = _greedy_emit(logits, tokens, n_valid, cap, stop)
+  choice, k, n_emit = _greedy_emit(logits, tokens, n_new, cap, stop)
   state = _commit(state, pending, n_emit, switch)
   return choice, k, n_emit, hidden, state
 
 
-def _mtp_draft(cfg, params, mstate, tokens, hidden, pos, n_valid, n_draft):
+def _mtp_draft(cfg, params, mstate, tokens, hidden, pos, n_new, n_draft):
   """Feed the MTP head T entries per row, then draft `n_draft` tokens greedily from entry
-  n_valid-1 on: the first from that entry's logits, each next one from one more MTP step on
+  n_new-1 on: the first from that entry's logits, each next one from one more MTP step on
   the previous draft and the head's own hidden state."""
   from strata_jax.model.mtp import mtp_forward  # noqa: PLC0415
   B = tokens.shape[0]
   rows = jnp.arange(B)
-  logits, h, k, v = mtp_forward(cfg, params, tokens, hidden, mstate.k, mstate.v, pos, n_valid,
+  logits, h, k, v = mtp_forward(cfg, params, tokens, hidden, mstate.k, mstate.v, pos, n_new,
                                 mstate.start)
-  last = jnp.maximum(n_valid - 1, 0)
+  last = jnp.maximum(n_new - 1, 0)
   d = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)              # [B]
   hl = h[rows, last]                                                         # [B, D]
-  p = pos + n_valid                                                          # next entry
+  p = pos + n_new                                                          # next entry
   drafts = [d]
-  act = (n_valid > 0).astype(jnp.int32)
+  act = (n_new > 0).astype(jnp.int32)
   for _ in range(n_draft - 1):
     lg, hn, k, v = mtp_forward(cfg, params, d[:, None], hl[:, None], k, v, p, act,
                                mstate.start)
@@ -261,25 +262,25 @@ def _mtp_draft(cfg, params, mstate, tokens, hidden, pos, n_valid, n_draft):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_draft"), donate_argnames=("mstate",))
-def mtp_draft(cfg: ModelConfig, params, mstate, tokens, hidden, pos, n_valid, *, n_draft: int):
+def mtp_draft(cfg: ModelConfig, params, mstate, tokens, hidden, pos, n_new, *, n_draft: int):
   """The MTP head (never adapted) proposes `n_draft` tokens per row. tokens int32 [B, T]: the
   tokens at positions pos+1.., hidden [B, T, D] the trunk's pre-norm hidden state at pos..;
-  n_valid [B] real entries (0: idle row). Returns (drafts int32 [B, n_draft], mstate)."""
+  n_new [B] real entries (0: idle row). Returns (drafts int32 [B, n_draft], mstate)."""
   p = cfg.forms.jax_precision(hidden.dtype)
   with jax.default_matmul_precision(p) if p else contextlib.nullcontext():
-    return _mtp_draft(cfg, params, mstate, tokens, hidden, pos, n_valid, n_draft)
+    return _mtp_draft(cfg, params, mstate, tokens, hidden, pos, n_new, n_draft)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_draft"),
                    donate_argnames=("state", "mstate"))
 def spec_step_greedy(cfg: ModelConfig, params, lora, state: ModelState, mstate, tokens, switch,
-                     n_valid, cap, stop, *, n_draft: int, cvec=None):
+                     n_new, cap, stop, *, n_draft: int, cvec=None):
   """One greedy speculative round in one program: `verify_greedy`, then the MTP head takes the
   emitted positions and drafts the next `n_draft` tokens. Returns (choice [B, T], k [B],
   n_emit [B], drafts [B, n_draft], state, mstate)."""
   pos = state.pos
   choice, k, n_emit, hidden, state = verify_greedy(cfg, params, lora, state, tokens, switch,
-                                                   n_valid, cap, stop, cvec=cvec)
+                                                   n_new, cap, stop, cvec=cvec)
   with _precision(cfg, state):
     drafts, mstate = _mtp_draft(cfg, params, mstate, choice, hidden, pos, n_emit, n_draft)
   return choice, k, n_emit, drafts, state, mstate

@@ -442,7 +442,7 @@ class Engine:
         n_blocks = n // self.block_size
         buckets.update(bk for _, _, bk in self._schedule(0, int(n), n_blocks, True))
     for b in sorted(buckets):
-      # n_valid 0: every layer leaves the row as it is
+      # n_new 0: every layer leaves the row as it is
       self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False)
     for plan in plans:
       one = self._put(host_sampling.empty_rows(1))

@@ -8,13 +8,14 @@ from strata_jax.config import ModelConfig
 from strata_jax.model.common import linear, out_projection, rms_norm, rope_neox
 
 
-def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_valid, lora_a, lora_b, switch,
+def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lora_b, switch,
                kv_start=None, *, row_scale=None):
   """x [B, T, D]; k_cache/v_cache [B, S, G, Hd]; pos [B] first position of x's tokens;
-  n_valid [B] how many of the T tokens are real.
+  n_new [B] how many of the T tokens each row adds (the rest is padding; 0: the row sits
+  this call out, as an inactive decode slot does).
 
-  The n_valid real keys/values are written at pos..pos+n_valid-1 (writes past S are dropped;
-  padding and rows with n_valid = 0 write nothing, so such a row's cache is left as is); each query
+  The n_new real keys/values are written at pos..pos+n_new-1 (writes past S are dropped;
+  padding and rows with n_new = 0 write nothing, so such a row's cache is left as is); each query
   attends causally to cache positions <= its own (and >= kv_start [B] when given: the MTP
   layer's cache starts where its row began feeding it, docs/mtp.md). Returns (y [B, T, D],
   k_cache, v_cache).
@@ -31,7 +32,7 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_valid, lora_a, l
   q = rope_neox(q, positions, cfg.n_rot, cfg.rope_base)
   k = rope_neox(k, positions, cfg.n_rot, cfg.rope_base)
   rows = jnp.arange(B)[:, None]
-  real = jnp.arange(T, dtype=jnp.int32)[None, :] < n_valid[:, None]
+  real = jnp.arange(T, dtype=jnp.int32)[None, :] < n_new[:, None]
   write_at = jnp.where(real, positions, S)                    # S: out of range, dropped
   k_cache = k_cache.at[rows, write_at].set(k.astype(k_cache.dtype), mode="drop")
   v_cache = v_cache.at[rows, write_at].set(v.astype(v_cache.dtype), mode="drop")

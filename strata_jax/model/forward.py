@@ -55,7 +55,7 @@ def _unblocks(tree):
   return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
-def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch,
+def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, switch,
                cvec=None, keep_steps: bool = False):
   """`layers_scan` with the adapter; under `cfg.forms.lora_branch` "cond", one of three
   branches ("select": one scan, the delta computed for every row and a select keeping the base
@@ -69,25 +69,25 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
     no active row off -> the adapter scan;
     mixed             -> the no-adapter scan with only the off rows active, then the adapter
                          scan with only the on rows active (about twice the work of one).
-  An inactive row (n_valid 0) leaves its K/V, conv and recurrent state untouched, so the two
+  An inactive row (n_new 0) leaves its K/V, conv and recurrent state untouched, so the two
   passes compose; rows are independent, so an off row's numbers do not depend on the others.
 
   keep_steps: the GDN state of every step comes back instead of the last (`layers_scan`); the
   mixed case then runs both passes from the same GDN state and keeps each row's own pass.
   """
   if lora is None or cfg.forms.lora_branch == "select":
-    return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_valid, switch, cvec,
+    return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_new, switch, cvec,
                        keep_steps)
-  switch = jnp.broadcast_to(switch, n_valid.shape)
-  on = (switch != 0) & (n_valid > 0)
-  off = (switch == 0) & (n_valid > 0)
+  switch = jnp.broadcast_to(switch, n_new.shape)
+  on = (switch != 0) & (n_new > 0)
+  off = (switch == 0) & (n_new > 0)
   scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch, cvec,
                                             keep_steps)
 
   def mixed():
-    x_off, kv1, gs1 = scan(None, kv, gdn_state, jnp.where(off, n_valid, 0))
+    x_off, kv1, gs1 = scan(None, kv, gdn_state, jnp.where(off, n_new, 0))
     x_on, kv2, gs2 = scan(lora, kv1, gdn_state if keep_steps else gs1,
-                          jnp.where(on, n_valid, 0))
+                          jnp.where(on, n_new, 0))
     rows = on.reshape((-1,) + (1,) * (x.ndim - 1))
     if keep_steps:   # [Lg, B, ...]: each row from its own pass
       pick = lambda a, b: jnp.where(on.reshape((1, -1) + (1,) * (a.ndim - 2)), a, b)
@@ -95,16 +95,16 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, s
     return jnp.where(rows, x_on, x_off), kv2, gs2
 
   which = jnp.where(jnp.any(on), jnp.where(jnp.any(off), 2, 1), 0)
-  return lax.switch(which, [lambda: scan(None, kv, gdn_state, n_valid),
-                            lambda: scan(lora, kv, gdn_state, n_valid), mixed])
+  return lax.switch(which, [lambda: scan(None, kv, gdn_state, n_new),
+                            lambda: scan(lora, kv, gdn_state, n_new), mixed])
 
 
-def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, switch,
+def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, switch,
                 cvec=None, keep_steps: bool = False):
   """Apply every layer of `cfg.layer_types`.
 
   layers: LayerParams; lora: LoraParams or None; kv: (k, v) [La, B, S, G, Hd];
-  gdn_state: (conv [Lg, B, K-1, C], ssm [Lg, B, Hv, Dv, Dk]); x [B, T, D]; pos, n_valid,
+  gdn_state: (conv [Lg, B, K-1, C], ssm [Lg, B, Hv, Dv, Dk]); x [B, T, D]; pos, n_new,
   switch [B] (with `lora.table`, each row's index into it); cvec: the control vector [L, D]
   (row il added to layer il's output, after its MoE residual add, as llama.cpp's
   `build_cvec`), or None: then nothing is added and the program is the one without control
@@ -140,7 +140,7 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
   B, T, D = x.shape
   # The expert stacks whole, for the few-token MoE kernel (reads layer `blk * period + li`).
   stacks = (layers.moe.gate_exps, layers.moe.up_exps, layers.moe.down_exps)
-  real = (jnp.arange(T, dtype=jnp.int32)[None, :] < n_valid[:, None]).reshape(B * T)
+  real = (jnp.arange(T, dtype=jnp.int32)[None, :] < n_new[:, None]).reshape(B * T)
 
   def body(x, xs):
     blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in, cv = xs
@@ -151,13 +151,13 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_valid, 
       if kind == ATTN:
         p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
-        y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, n_valid, *la_i,
+        y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, n_new, *la_i,
                                         switch, row_scale=row_scale)
         ai += 1
       else:
         p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi)
         lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
-        y, conv[gi], ssm[gi] = gdn_mixer(cfg, p, h, conv[gi], ssm[gi], n_valid, *lg_i, switch,
+        y, conv[gi], ssm[gi] = gdn_mixer(cfg, p, h, conv[gi], ssm[gi], n_new, *lg_i, switch,
                                          keep_steps, row_scale=row_scale)
         gi += 1
       x = x + y

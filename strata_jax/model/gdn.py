@@ -12,10 +12,10 @@ from strata_jax.config import ModelConfig
 from strata_jax.model.common import l2_norm, linear, out_projection, rms_norm
 
 
-def causal_conv(x, conv_state, w, n_valid):
+def causal_conv(x, conv_state, w, n_new):
   """Depthwise causal conv (tap K-1 on the current token), then SiLU.
 
-  x [B, T, C] raw rows; conv_state [B, K-1, C] previous raw rows; w [C, K]; n_valid [B].
+  x [B, T, C] raw rows; conv_state [B, K-1, C] previous raw rows; w [C, K]; n_new [B].
   Returns (y [B, T, C], new conv_state = the last K-1 raw rows up to the last valid token).
   """
   K = w.shape[1]
@@ -26,14 +26,15 @@ def causal_conv(x, conv_state, w, n_valid):
   y = jax.nn.silu(acc).astype(x.dtype)
   if K == 1:
     return y, conv_state
-  new_state = jax.vmap(lambda e, n: lax.dynamic_slice_in_dim(e, n, K - 1, axis=0))(ext, n_valid)
+  new_state = jax.vmap(lambda e, n: lax.dynamic_slice_in_dim(e, n, K - 1, axis=0))(ext, n_new)
   return y, new_state.astype(conv_state.dtype)
 
 
-def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, switch,
+def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, switch,
               keep_steps: bool = False, *, row_scale=None):
   """x [B, T, D]; p one layer's GDNParams; conv_state [B, K-1, C]; ssm [B, Hv, Dv, Dk] f32;
-  n_valid [B] tokens of the T that are real (the rest is padding and leaves state unchanged).
+  n_new [B] tokens of the T each row adds (the rest is padding and leaves state unchanged;
+  0: the row sits this call out).
   Returns (y [B, T, D], conv_state, ssm).
 
   keep_steps (speculative verification, static): the T tokens run as T decode steps (the very
@@ -51,7 +52,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
   kd = cfg.gdn_key_dim
   beta = jax.nn.sigmoid(b)
   g = p.a.astype(jnp.float32) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
-  valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]             # [B, T, 1]
+  valid = (jnp.arange(T)[None, :] < n_new[:, None])[..., None]             # [B, T, 1]
   beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
   if keep_steps:
     # Token by token, as `decode` computes it: the conv over the window of the last K raw
@@ -80,7 +81,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
     _, (o, steps) = lax.scan(one, ssm, (jnp.arange(T), tm(g), tm(beta), tm(a), tm(b), ok))
     o, conv_state, ssm = jnp.moveaxis(o, 0, 1), rows, jnp.moveaxis(steps, 0, 1)
     return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), conv_state, ssm
-  qkv, conv_state = causal_conv(qkv, conv_state, p.conv, n_valid)
+  qkv, conv_state = causal_conv(qkv, conv_state, p.conv, n_new)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
   v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
@@ -88,7 +89,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_valid, lora_a, lora_b, 
     # One launch from the raw inputs: gates, L2 norms, head expansion, the delta rule; the
     # state of a row with no valid token is not stored (it is unchanged).
     o, ssm = gdn_api.step_fused(q_raw[:, 0], k_raw[:, 0], v[:, 0], a[:, 0], b[:, 0], p.a,
-                                p.dt_bias, ssm, n_valid > 0, implementation=cfg.forms.gdn_decode)
+                                p.dt_bias, ssm, n_new > 0, implementation=cfg.forms.gdn_decode)
     o = o[:, None]
   elif T == 1:
     # One fused step (L2 norms, head expansion, the delta rule) on the GPU.

@@ -11,7 +11,7 @@ from strata_jax.model.forward import _is_q, _layer, _split_quant, embed
 from strata_jax.model.moe import moe
 
 
-def mtp_forward(cfg: ModelConfig, params, tokens, hidden, k_cache, v_cache, pos, n_valid,
+def mtp_forward(cfg: ModelConfig, params, tokens, hidden, k_cache, v_cache, pos, n_new,
                 kv_start):
   """The MTP block over T positions of every row.
 
@@ -24,7 +24,7 @@ def mtp_forward(cfg: ModelConfig, params, tokens, hidden, k_cache, v_cache, pos,
     hidden: [B, T, D] the trunk's (or, drafting further, the MTP's own) pre-norm hidden state
       at positions p.
     k_cache, v_cache: the MTP layer's K/V [B, S, G, Hd]; entry t is written at position p.
-    pos: int32 [B] position of entry 0; n_valid: int32 [B] real entries (the rest is padding
+    pos: int32 [B] position of entry 0; n_new: int32 [B] real entries (the rest is padding
       and writes nothing); kv_start: int32 [B] the row's first cached MTP position (its
       attention reads positions kv_start..p).
   Returns:
@@ -43,7 +43,7 @@ def mtp_forward(cfg: ModelConfig, params, tokens, hidden, k_cache, v_cache, pos,
   h = rms_norm(x, mp.attn_norm[0], cfg.rms_eps)
   off = jnp.zeros((B,), jnp.int32)      # never adapted, whatever the row's switch
   y, k_cache, v_cache = attn_mixer(cfg, _layer(cfg, attn_d, attn_q, 0, 0), h, k_cache, v_cache,
-                                   pos, n_valid, None, None, off, kv_start=kv_start)
+                                   pos, n_new, None, None, off, kv_start=kv_start)
   x = x + y
   h = rms_norm(x, mp.post_norm[0], cfg.rms_eps).reshape(B * T, D)
   stacks = (mp.moe.gate_exps, mp.moe.up_exps, mp.moe.down_exps)
