@@ -350,6 +350,19 @@ def _quant_entry_bytes(qtype: str, shape: tuple[int, ...]) -> int:
   return rows * sum(int(a.nbytes) for a in jax.tree.leaves(one))
 
 
+def _group_experts(plans) -> None:
+  """The routed experts run as one kernel over the three stacks: all quantised, or none; the
+  three are grouped alike, by the triple of each layer's types."""
+  exps = [lp for lp in plans if lp.path.endswith("_exps")]
+  if any(lp.qtypes is None for lp in exps):
+    for lp in exps:
+      lp.qtypes = lp.keys = None
+  else:
+    trio = list(zip(*(lp.qtypes for lp in exps)))
+    for lp in exps:
+      lp.keys = trio
+
+
 def plan_leaves(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.float32,
                 weights: str = "keep") -> list[LeafPlan]:
   """Match every leaf to its tensors and choose its device form; shapes and types are checked
@@ -380,16 +393,7 @@ def plan_leaves(reader: gguf.GGUFReader, cfg: ModelConfig, path: str, dtype=jnp.
     plans.append(LeafPlan(path=spec.path, shape=tuple(want),
                           layers=[None] if idx is None else list(idx), tensors=todo,
                           qtypes=qtypes, dtype=ldt, entry_bytes=[], keys=qtypes))
-  # The routed experts run as one kernel over the three stacks: all quantised, or none; the
-  # three are grouped alike, by the triple of each layer's types.
-  exps = [lp for lp in plans if lp.path.endswith("_exps")]
-  if any(lp.qtypes is None for lp in exps):
-    for lp in exps:
-      lp.qtypes = lp.keys = None
-  else:
-    trio = list(zip(*(lp.qtypes for lp in exps)))
-    for lp in exps:
-      lp.keys = trio
+  _group_experts(plans)
   for lp in plans:
     if lp.qtypes is None:
       lp.entry_bytes = [int(np.prod(lp.shape)) * lp.dtype.itemsize] * len(lp.tensors)
@@ -441,14 +445,7 @@ def _plan_mtp(tensors: dict, cfg: ModelConfig, path: str, dtype, weights: str
                           layers=[None] if head else [N], tensors=[t], qtypes=qtypes,
                           dtype=jnp.dtype(leaf_dtype(spec.path, dtype)), entry_bytes=[],
                           keys=qtypes))
-  exps = [lp for lp in plans if lp.path.endswith("_exps")]
-  if any(lp.qtypes is None for lp in exps):
-    for lp in exps:
-      lp.qtypes = lp.keys = None
-  else:
-    trio = list(zip(*(lp.qtypes for lp in exps)))
-    for lp in exps:
-      lp.keys = trio
+  _group_experts(plans)
   return plans
 
 
