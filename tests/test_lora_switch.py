@@ -79,6 +79,9 @@ def test_off_is_bit_identical_to_no_adapter(model, lora, T):
   assert _bits_equal(on_again, on_logits), "switching back on re-applies the adapter"
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason=(
+    "on the H200 only the cond branch keeps off bit-identical (README forms table; "
+    "experiments/results/device/gpu_tests_run6_focus.log); select is the CPU's promise"))
 @pytest.mark.parametrize("T", [1, 8])
 def test_select_branch_off_is_bit_identical_to_no_adapter(model, lora, T):
   """The "select" LoRA branch (the delta computed for every row, a select keeps the base rows)
