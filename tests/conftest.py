@@ -1,15 +1,31 @@
-"""Test set-up: CPU only; no persistent compilation cache in the pytest processes."""
+"""Test set-up: CPU only; one persistent compilation cache shared by the workers and the
+subprocesses of a run; every test module's compiled programs dropped when it ends."""
+import gc
 import os
 import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI (in-process and in subprocesses) and the split checks read the same directory.
+_CACHE = os.environ.setdefault("STRATA_TEST_JAX_CACHE", "/tmp/strata-jax-test-cache")
+os.environ["STRATA_JAX_CACHE"] = _CACHE
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-# No persistent compilation cache in the pytest processes: with the server's worker thread
-# compiling beside other threads, writing an entry (executable.serialize()) aborted two
-# xdist workers of a full run (tests/test_server.py, 2026-12-01). In-process jit caches still
-# share programs within a worker; subprocesses (notebooks, split checks) keep
-# theirs ($STRATA_TEST_JAX_CACHE).
-os.environ["STRATA_JAX_CACHE"] = "0"   # the CLI, called in-process, leaves the cache off too
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+  """Each live CPU executable holds about five memory mappings; a worker that kept every
+  program of a full run passed Linux's 65,530 (vm.max_map_count) and XLA crashed inside a
+  compile or a cache write (a segfault in test_quant_model.py, an abort in test_server.py).
+  Later modules reload what they share from the persistent cache."""
+  yield
+  jax.clear_caches()
+  gc.collect()
