@@ -15,7 +15,7 @@ class ModelState:
   conv: jax.Array   # [Lg, B, K-1, C]    last K-1 raw (pre-conv) q|k|v rows
   ssm: jax.Array    # [Lg, B, Hv, Dv, Dk] float32 recurrent state
   pos: jax.Array    # [B] int32 tokens consumed so far
-  lora: jax.Array   # [B] int32 the LoRA switch (0 off, 1 on) the state was computed under
+  switch: jax.Array  # [B] int32 the adapter switch each row was computed under (0: no adapter)
 
 
 def init_state(cfg: ModelConfig, batch: int, max_seq: int, dtype=jnp.float32) -> ModelState:
@@ -27,7 +27,7 @@ def init_state(cfg: ModelConfig, batch: int, max_seq: int, dtype=jnp.float32) ->
       conv=jnp.zeros((Lg, batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), dtype),
       ssm=jnp.zeros((Lg, batch, cfg.gdn_n_v_heads, cfg.gdn_d_v, cfg.gdn_d_k), jnp.float32),
       pos=jnp.zeros((batch,), jnp.int32),
-      lora=jnp.zeros((batch,), jnp.int32),
+      switch=jnp.zeros((batch,), jnp.int32),
   )
 
 

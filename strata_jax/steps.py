@@ -69,7 +69,7 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_n
   state = state.replace(
       k=_set_row(state.k, kv[0], slot), v=_set_row(state.v, kv[1], slot),
       conv=_set_row(state.conv, gdn[0], slot), ssm=_set_row(state.ssm, gdn[1], slot),
-      pos=state.pos.at[slot].add(n_new), lora=state.lora.at[slot].set(sw[0]))
+      pos=state.pos.at[slot].add(n_new), switch=state.switch.at[slot].set(sw[0]))
   return logits, state
 
 
@@ -97,7 +97,7 @@ def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, ac
   state = state.replace(
       k=k, v=v, conv=keep(conv, state.conv), ssm=ssm,
       pos=state.pos + act.astype(jnp.int32),
-      lora=jnp.where(act, switch.astype(jnp.int32), state.lora))
+      switch=jnp.where(act, switch.astype(jnp.int32), state.switch))
   return logits, state
 
 
@@ -107,7 +107,7 @@ def reset_rows(state: ModelState, rows):
   r = rows.astype(bool)
   z = lambda a: jnp.where(r.reshape((1, -1) + (1,) * (a.ndim - 2)), jnp.zeros_like(a), a)
   return state.replace(conv=z(state.conv), ssm=z(state.ssm), pos=jnp.where(r, 0, state.pos),
-                       lora=jnp.where(r, 0, state.lora))
+                       switch=jnp.where(r, 0, state.switch))
 
 
 @functools.partial(jax.jit, static_argnames=("length",))
@@ -136,7 +136,7 @@ def write_recurrent(state: ModelState, slot, conv, ssm, pos, switch):
   """Set one row's GDN state, length and the switch it was computed under."""
   return state.replace(conv=_set_row(state.conv, conv[:, None], slot),
                        ssm=_set_row(state.ssm, ssm[:, None], slot),
-                       pos=state.pos.at[slot].set(pos), lora=state.lora.at[slot].set(switch))
+                       pos=state.pos.at[slot].set(pos), switch=state.switch.at[slot].set(switch))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps"), donate_argnames=("state",))
@@ -192,7 +192,7 @@ def _commit(state: ModelState, pending: Pending, n_commit, switch) -> ModelState
   on = (n > 0).reshape(1, -1, 1, 1)
   return state.replace(conv=jnp.where(on, conv.astype(state.conv.dtype), state.conv),
                        ssm=jnp.where(on[..., None], ssm, state.ssm), pos=state.pos + n,
-                       lora=jnp.where(n > 0, switch.astype(jnp.int32), state.lora))
+                       switch=jnp.where(n > 0, switch.astype(jnp.int32), state.switch))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -227,7 +227,7 @@ def test_state_of_every_row_keeps_its_own_table_index(model, four):
   hs = [eng.submit(Request(tokens=_prompt(i, 10), max_tokens=3, lora=c))
         for i, c in enumerate(CHOICES[:4])]
   eng.step()
-  rows = np.asarray(jax.device_get(eng.states[0].lora))
+  rows = np.asarray(jax.device_get(eng.states[0].switch))
   for slot, (h, _) in eng._running.items():
     assert rows[slot] == (slot + 1 if h.req.lora.on else 0), slot
   while eng.busy:

@@ -73,7 +73,7 @@ def test_off_is_bit_identical_to_no_adapter(model, lora, T):
   on_logits, _ = _run(model, lora, toks, 1)
   off_logits, off_state = _run(model, lora, toks, 0)
   assert _bits_equal(off_logits, base_logits)
-  assert _bits_equal(base_state.replace(lora=off_state.lora), off_state)
+  assert _bits_equal(base_state.replace(switch=off_state.switch), off_state)
   assert not np.allclose(on_logits[-1], base_logits[-1]), "the adapter must change the output"
   on_again, _ = _run(model, lora, toks, 1)
   assert _bits_equal(on_again, on_logits), "switching back on re-applies the adapter"
@@ -93,7 +93,7 @@ def test_select_branch_off_is_bit_identical_to_no_adapter(model, lora, T):
   on_logits, _ = _run(select, lora, toks, 1)
   off_logits, off_state = _run(select, lora, toks, 0)
   assert _bits_equal(off_logits, base_logits)
-  assert _bits_equal(base_state.replace(lora=off_state.lora), off_state)
+  assert _bits_equal(base_state.replace(switch=off_state.switch), off_state)
   assert not np.allclose(on_logits[-1], base_logits[-1]), "the adapter must change the output"
 
 
@@ -159,7 +159,7 @@ def test_mixed_batch_rows(model, lora):
     got = getattr(mixed_state, name)       # state comes from its own pass alone
     assert np.array_equal(got[:, off_rows], getattr(base_state, name)[:, off_rows]), name
     assert np.array_equal(got[:, on_rows], getattr(on_state, name)[:, on_rows]), name
-  assert list(mixed_state.lora) == list(switches), "state remembers each row's switch"
+  assert list(mixed_state.switch) == list(switches), "state remembers each row's switch"
 
 
 def test_engines_with_and_without_adapter_share_one_program(model):

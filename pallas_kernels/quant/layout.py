@@ -121,19 +121,23 @@ def _f16(b):
   return np.ascontiguousarray(b).view(np.float16)[..., 0]
 
 
-def _pair_nibbles(a, b):
+def _i8(b):
+  return b.view(np.int8)
+
+
+def _pair_nibbles(a, b, xp=np):
   """Low/high nibble pairs: a holds weights [0, w) and [w, 2w) of one half as low/high
   nibbles, b the same for the other half. Returns bytes whose low nibble is the first half's
   weight and high nibble the second half's, for weights 0..2w-1: shape [..., 2, w]."""
-  return np.stack([(a & 15) | (b << 4), (a >> 4) | (b & 0xF0)], axis=-2)
+  return xp.stack([(a & 15) | (b << 4), (a >> 4) | (b & 0xF0)], axis=-2)
 
 
-def _k_scales(s):
+def _k_scales(s, xp=np):
   """The 12 packed scale bytes of a Q4_K / Q5_K block -> (sc, mn), each [..., 8] uint8."""
   s = s.reshape(*s.shape[:-1], 3, 4)
   d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-  sc = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 0x30)], axis=-1)
-  mn = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+  sc = xp.concatenate([d & 63, (md & 15) | ((d >> 2) & 0x30)], axis=-1)
+  mn = xp.concatenate([m & 63, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
   return sc, mn
 
 
@@ -164,15 +168,22 @@ def pack(raw, qtype, shape):
   if raw.size != want:
     raise QuantLayoutError(f"{qtype}: data of {raw.size} bytes does not match the {want} "
                            f"bytes that shape {shape} needs")
+  nb = shape[-1] // BLOCK[qtype]
+  return planes(np.ascontiguousarray(raw).reshape(*shape[:-1], nb, TYPE_SIZE[qtype]), qtype,
+                shape)
+
+
+def planes(blocks, qtype, shape, *, xp=np, f16=_f16, i8=_i8):
+  """[*rows, n_blocks, type_size] uint8 block bytes -> QTensor, in numpy or (with xp=jnp and
+  bitcasting f16 / i8, as `strata_jax.gguf.device_pack` passes) traced on a device."""
   rows, n_in = shape[:-1], shape[-1]
   nb = n_in // BLOCK[qtype]
-  blocks = np.ascontiguousarray(raw).reshape(*rows, nb, TYPE_SIZE[qtype])
   if qtype == "q8_0":
-    return QTensor(qs=blocks[..., 2:].view(np.int8).reshape(*rows, n_in),
-                   d=_f16(blocks[..., 0:2]), qtype=qtype, shape=shape)
+    return QTensor(qs=i8(blocks[..., 2:]).reshape(*rows, n_in), d=f16(blocks[..., 0:2]),
+                   qtype=qtype, shape=shape)
   if qtype in ("q4_k", "q5_k"):
-    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-    sc, mn = _k_scales(blocks[..., 4:16])
+    d, dmin = f16(blocks[..., 0:2]), f16(blocks[..., 2:4])
+    sc, mn = _k_scales(blocks[..., 4:16], xp)
     qh = None
     if qtype == "q5_k":
       qh, ql = blocks[..., 16:48], blocks[..., 48:176]
@@ -180,18 +191,18 @@ def pack(raw, qtype, shape):
       ql = blocks[..., 16:144]
     # File: chunk c (4 x 32 bytes): low nibble = weight 64c + l, high = 64c + 32 + l.
     ql = ql.reshape(*rows, nb, 2, 2, 32)
-    qs = _pair_nibbles(ql[..., 0, :, :], ql[..., 1, :, :])  # [.., nb, 2 chunks, 2, 32]
+    qs = _pair_nibbles(ql[..., 0, :, :], ql[..., 1, :, :], xp)  # [.., nb, 2 chunks, 2, 32]
     return QTensor(qs=qs.reshape(*rows, n_in // 2),
                    qh=None if qh is None else qh.reshape(*rows, n_in // 8),
                    sc=sc.reshape(*rows, nb * 8), mn=mn.reshape(*rows, nb * 8), d=d, dmin=dmin,
                    qtype=qtype, shape=shape)
   # q6_k. File: half h (2 x 64 bytes): low nibble = weight 128h + l, high = 128h + 64 + l.
   ql = blocks[..., 0:128].reshape(*rows, nb, 2, 64)
-  qs = _pair_nibbles(ql[..., 0, :], ql[..., 1, :])  # [.., nb, 2, 64]
+  qs = _pair_nibbles(ql[..., 0, :], ql[..., 1, :], xp)  # [.., nb, 2, 64]
   return QTensor(qs=qs.reshape(*rows, n_in // 2),
                  qh=blocks[..., 128:192].reshape(*rows, n_in // 4),
-                 sc=blocks[..., 192:208].view(np.int8).reshape(*rows, nb * 16),
-                 d=_f16(blocks[..., 208:210]), qtype=qtype, shape=shape)
+                 sc=i8(blocks[..., 192:208]).reshape(*rows, nb * 16),
+                 d=f16(blocks[..., 208:210]), qtype=qtype, shape=shape)
 
 
 def stack(parts):
