@@ -144,6 +144,23 @@ def chunk_size(t, chunk):
   return min(chunk, max(_MIN_DIM, pl.next_power_of_2(max(t, 1))))
 
 
+def chunked_tiles(q, k, v, g, beta, state, chunk, block_v, interpret):
+  """Validate the inputs and pick the tiles both chunked kernels run:
+  (b, t, h, dk0, dv0, c, dk, dv, bv) with c the chunk, dk / dv the padded head dims and bv the
+  Dv tile (`block_v`, or the whole Dv interpreted and _BLOCK_V compiled)."""
+  check_chunked_inputs(q, k, v, g, beta, state)
+  require_triton(interpret, "gdn chunked", "'reference'")
+  b, t, h, dk0 = q.shape
+  dv0 = v.shape[-1]
+  c = chunk_size(t, chunk)
+  dk, dv = head_dim_tile(dk0), head_dim_tile(dv0)
+  bv = block_v or (dv if interpret else min(_BLOCK_V, dv))
+  if bv < _MIN_DIM or not pow2(bv) or bv > dv:
+    raise ValueError(f"gdn chunked: block_v={bv} must be a power of 2 in [{_MIN_DIM}, {dv}] "
+                     f"(Dv={dv0} padded to a power of 2 >= {_MIN_DIM})")
+  return b, t, h, dk0, dv0, c, dk, dv, bv
+
+
 @functools.partial(jax.jit, static_argnames=("chunk", "interpret", "block_v", "num_warps",
                                              "num_stages", "precision"))
 def gdn_chunked_pallas(q, k, v, g, beta, state, *, chunk=64, interpret=False, block_v=None,
@@ -174,16 +191,8 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, chunk=64, interpret=False, bl
   Returns:
     (o [B, T, H, Dv] float32, new_state [B, H, Dv, Dk] float32).
   """
-  check_chunked_inputs(q, k, v, g, beta, state)
-  require_triton(interpret, "gdn chunked", "'reference'")
-  b, t, h, dk0 = q.shape
-  dv0 = v.shape[-1]
-  c = chunk_size(t, chunk)
-  dk, dv = head_dim_tile(dk0), head_dim_tile(dv0)
-  bv = block_v or (dv if interpret else min(_BLOCK_V, dv))
-  if bv < _MIN_DIM or not pow2(bv) or bv > dv:
-    raise ValueError(f"gdn chunked: block_v={bv} must be a power of 2 in [{_MIN_DIM}, {dv}] "
-                     f"(Dv={dv0} padded to a power of 2 >= {_MIN_DIM})")
+  b, t, h, dk0, dv0, c, dk, dv, bv = chunked_tiles(q, k, v, g, beta, state, chunk, block_v,
+                                                    interpret)
   if t == 0:
     return jnp.zeros((b, 0, h, dv0), _F32), state
   n = pl.cdiv(t, c)

@@ -39,17 +39,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import SQUEEZED, pow2, require_triton, triton_params
+from pallas_kernels._common import SQUEEZED, triton_params
 from pallas_kernels.gdn.chunked_kernel import (
-    _MIN_DIM,
     _NN,
     _NT,
     _TN,
     _dot,
     _unit_lower_inverse,
-    check_chunked_inputs,
-    chunk_size,
-    head_dim_tile,
+    chunked_tiles,
 )
 
 _F32 = jnp.float32
@@ -57,9 +54,8 @@ STATE_PASSES = ("fused", "separate")
 # Compiled defaults, untimed (no GPU run yet; the probe `experiments/bench/gdn_probe.py`
 # sweeps them). The intra kernel holds [C, Dk] and [C, Dv] fp32 tiles and a [C, C] inverse:
 # 8 warps halve the registers per thread against 4. The state pass is the chunked kernel's
-# loop without the q/k work: its defaults (block_v 32, 4 warps, 1 stage).
+# loop without the q/k work: its defaults (chunked_kernel's block_v, 4 warps, 1 stage).
 _INTRA_WARPS = 8
-_BLOCK_V = 32
 _STATE_WARPS = 4
 _OUT_WARPS = 4
 
@@ -170,16 +166,8 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   """
   if state_pass not in STATE_PASSES:
     raise ValueError(f"gdn chunked: state_pass={state_pass!r}: expected one of {STATE_PASSES}")
-  check_chunked_inputs(q, k, v, g, beta, state)
-  require_triton(interpret, "gdn chunked", "'reference'")
-  b, t, h, dk0 = q.shape
-  dv0 = v.shape[-1]
-  c = chunk_size(t, chunk)
-  dk, dv = head_dim_tile(dk0), head_dim_tile(dv0)
-  bv = block_v or (dv if interpret else min(_BLOCK_V, dv))
-  if bv < _MIN_DIM or not pow2(bv) or bv > dv:
-    raise ValueError(f"gdn chunked: block_v={bv} must be a power of 2 in [{_MIN_DIM}, {dv}] "
-                     f"(Dv={dv0} padded to a power of 2 >= {_MIN_DIM})")
+  b, t, h, dk0, dv0, c, dk, dv, bv = chunked_tiles(q, k, v, g, beta, state, chunk, block_v,
+                                                    interpret)
   if t == 0:
     return jnp.zeros((b, 0, h, dv0), _F32), state
   n = pl.cdiv(t, c)
