@@ -666,6 +666,12 @@ class Engine:
         conv, ssm = distributed.call_on_stage(steps.read_recurrent, st.device, state,
                                               jnp.int32(slot))
         entry.update(conv=conv, ssm=ssm)
+      if not self._shared:
+        # start the device-to-host copies behind the prefill now, so the flush after the
+        # first token finds them done instead of waiting on them (the GDN state of a 48-layer
+        # model is tens of MB a snapshot)
+        for a in entry.values():
+          a.copy_to_host_async()
       payload.append(entry)
     self._snaps.append((hashes, blk, payload))
 
