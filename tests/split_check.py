@@ -15,7 +15,9 @@ if MP and not REAL:
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ.pop("XLA_FLAGS", None)
 elif not REAL:
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_dev}"
+  # appended: the test run's own flags (conftest) stay
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={n_dev}")
   os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 

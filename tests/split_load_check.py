@@ -12,7 +12,9 @@ import sys
 n_dev = int(sys.argv[1])
 SPLIT, WEIGHTS, QTYPE = sys.argv[2], sys.argv[3], sys.argv[4]
 RUN = len(sys.argv) < 6 or sys.argv[5] != "norun"   # norun: placement checks only
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_dev}"
+# appended: the test run's own flags (conftest) stay
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={n_dev}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 

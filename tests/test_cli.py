@@ -130,7 +130,9 @@ def test_default_model_prints_text():
 def test_layer_split_flags_match_single_device(files):
   """--layer-split / --split-devices on two fake CPU devices: same tokens, logits within 1e-6."""
   d, model, a, _ = files
-  env_split = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  # the single run's flags too (conftest's), so both programs compile alike
+  env_split = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=2"}
   common = ["--model", model, "--lora", a, "--prompt-tokens", "3,1,4,1,5,9", "-n", "4", "--json"]
 
   def run(extra, out, env=None):
