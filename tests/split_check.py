@@ -13,7 +13,8 @@ n_dev = 2 if MP else int(sys.argv[1])
 REAL = os.environ.get("STRATA_SPLIT_REAL") == "1"   # real accelerators (device machine)
 if MP and not REAL:
   os.environ["JAX_PLATFORMS"] = "cpu"
-  os.environ.pop("XLA_FLAGS", None)
+  os.environ["XLA_FLAGS"] = " ".join(   # one CPU device a process; other flags stay
+      f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
 elif not REAL:
   # appended: the test run's own flags (conftest) stay
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

@@ -158,7 +158,8 @@ def test_layer_split_across_two_processes(files):
   d, model, a, _ = files
   common = ["--model", model, "--lora", a, "--prompt-tokens", "3,1,4,1,5,9", "-n", "4", "--json"]
   e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  e.pop("XLA_FLAGS", None)
+  # one CPU device a process: the run's other XLA flags (conftest's) stay
+  e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f)
   p = subprocess.run([sys.executable, "-m", "strata_jax", "generate", *common, "--dump-logits",
                       str(d / "one.npz")], capture_output=True, text=True, env=e, timeout=600)
   assert p.returncode == 0, p.stderr[-2000:]
