@@ -26,6 +26,16 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+# Device runs (experiments/bench/gpu_tests.sh): each failure's report appended to this file as
+# it happens, so a run stopped at its time limit still names what failed and why.
+_FAILURE_LOG = os.environ.get("STRATA_TEST_FAILURE_LOG")
+
+
+def pytest_runtest_logreport(report):
+  if _FAILURE_LOG and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+    with open(_FAILURE_LOG, "a") as f:
+      f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-8000:]}\n")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():

@@ -120,16 +120,29 @@ def _down(x_ref, a_ref, row_ok, col0, t):
   bn, rp, bk = t.block_rows, t.rank_pad, t.block_in
   r_ok = jnp.arange(rp) < t.rank if t.rank != rp else None
 
-  def body(k, h):
+  # fp32 operands: the tiles' partial products are summed with Kahan compensation, so a long
+  # Din chain (one split over 4096 columns) stays at the per-tile dot's error: the plain sum
+  # erred by 1.2-1.3e-6 of the output's scale on the H200 (gpu_tests_run8.log).
+  kahan = jnp.dtype(t.cd) == jnp.dtype(_F32)
+
+  def body(k, carry):
+    h, comp = carry
     cols = col0 + k * bk + jnp.arange(bk)
     col_ok = cols < t.d_in if t.in_ragged else None
     sl = pl.ds(k * bk, bk)
     xk = _load(x_ref.at[:, sl], _and(_col(row_ok), _row(col_ok)))  # [bn, bk]
     ak = _load(a_ref.at[:, sl], _and(_col(r_ok), _row(col_ok)))  # [Rp, bk]
-    return h + lax.dot_general(xk.astype(t.cd), ak.astype(t.cd), _NT, precision=t.precision,
-                               preferred_element_type=_F32)
+    part = lax.dot_general(xk.astype(t.cd), ak.astype(t.cd), _NT, precision=t.precision,
+                           preferred_element_type=_F32)
+    if not kahan:
+      return h + part, comp
+    y = part - comp
+    total = h + y
+    return total, (total - h) - y
 
-  return lax.fori_loop(0, t.in_tiles, body, jnp.zeros((bn, rp), _F32))
+  zeros = jnp.zeros((bn, rp), _F32)
+  h, _ = lax.fori_loop(0, t.in_tiles, body, (zeros, zeros if kahan else jnp.zeros((), _F32)))
+  return h
 
 
 def _up_store(h, b_ref, base_ref, o_ref, row_ok, on, out0, t):
@@ -248,12 +261,15 @@ class Tiling(NamedTuple):
     return pl.cdiv(self.n, self.block_rows)
 
 
-def tiling(n, d_in, d_out, rank, *, interpret=False, in_itemsize=2, num_stages=3,
-           block_rows=None, block_in=None, block_out=None, din_splits=None, dout_splits=None):
+def tiling(n, d_in, d_out, rank, *, interpret=False, in_itemsize=2, b_itemsize=2,
+           num_stages=3, block_rows=None, block_in=None, block_out=None, din_splits=None,
+           dout_splits=None):
   """Pick tiles: given values win; None means the defaults measured on an H200 (README).
 
   Compiled (GPU): bn = 16 / 32 / 64 by N; bk the largest power of 2 <= 256 whose x and A
-  tiles, num_stages deep, fit `_SMEM_BUDGET`; bo = 128. Din splits: `_DIN_SPLITS` (fp32
+  tiles, num_stages deep, fit `_SMEM_BUDGET`; bo = 128, halved while the up pass's [bo, Rp] B
+  tiles (num_stages deep, plus one converted copy) exceed it: with 4 rank-50 adapters on one
+  table (Rp 256) the H200 refused 280-336 KiB requests (gpu_tests_run7.log). Din splits: `_DIN_SPLITS` (fp32
   operands: also at most `_F32_CHAIN` columns per split, which bounds the sequential fp32
   accumulation). Dout splits: `_DECODE_DOUT_SPLITS` for a single row block, else about
   `_UP_PROGRAMS` programs in all, at least `_DECODE_DOUT_SPLITS`. Interpret (CPU): few,
@@ -272,6 +288,9 @@ def tiling(n, d_in, d_out, rank, *, interpret=False, in_itemsize=2, num_stages=3
       bk //= 2
     bk = min(bk, _pow2_at_least(d_in))
     bo = block_out or min(128, _pow2_at_least(d_out))
+    while block_out is None and bo > _MIN_TILE and (
+        bo * rp * b_itemsize * (num_stages + 1) > _SMEM_BUDGET):
+      bo //= 2
   row_blocks = pl.cdiv(n, bn)
   in_all, out_all = pl.cdiv(d_in, bk), pl.cdiv(d_out, bo)
   if interpret:
@@ -374,7 +393,7 @@ def lora_pallas(base, x, a, b, on, rank_scale=None, *, scale=1.0, block_rows=Non
   cd, precision = dot_policy(x.dtype, a.dtype)
   stages, warps = num_stages or 3, num_warps or 8
   t = tiling(n, d_in, d_out, rank, interpret=interpret, in_itemsize=jnp.dtype(cd).itemsize,
-             num_stages=stages, block_rows=block_rows,
+             b_itemsize=jnp.dtype(b.dtype).itemsize, num_stages=stages, block_rows=block_rows,
              block_in=block_in, block_out=block_out, din_splits=din_splits,
              dout_splits=dout_splits)._replace(cd=cd, precision=precision, scale=float(scale),
                                                row_scaled=rank_scale is not None)
