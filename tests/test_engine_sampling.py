@@ -108,3 +108,29 @@ def test_warmup_compiles_the_buckets_used(model):
   assert (steps.prefill._cache_size(), steps.decode_sample._cache_size()) == sizes
   # 100 tokens: one 96-token chunk (to the last full block, bucket 128), then 4 (bucket 32)
   assert [b for _, _, b in eng._schedule(0, 100, 3, True)] == [128, 32]
+
+
+def test_decode_buckets_match_the_full_batch(model, monkeypatch):
+  """decode_buckets=True: with idle slots the engine decodes only its running rows, gathered
+  into the smallest power-of-two bucket (`steps.decode_sample_rows`), and writes them back:
+  each request's tokens equal those of the default engine, which decodes all 8 slots every
+  step, and its logprobs agree (to rounding: another batch size may round sums differently)."""
+  used = []
+  gathered = steps.decode_sample_rows
+
+  def spy(*args, **kw):
+    used.append(int(args[8].shape[0]))
+    return gathered(*args, **kw)
+  monkeypatch.setattr(steps, "decode_sample_rows", spy)
+  modes = [dict(), dict(temperature=0.9, top_p=0.9), dict(temperature=0.7, top_k=5)]
+  reqs = [Request(tokens=_prompt(40 + i, 6 + 5 * i), max_tokens=7 + 3 * i, seed=i, logprobs=2,
+                  **modes[i]) for i in range(3)]
+  results = {}
+  for buckets in (True, False):
+    eng = sj.Engine(model, slots=8, decode_buckets=buckets, **KW)
+    results[buckets] = eng.run(reqs[:1]) + eng.run(reqs)
+  assert set(used) == {1, 2, 4}   # one row alone; three rows, then two, then one
+  for got, want in zip(results[True], results[False]):
+    assert got.tokens == want.tokens
+    assert_close([e["logprob"] for e in got.logprobs], [e["logprob"] for e in want.logprobs],
+                 rel=KERNEL_REL["float32"], what="logprobs, bucket vs full batch")

@@ -132,6 +132,7 @@ class _Chunk:
   n: int
   runs: list               # (slot, _Running) of the rows that may be active in it
   plan: smp.Plan
+  cols: dict | None = None  # slot -> its column in the outputs (None: the slot itself)
 
 
 class Engine:
@@ -163,7 +164,16 @@ class Engine:
       dispatch takes the fewest that cover the running rows' remaining length (with requests
       queued, the first row's to finish), else the most.
     warmup: compile the programs before the first request: True for every prefill bucket, or
-      a list of prompt lengths for the buckets those use; plus the greedy decode programs.
+      a list of prompt lengths for the buckets those use; plus the greedy decode programs
+      (for every row bucket).
+    decode_buckets: opt-in speed for engines with idle slots: with fewer running rows than
+      slots, decode only those rows, gathered into the smallest power-of-two bucket that
+      holds them (`steps.decode_sample_rows`; one program per bucket), as a step's cost grows
+      with its batch. The price: a row's numbers then depend on how many neighbours it has
+      (XLA rounds some sums differently for another batch size), so tokens match the full
+      batch's but logits may differ in the last bits, and a resumed session is bit-identical
+      to the uninterrupted run only under the same buckets. Off (default): every step runs
+      all slots, and a row's numbers never depend on its neighbours. Single device only.
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
@@ -174,7 +184,7 @@ class Engine:
                max_prefill_chunk: int = 4096, decode_steps: Sequence[int] = (1, 4, 16),
                warmup: bool | Sequence[int] = False, forms: Forms | None = None,
                control_vector=None, lora_rank: int | None = None, spec: int = 0,
-               draft: str | None = None):
+               draft: str | None = None, decode_buckets: bool = False):
     self.model, self.n_slots = model, int(slots)
     # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
     pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
@@ -257,6 +267,11 @@ class Engine:
     self.row_params = host_sampling.RowParams(self.n_slots)
     self._row_dev = None          # device copy of row_params (None: rebuild at next dispatch)
     self._inflight: _Chunk | None = None
+    # decode row buckets: powers of two below the slot count (the full batch needs no gather)
+    self.row_buckets = tuple(1 << i for i in range(max(0, self.n_slots - 1).bit_length())
+                             ) if decode_buckets and len(self.stages) == 1 and not self._shared \
+        else ()
+    self._idx_dev: dict = {}      # device copies of the bucket row lists, by rows
     self._snaps: list = []        # prefix-cache snapshots read to the host after the first token
     has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
@@ -451,12 +466,17 @@ class Engine:
                     self._put(self.row_params.stops([0])), plan=plan)
       if len(self.stages) == 1:
         dev = self._device_rows()
+        st = self.stages[0]
         for n in self.decode_steps:
-          st = self.stages[0]
           out, self.rows, self.states[0] = distributed.call_on_stage(
               steps.decode_sample, st.device, st.cfg, st.params, st.lora, self.states[0],
               self.rows, dev[0], dev[1], dev[2], n_steps=n, plan=plan, with_logits=False,
               cvec=st.cvec)  # the same keywords as _dispatch: jit keys on which are passed
+          for r in self.row_buckets:   # no row is active: nothing changes
+            out, self.rows, self.states[0] = distributed.call_on_stage(
+                steps.decode_sample_rows, st.device, st.cfg, st.params, st.lora,
+                self.states[0], self.rows, dev[0], dev[1], dev[2], self._bucket_idx(tuple(
+                    range(r))), n_steps=n, plan=plan, with_logits=False, cvec=st.cvec)
     jax.block_until_ready(self.states)
 
   # ----- requests -------------------------------------------------------------------------
@@ -749,7 +769,19 @@ class Engine:
         [b for b in self.decode_steps if b >= limit] or [self.decode_steps[-1]])
     plan = host_sampling.plan_for(reqs)
     sp, switch, stop = self._device_rows()
-    if len(self.stages) == 1:
+    cols = None
+    bucket = next((r for r in self.row_buckets if r >= len(live)), None)
+    if bucket is not None:
+      # the live rows first, then idle slots (inactive: left as they are) to fill the bucket
+      idx = sorted(live)
+      idx += [s for s in range(self.n_slots) if s not in live][:bucket - len(idx)]
+      cols = {s: i for i, s in enumerate(idx)}
+      st = self.stages[0]
+      out, self.rows, self.states[0] = distributed.call_on_stage(
+          steps.decode_sample_rows, st.device, st.cfg, st.params, st.lora, self.states[0],
+          self.rows, sp, switch, stop, self._bucket_idx(tuple(idx)), n_steps=n, plan=plan,
+          with_logits=with_logits, cvec=st.cvec)
+    elif len(self.stages) == 1:
       st = self.stages[0]
       out, self.rows, self.states[0] = distributed.call_on_stage(
           steps.decode_sample, st.device, st.cfg, st.params, st.lora, self.states[0],
@@ -766,7 +798,15 @@ class Engine:
       out = out + ((logits[None] if with_logits else None),)
     for run in live.values():
       run.inflight += n
-    return _Chunk(out=out, n=n, runs=sorted(live.items()), plan=plan)
+    return _Chunk(out=out, n=n, runs=sorted(live.items()), plan=plan, cols=cols)
+
+  def _bucket_idx(self, idx: tuple[int, ...]):
+    """The device array of a bucket's row list (kept: the same rows recur chunk after chunk)."""
+    if idx not in self._idx_dev:
+      if len(self._idx_dev) > 64:
+        self._idx_dev.clear()
+      self._idx_dev[idx] = self._put(np.asarray(idx, np.int32))
+    return self._idx_dev[idx]
 
   def _collect(self, chunk: _Chunk):
     """Read a dispatched chunk's tokens (this waits for it) and hand them on."""
@@ -777,8 +817,9 @@ class Engine:
         continue   # finished before this chunk (inactive in it); the slot may be new
       h = self._running[slot][0]
       run.inflight -= chunk.n
-      self._emit_chunk(slot, run, out, chunk.n, logits[:, slot] if logits is not None else None,
-                       column=slot)
+      col = slot if chunk.cols is None else chunk.cols[slot]
+      self._emit_chunk(slot, run, out, chunk.n, logits[:, col] if logits is not None else None,
+                       column=col)
       if run.cancel_at is None and self._finished(slot, run):
         h.result = self._finish(slot, run)
         del self._running[slot]
