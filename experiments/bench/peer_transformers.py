@@ -9,6 +9,12 @@ fallbacks otherwise; which one it bound is recorded. Measures
 
   python experiments/bench/peer_transformers.py [--tiny]
   (writes experiments/results/peer_transformers.json)
+  python experiments/bench/peer_transformers.py --cache static --compile
+  (the fairest transformers peer: its static cache and `torch.compile` of the forward, mode
+  "reduce-overhead" (CUDA graphs) on the GPU; transformers marks Qwen3-Next
+  `_can_compile_fullgraph`, and on the CPU (transformers 5.24, a toy model) static-cache
+  generate, compiled, gives the eager dynamic-cache tokens; writes
+  peer_transformers_static_compile.json)
 """
 from __future__ import annotations
 
@@ -48,14 +54,24 @@ def main():
   ap.add_argument("--new", type=int, default=32)
   ap.add_argument("--tokens", type=int, default=2500)
   ap.add_argument("--reps", type=int, default=2)
+  ap.add_argument("--cache", default="dynamic", choices=("dynamic", "static"),
+                  help="generate's cache_implementation (static: preallocated, compilable)")
+  ap.add_argument("--compile", action="store_true",
+                  help="torch.compile the forward (reduce-overhead on the GPU)")
   args = ap.parse_args()
+  if args.cache == "static" or args.compile:
+    default = os.path.join(common.RESULTS, "peer_transformers.json")
+    if args.out == default:
+      args.out = os.path.join(common.RESULTS, f"peer_transformers_{args.cache}"
+                              f"{'_compile' if args.compile else ''}.json")
   import torch
   import transformers
   from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
   from transformers.models.qwen3_next import modeling_qwen3_next as mq
 
   dev = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-  res = {"peer": "transformers", "transformers": transformers.__version__,
+  res = {"peer": "transformers", "cache": args.cache, "compiled": args.compile,
+         "transformers": transformers.__version__,
          "torch": torch.__version__, "device": dev, "tiny": args.tiny,
          "fla_importable": importlib.util.find_spec("fla") is not None,
          "bound": {n: bound_impl(getattr(mq, n, None)) for n in
@@ -83,6 +99,9 @@ def main():
   with torch.device(dev):
     model = Qwen3NextForCausalLM._from_config(cfg, dtype=torch.bfloat16)
   model.eval()
+  if args.compile:
+    model.forward = torch.compile(model.forward, fullgraph=False,
+                                  mode="reduce-overhead" if dev == "cuda" else "default")
   sync()
   res["init_s"] = time.perf_counter() - t0
   res["params"] = sum(p.numel() for p in model.parameters())
@@ -95,6 +114,8 @@ def main():
   prompt = torch.randint(0, g["vocab_size"], (1, args.prompt), device=dev, generator=gen)
   kw = dict(do_sample=False, use_cache=True, attention_mask=torch.ones_like(prompt),
             pad_token_id=0, eos_token_id=None)
+  if args.cache == "static":
+    kw["cache_implementation"] = "static"
 
   def generate(n):
     sync()
