@@ -215,14 +215,17 @@ def main(argv=None):
     bpt = weight_bytes_per_token(model)
     details["weight_bytes_per_token_b1"] = bpt
     lora = random_lora(model.cfg, args.lora_rank, model.dtype) if args.lora_rank else None
-    engine = sj.Engine(model, lora=lora, slots=max(int(b) for b in args.batches.split(",")),
-                       max_seq=args.max_seq, block_size=16, prefix_cache_bytes=0)
     details["decode"] = {}
     for b in (int(x) for x in args.batches.split(",")):
+      # one engine per batch, with as many slots as requests (what a user serving b requests
+      # configures): run 1 used one 32-slot engine, whose every step decodes all 32 slots
+      engine = sj.Engine(model, lora=lora, slots=b, max_seq=args.max_seq, block_size=16,
+                         prefix_cache_bytes=0)
       for sw in ([True, False] if lora is not None else [None]):
         agg, med = decode_rates(engine, b, args.tokens, args.prompt, sw)
         details["decode"][f"b{b}_{'on' if sw else 'off' if sw is False else 'none'}"] = {
             "tok_s": agg, "per_request_tok_s": med}
+      del engine
     fits = True
   except Exception as e:  # noqa: BLE001 (reported in the JSON, then re-raised)
     err = f"{type(e).__name__}: {e}"
