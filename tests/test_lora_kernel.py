@@ -250,7 +250,7 @@ def test_rank_scale_row_equals_its_adapter_alone(impl):
 def test_rank_scale_is_data_one_compile(impl):
   if impl == "pallas_interpret" and jax.default_backend() == "gpu":
     pytest.skip("the interpreter is the CPU path; under the GPU backend its second call "
-                "compiled again even with like-made tables (gpu_tests_run7/run8.log)")
+                "compiled again even with like-made tables (gpu_tests_run{7,8}_failures.txt)")
   f = jax.jit(functools.partial(lora_apply, implementation=impl))
   *args, rs = table_inputs(8, 96, 80, (8, 50), seed=2)
   base, x, a, b, on = (jnp.asarray(v) for v in args)

@@ -79,7 +79,8 @@ def main(argv=None):
   print("\n".join([head, *lines]))
   details = {"model": model.path, "jax": jax.__version__, "backend": jax.default_backend(),
              "n": args.n, "prompts": list(PROMPTS), "rows": rows,
-             "command": "python experiments/demo_model/spec_demo.py " + " ".join(argv or sys.argv[1:])}
+             "command": "python experiments/demo_model/spec_demo.py "
+                        + " ".join(argv or sys.argv[1:])}
   with open(args.out, "w") as f:
     json.dump(details, f, indent=1)
   best = max(rows, key=lambda r: r["speedup"])

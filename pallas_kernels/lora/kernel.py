@@ -122,7 +122,7 @@ def _down(x_ref, a_ref, row_ok, col0, t):
 
   # fp32 operands: the tiles' partial products are summed with Kahan compensation, so a long
   # Din chain (one split over 4096 columns) stays at the per-tile dot's error: the plain sum
-  # erred by 1.2-1.3e-6 of the output's scale on the H200 (gpu_tests_run8.log).
+  # erred by 1.2-1.3e-6 of the output's scale on the H200 (gpu_tests_run8_failures.txt).
   kahan = jnp.dtype(t.cd) == jnp.dtype(_F32)
 
   def body(k, carry):
@@ -269,8 +269,8 @@ def tiling(n, d_in, d_out, rank, *, interpret=False, in_itemsize=2, b_itemsize=2
   Compiled (GPU): bn = 16 / 32 / 64 by N; bk the largest power of 2 <= 256 whose x and A
   tiles, num_stages deep, fit `_SMEM_BUDGET`; bo = 128, halved while the up pass's [bo, Rp] B
   tiles (num_stages deep, plus one converted copy) exceed it: with 4 rank-50 adapters on one
-  table (Rp 256) the H200 refused 280-336 KiB requests (gpu_tests_run7.log). Din splits: `_DIN_SPLITS` (fp32
-  operands: also at most `_F32_CHAIN` columns per split, which bounds the sequential fp32
+  table (Rp 256) the H200 refused 280-336 KiB requests (gpu_tests_run7_failures.txt). Din
+  splits: `_DIN_SPLITS` (fp32 operands: also at most `_F32_CHAIN` columns per split, which bounds the sequential fp32
   accumulation). Dout splits: `_DECODE_DOUT_SPLITS` for a single row block, else about
   `_UP_PROGRAMS` programs in all, at least `_DECODE_DOUT_SPLITS`. Interpret (CPU): few,
   large steps, as each interpreted grid step costs ~0.1 ms and splits only add steps.
