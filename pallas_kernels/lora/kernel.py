@@ -271,8 +271,9 @@ def tiling(n, d_in, d_out, rank, *, interpret=False, in_itemsize=2, b_itemsize=2
   tiles (num_stages deep, plus one converted copy) exceed it: with 4 rank-50 adapters on one
   table (Rp 256) the H200 refused 280-336 KiB requests (gpu_tests_run7_failures.txt). Din
   splits: `_DIN_SPLITS` (fp32 operands: also at most `_F32_CHAIN` columns per split, which
-  bounds the sequential fp32 accumulation). Dout splits: `_DECODE_DOUT_SPLITS` for a single row block, else about
-  `_UP_PROGRAMS` programs in all, at least `_DECODE_DOUT_SPLITS`. Interpret (CPU): few,
+  bounds the sequential fp32 accumulation). Dout splits: `_DECODE_DOUT_SPLITS` for a single
+  row block, else about `_UP_PROGRAMS` programs in all, at least `_DECODE_DOUT_SPLITS`.
+  Interpret (CPU): few,
   large steps, as each interpreted grid step costs ~0.1 ms and splits only add steps.
   """
   rp = _pow2_at_least(rank)
