@@ -88,7 +88,8 @@ def test_keep_with_adapter_matches_dequantize(tmp_path):
     "on the H200 the quantised model's switch-off logits differed from the no-adapter "
     "model's in the last bit (<= 9.5e-7, gpu_tests_run7_failures.txt), though the "
     "kernel-level off rows are bit-identical there "
-    "(test_quant_kernel.py::test_gpu_lora_off_rows_bit_identical) and so is the unquantised model (test_lora_switch.py); cause not yet found"))
+    "(test_quant_kernel.py::test_gpu_lora_off_rows_bit_identical) and so is the "
+    "unquantised model (test_lora_switch.py); cause not yet found"))
 def test_keep_adapter_off_is_bit_identical_to_no_adapter(tmp_path):
   keep = read_model_gguf(_write(tmp_path / "q4k.gguf", T.Q4_K), weights="keep")
   lora = pad_lora_rank(random_lora(CFG, rank=4, scale=0.05).params, 64)
