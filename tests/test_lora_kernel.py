@@ -370,3 +370,15 @@ def test_gpu_rank_scale_table(act, n, kw):
   args = table_inputs(n, 4096, 2048, (50, 50, 50, 50), seed=31, act=act)
   got = lora_pallas(*(jnp.asarray(v) for v in args[:5]), jnp.asarray(args[5]), **kw)
   check_table(got, *args, what=f"gpu table {np.dtype(act).name} N{n} {kw}")
+
+
+@pytest.mark.parametrize("rank,b_itemsize,bo", [(50, 2, 128), (64, 4, 128), (200, 2, 64),
+                                                (200, 4, 32)])
+def test_compiled_tiling_fits_the_b_tiles_in_shared_memory(rank, b_itemsize, bo):
+  """The compiled defaults keep num_stages + 1 copies of the up pass's [bo, Rp] B tile within
+  the shared-memory budget: an adapter table of 4 rank-50 adapters (Rp 256) asked the H200 for
+  280-336 KiB at bo = 128 (gpu_tests_run7_failures.txt); small ranks keep bo = 128."""
+  from pallas_kernels.lora import kernel
+  t = kernel.tiling(32, 4096, 2048, rank, b_itemsize=b_itemsize)
+  assert t.block_out == bo
+  assert t.block_out * t.rank_pad * b_itemsize * 4 <= kernel._SMEM_BUDGET
