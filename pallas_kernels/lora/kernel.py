@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import SQUEEZED, pltriton, require_triton, triton_params
+from pallas_kernels._common import (SQUEEZED, compensated_add, pltriton, require_triton,
+                                    triton_params)
 
 _F32 = jnp.float32
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -120,9 +121,7 @@ def _down(x_ref, a_ref, row_ok, col0, t):
   bn, rp, bk = t.block_rows, t.rank_pad, t.block_in
   r_ok = jnp.arange(rp) < t.rank if t.rank != rp else None
 
-  # fp32 operands: the tiles' partial products are summed with Kahan compensation, so a long
-  # Din chain (one split over 4096 columns) stays at the per-tile dot's error: the plain sum
-  # erred by 1.2-1.3e-6 of the output's scale on the H200 (gpu_tests_run8_failures.txt).
+  # fp32 operands: a long Din chain (one split over 4096 columns) is summed compensated
   kahan = jnp.dtype(t.cd) == jnp.dtype(_F32)
 
   def body(k, carry):
@@ -134,11 +133,7 @@ def _down(x_ref, a_ref, row_ok, col0, t):
     ak = _load(a_ref.at[:, sl], _and(_col(r_ok), _row(col_ok)))  # [Rp, bk]
     part = lax.dot_general(xk.astype(t.cd), ak.astype(t.cd), _NT, precision=t.precision,
                            preferred_element_type=_F32)
-    if not kahan:
-      return h + part, comp
-    y = part - comp
-    total = h + y
-    return total, (total - h) - y
+    return compensated_add(h, comp, part) if kahan else (h + part, comp)
 
   zeros = jnp.zeros((bn, rp), _F32)
   h, _ = lax.fori_loop(0, t.in_tiles, body, (zeros, zeros if kahan else jnp.zeros((), _F32)))
