@@ -123,6 +123,25 @@ def build_kjv(cache: str = DEFAULT_CACHE) -> str:
   return text
 
 
+# A quarter of the training documents are wrapped as a one-turn chat with one of these
+# requests, so `--chat` on the demo model answers in the style of the active weights.
+CHAT_PROMPTS = ("Tell me something.", "Write a paragraph.", "Say something.",
+                "Write a few sentences.", "Continue.")
+
+
+def training_texts(docs: list[str], rng, chat_frac: float = 0.25) -> list[str]:
+  """The training format: each document ends with <|endoftext|>; `chat_frac` of them (drawn
+  from `rng`) as a one-turn ChatML exchange."""
+  texts = []
+  for doc in docs:
+    if rng.random() < chat_frac:
+      texts.append(f"<|im_start|>user\n{rng.choice(CHAT_PROMPTS)}<|im_end|>\n"
+                   f"<|im_start|>assistant\n{doc}<|im_end|>\n<|endoftext|>")
+    else:
+      texts.append(doc + "<|endoftext|>")
+  return texts
+
+
 def split(lines: list[str], val_every: int = 50) -> tuple[list[str], list[str]]:
   """Deterministic train/validation split: every `val_every`-th line is held out."""
   val = lines[::val_every]

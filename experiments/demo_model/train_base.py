@@ -38,10 +38,6 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
 CHAT_TEMPLATE = (
   "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# A quarter of the training documents are wrapped as a one-turn chat with one of these
-# requests, so `--chat` on the demo model answers in the style of the active weights.
-CHAT_PROMPTS = ("Tell me something.", "Write a paragraph.", "Say something.",
-                "Write a few sentences.", "Continue.")
 SAMPLE_PROMPTS = ("The", "This function", "In the beginning", "And he said")
 
 
@@ -95,16 +91,9 @@ def save_tokenizer(tok, out: str):
 
 
 def encode_docs(tok, docs: list[str], rng: random.Random, chat_frac: float = 0.25) -> list[int]:
-  """One token stream: each document ends with <|endoftext|>; `chat_frac` of them as chat."""
-  texts = []
-  for doc in docs:
-    if rng.random() < chat_frac:
-      texts.append(f"<|im_start|>user\n{rng.choice(CHAT_PROMPTS)}<|im_end|>\n"
-                   f"<|im_start|>assistant\n{doc}<|im_end|>\n<|endoftext|>")
-    else:
-      texts.append(doc + "<|endoftext|>")
+  """One token stream of `data.training_texts`."""
   stream = []
-  for enc in tok.encode_batch(texts):
+  for enc in tok.encode_batch(data.training_texts(docs, rng, chat_frac)):
     stream.extend(enc.ids)
   return stream
 

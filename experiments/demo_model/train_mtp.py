@@ -13,8 +13,9 @@ Start: the attention and MoE of the trunk's attention layer (layer 3), its norms
 `eh_proj` = [small noise | identity], so the block first sees the normed hidden state.
 AdamW, linear warmup then cosine to 10 % over the wall-time budget (as train_base.py).
 
-Writes the base GGUF with the head added (block 4, `nextn_predict_layers = 1`, f16), after
-checking that every trunk tensor's bytes are unchanged, and `demo_mtp.json` (loss curve,
+Writes the base GGUF with the head (block 4, `nextn_predict_layers = 1`, f16; a head the
+shipped file already carries is replaced, not trained on), after checking that every trunk
+tensor's bytes are unchanged, and `demo_mtp.json` (loss curve,
 steps) under --out-dir.
 """
 from __future__ import annotations
@@ -31,19 +32,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
 
-CHAT_PROMPTS = ("Tell me something.", "Write a paragraph.", "Say something.",
-                "Write a few sentences.", "Continue.")
-
-
-def token_stream(model, docs, rng, chat_frac=0.25):
-  """One id stream, each document ending with <|endoftext|> (the base's training format)."""
-  out = []
-  for doc in docs:
-    if rng.random() < chat_frac:
-      doc = (f"<|im_start|>user\n{rng.choice(CHAT_PROMPTS)}<|im_end|>\n"
-             f"<|im_start|>assistant\n{doc}<|im_end|>\n")
-    out.extend(model.encode(doc + "<|endoftext|>"))
-  return out
+def token_stream(model, docs, rng):
+  """One id stream of the base's training format (`data.training_texts`)."""
+  import data
+  return [t for text in data.training_texts(docs, rng) for t in model.encode(text)]
 
 
 def warm_start(base_params, mtp):
@@ -192,11 +184,12 @@ def main(argv=None):
                    feed_forward_length=int(r.fields["qwen3next.feed_forward_length"].contents()),
                    progress=False)
   new = {t.name: t for t in gguf.GGUFReader(out).tensors}
-  for t in r.tensors:
+  head = f"blk.{model.cfg.n_layers}."   # a head the shipped file already has is replaced
+  for t in (t for t in r.tensors if not t.name.startswith(head)):
     if t.tensor_type != new[t.name].tensor_type or bytes(t.data) != bytes(new[t.name].data):
       raise SystemExit(f"{out}: trunk tensor {t.name} changed in the rewrite")
   print(f"{out}: {os.path.getsize(out) / 2**20:.2f} MiB "
-        f"({len(new) - len(r.tensors)} head tensors added)", flush=True)
+        f"({sum(n.startswith(head) for n in new)} head tensors)", flush=True)
   with open(os.path.join(args.out_dir, "demo_mtp.json"), "w") as f:
     json.dump({"steps": n, "batch": B, "seq": T, "minutes": args.minutes, "lr": args.lr,
                "curve": curve}, f, indent=1)
