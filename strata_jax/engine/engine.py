@@ -465,18 +465,9 @@ class Engine:
                     one, self._put(self.row_params.params([0])),
                     self._put(self.row_params.stops([0])), plan=plan)
       if len(self.stages) == 1:
-        dev = self._device_rows()
-        st = self.stages[0]
-        for n in self.decode_steps:
-          out, self.rows, self.states[0] = distributed.call_on_stage(
-              steps.decode_sample, st.device, st.cfg, st.params, st.lora, self.states[0],
-              self.rows, dev[0], dev[1], dev[2], n_steps=n, plan=plan, with_logits=False,
-              cvec=st.cvec)  # the same keywords as _dispatch: jit keys on which are passed
-          for r in self.row_buckets:   # no row is active: nothing changes
-            out, self.rows, self.states[0] = distributed.call_on_stage(
-                steps.decode_sample_rows, st.device, st.cfg, st.params, st.lora,
-                self.states[0], self.rows, dev[0], dev[1], dev[2], self._bucket_idx(tuple(
-                    range(r))), n_steps=n, plan=plan, with_logits=False, cvec=st.cvec)
+        for n in self.decode_steps:   # no row is active: nothing changes
+          for rows in [None] + [tuple(range(r)) for r in self.row_buckets]:
+            self._decode_chunk(rows, n, plan, with_logits=False)
     jax.block_until_ready(self.states)
 
   # ----- requests -------------------------------------------------------------------------
@@ -771,22 +762,14 @@ class Engine:
     sp, switch, stop = self._device_rows()
     cols = None
     bucket = next((r for r in self.row_buckets if r >= len(live)), None)
-    if bucket is not None:
-      # the live rows first, then idle slots (inactive: left as they are) to fill the bucket
-      idx = sorted(live)
-      idx += [s for s in range(self.n_slots) if s not in live][:bucket - len(idx)]
-      cols = {s: i for i, s in enumerate(idx)}
-      st = self.stages[0]
-      out, self.rows, self.states[0] = distributed.call_on_stage(
-          steps.decode_sample_rows, st.device, st.cfg, st.params, st.lora, self.states[0],
-          self.rows, sp, switch, stop, self._bucket_idx(tuple(idx)), n_steps=n, plan=plan,
-          with_logits=with_logits, cvec=st.cvec)
-    elif len(self.stages) == 1:
-      st = self.stages[0]
-      out, self.rows, self.states[0] = distributed.call_on_stage(
-          steps.decode_sample, st.device, st.cfg, st.params, st.lora, self.states[0],
-          self.rows, sp, switch, stop, n_steps=n, plan=plan, with_logits=with_logits,
-          cvec=st.cvec)
+    if len(self.stages) == 1:
+      rows = None
+      if bucket is not None:
+        # the live rows first, then idle slots (inactive: left as they are) to fill the bucket
+        idle = [s for s in range(self.n_slots) if s not in live]
+        rows = tuple(sorted(live) + idle[:bucket - len(live)])
+        cols = {s: i for i, s in enumerate(rows)}
+      out = self._decode_chunk(rows, n, plan, with_logits)
     else:   # a layer split: stage by stage, then the sampler on the last stage's device
       if self._shared:   # host values: a committed local array would start a transfer
         logits = self._decode_logits(*(jnp.asarray(np.asarray(a)) for a in (
@@ -799,6 +782,20 @@ class Engine:
     for run in live.values():
       run.inflight += n
     return _Chunk(out=out, n=n, runs=sorted(live.items()), plan=plan, cols=cols)
+
+  def _decode_chunk(self, rows: tuple[int, ...] | None, n: int, plan: smp.Plan,
+                    with_logits: bool):
+    """n decode steps on the single stage: every slot (rows None), or only `rows` (a bucket,
+    `steps.decode_sample_rows`). Warmup and dispatch both come here, so they pass the same
+    keywords (jit keys on which are passed). Returns the program's outputs."""
+    st = self.stages[0]
+    sp, switch, stop = self._device_rows()
+    fn, extra = (steps.decode_sample, ()) if rows is None else (
+        steps.decode_sample_rows, (self._bucket_idx(rows),))
+    out, self.rows, self.states[0] = distributed.call_on_stage(
+        fn, st.device, st.cfg, st.params, st.lora, self.states[0], self.rows, sp, switch, stop,
+        *extra, n_steps=n, plan=plan, with_logits=with_logits, cvec=st.cvec)
+    return out
 
   def _bucket_idx(self, idx: tuple[int, ...]):
     """The device array of a bucket's row list (kept: the same rows recur chunk after chunk)."""
