@@ -30,5 +30,5 @@ case "${GPU_SET:-all}" in
   *) SET="$KERNELS $MODEL" ;;
 esac
 TESTS=${GPU_TESTS:-$SET}
-timeout "${CAP:-420}" python3 -m pytest -p no:cacheprovider -W ignore -q -rfs --durations=20 -n "${WORKERS:-6}" \
-  $TESTS 2>&1 | tee "$OUT/gpu_tests${GPU_SET:+_$GPU_SET}.log" | tail -40
+timeout "${CAP:-420}" python3 -m pytest -p no:cacheprovider -W ignore -q -rfs --durations=20 \
+  -n "${WORKERS:-6}" $TESTS 2>&1 | tee "$OUT/gpu_tests${GPU_SET:+_$GPU_SET}.log" | tail -40
