@@ -330,6 +330,9 @@ def main(argv=None):
   ap.add_argument("--server-clients", type=int, default=32)
   ap.add_argument("--reps", type=int, default=2, help="timed runs per figure (after 1 untimed)")
   ap.add_argument("--decode-steps", type=int, default=16, help="engine steps per dispatch")
+  ap.add_argument("--profile", action="store_true",
+                  help="also trace one greedy engine run and one program round per batch "
+                       "(details.profile: GPU kernels per step, busy and idle time)")
   ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--clients", type=int, default=32, help=argparse.SUPPRESS)
   ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
@@ -411,6 +414,15 @@ def main(argv=None):
       for mode in ("greedy", "sampled"):
         d[f"{mode}_ratio"] = d[f"{mode}_tok_s"] / d["program_tok_s"]
       details["decode"][str(B)] = d
+      if args.profile:   # where the engine's extra time goes: a slower program, or idle gaps
+        import common
+        steps_run = calls * args.decode_steps
+        details.setdefault("profile", {})[str(B)] = dict(
+            engine=common.profile_call(lambda: engine_run(
+                e, _prompts(rng, B, args.prompt, V), args.new, {})[2][0].tokens,
+                steps_run, top=25),
+            program=common.profile_call(lambda: program_rate(
+                e, B, args.decode_steps, calls, args.prompt, 0)[1], steps_run, top=25))
       print("decode", B, {k: v for k, v in d.items() if not k.endswith("runs")}, flush=True)
       common_write(out_path, details, command)
 

@@ -246,6 +246,59 @@ def ceilings(kernels_json: dict | None) -> dict:
   return dict(bw=bw, flops=fl, source=src)
 
 
+def profile_call(call, n_steps: int = 1, top: int = 60) -> dict:
+  """Trace `call()` (jax.profiler, perfetto) and summarise the GPU side per step: kernels by
+  name (time, count), busy time (the union of kernel intervals, all streams), the span from
+  the first kernel's start to the last one's end, and the longest idle gaps inside that span
+  (host waits, syncs, copies not on a traced stream). A slower program shows in `top`; a host
+  that keeps the device waiting shows in `idle_us` and `gaps`."""
+  import collections
+  import glob
+  import gzip
+  import tempfile
+
+  import jax
+  d = tempfile.mkdtemp()
+  with jax.profiler.trace(d, create_perfetto_trace=True):
+    jax.block_until_ready(call())
+  path = glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True)
+  if not path:
+    return dict(error="no perfetto trace written")
+  ev = json.load(gzip.open(path[0]))
+  ev = ev.get("traceEvents", ev) if isinstance(ev, dict) else ev
+  pname = {e["pid"]: e["args"]["name"] for e in ev
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  by = collections.defaultdict(lambda: [0.0, 0])
+  spans = []
+  for e in ev:
+    if e.get("ph") != "X" or "gpu" not in pname.get(e.get("pid"), "?").lower():
+      continue
+    b = by[e.get("name", "?")[:120]]
+    b[0] += e.get("dur", 0.0)
+    b[1] += 1
+    spans.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+  if not spans:
+    return dict(error="no GPU events in the trace")
+  spans.sort()
+  busy, gaps, (cur_s, cur_e) = 0.0, [], spans[0]
+  for s0, e0 in spans[1:]:
+    if s0 > cur_e:
+      busy += cur_e - cur_s
+      gaps.append((s0 - cur_e, cur_e - spans[0][0]))
+      cur_s, cur_e = s0, e0
+    else:
+      cur_e = max(cur_e, e0)
+  busy += cur_e - cur_s
+  span = cur_e - spans[0][0]
+  gaps.sort(reverse=True)
+  return dict(steps=n_steps, span_us=span, busy_us=busy, idle_us=span - busy,
+              kernels_per_step=sum(c for _, c in by.values()) / n_steps,
+              busy_us_per_step=busy / n_steps,
+              gaps=[dict(us=g, at_us=a) for g, a in gaps[:12]],
+              top=[dict(name=n, us_per_step=t / n_steps, count_per_step=c / n_steps)
+                   for n, (t, c) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]])
+
+
 def hlo_counts(text: str) -> dict:
   """Launch-relevant op counts in an optimized HLO text (custom calls are the Pallas kernels
   and cuBLAS; conditionals the LoRA branch)."""

@@ -166,8 +166,8 @@ def main():
           times.append(time.perf_counter() - t)
         med = statistics.median(times)
         if variant == args.profile:
-          res["profile_" + variant] = profile(lambda: compiled(params, lp, state, toks, sw, act),
-                                              args.n_steps)
+          res[f"profile_{variant}_b{B}"] = common.profile_call(
+              lambda: compiled(params, lp, state, toks, sw, act), args.n_steps)
         row = dict(variant=variant, batch=B, ms_per_step=med / args.n_steps * 1e3,
                    tok_s=B * args.n_steps / med, spread=(max(times) - min(times)) / med,
                    compile_s=t_compile, hlo=counts, tokens=out[:4, 0].tolist())
@@ -180,44 +180,6 @@ def main():
       os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
       with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-
-
-def profile(call, n_steps):
-  """Trace one call; GPU time per kernel name (summed, per decode step), busiest first."""
-  import collections
-  import glob
-  import gzip
-  import tempfile
-
-  import jax
-  d = tempfile.mkdtemp()
-  with jax.profiler.trace(d, create_perfetto_trace=True):
-    out = call()
-    jax.block_until_ready(out)
-  path = glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True)
-  if not path:
-    return dict(error="no perfetto trace written")
-  ev = json.load(gzip.open(path[0]))
-  ev = ev.get("traceEvents", ev) if isinstance(ev, dict) else ev
-  pname = {e["pid"]: e["args"]["name"] for e in ev
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  by = collections.defaultdict(lambda: [0.0, 0])
-  per_proc = collections.defaultdict(float)
-  for e in ev:
-    if e.get("ph") != "X":
-      continue
-    proc = pname.get(e.get("pid"), "?")
-    per_proc[proc] += e.get("dur", 0.0)
-    if "GPU" in proc or "gpu" in proc:
-      b = by[e.get("name", "?")[:120]]
-      b[0] += e.get("dur", 0.0)
-      b[1] += 1
-  top = sorted(by.items(), key=lambda kv: -kv[1][0])[:60]
-  return dict(process_us=dict(per_proc),
-              gpu_kernels=sum(c for _, c in by.values()) / n_steps,
-              gpu_busy_us_per_step=sum(t for t, _ in by.values()) / n_steps,
-              top=[dict(name=n, us_per_step=t / n_steps, count_per_step=c / n_steps)
-                   for n, (t, c) in top])
 
 
 def time_gdn_ops(cfg, T):

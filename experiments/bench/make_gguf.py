@@ -88,9 +88,16 @@ SCALES = {
 POOL_BYTES = 64 << 20
 
 
-def model_config(geometry: str):
+def model_config(geometry: str, layers: int | None = None):
+  """The geometry's ModelConfig; `layers` (a multiple of its attention interval) keeps the
+  per-layer shapes and cuts the depth, for profiling a layer's kernels without the whole file."""
   from strata_jax.config import ModelConfig, layer_pattern_from_interval
   g = dict(GEOMETRIES[geometry])
+  if layers:
+    if layers % g["attn_interval"]:
+      raise SystemExit(f"error: --layers {layers} is not a multiple of {geometry}'s attention "
+                       f"interval ({g['attn_interval']})")
+    g["n_layers"] = layers
   pattern = layer_pattern_from_interval(g.pop("n_layers"), g.pop("attn_interval"))
   return ModelConfig(layer_types=pattern, context_length=32768 if geometry != "tiny" else 2048,
                      **g)
@@ -186,10 +193,10 @@ def plan(cfg, quant: str):
 
 
 def write(out_path: str, geometry: str, quant: str, seed: int = 0, progress: bool = True,
-          threads: int | None = None):
+          threads: int | None = None, layers: int | None = None):
   """Write the file; returns {"path", "bytes", "tensor_bytes", "seconds", "types"}."""
   from strata_jax.gguf import convert_hf
-  cfg = model_config(geometry)
+  cfg = model_config(geometry, layers)
   tensors = plan(cfg, quant)
   data_bytes = sum(nb for *_, nb in tensors)
   out_dir = os.path.dirname(os.path.abspath(out_path)) or "."
@@ -264,9 +271,12 @@ def main(argv=None):
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--threads", type=int, default=None, help="writer threads (default <= 8)")
   ap.add_argument("--no-progress", action="store_true")
+  ap.add_argument("--layers", type=int, default=None,
+                  help="fewer layers of the same shapes (a multiple of the attention interval)")
   args = ap.parse_args(argv)
   info = write(args.out, args.geometry, args.quant, args.seed,
-               progress=not args.no_progress and sys.stderr.isatty(), threads=args.threads)
+               progress=not args.no_progress and sys.stderr.isatty(), threads=args.threads,
+               layers=args.layers)
   gib = lambda b: f"{b / 2**30:.2f} GiB"
   print(f"wrote {info['path']}: {gib(info['bytes'])} in {info['seconds']:.1f} s "
         f"({info['tensor_bytes'] / info['seconds'] / 2**30:.2f} GiB/s); by type: "
