@@ -82,6 +82,26 @@ def test_prefix_hit_bit_identical_logits(model):
   assert hit.tokens == ref.tokens
 
 
+def test_prompts_started_in_one_round_share_blocks_and_store_them_by_its_end(model):
+  """Snapshots reach the host after the round's decode dispatch, not inside `_start`: a second
+  prompt started in the same round still reads the first one's blocks (they are stored before
+  its prefill), and every block is in the cache once `run` returns."""
+  rng = np.random.default_rng(3)
+  shared = list(rng.integers(0, TINY.vocab_size, 3 * BS))
+  reqs = [Request(tokens=shared + [9, 10 + i], max_tokens=3) for i in range(2)]
+  eng = sj.Engine(model, slots=2, max_seq=256, block_size=BS)
+  res = eng.run(reqs)
+  assert res[0].cached_tokens == 0 and res[1].cached_tokens == 3 * BS
+  assert eng.prefix_cache.stats["entries"] == 3 and not eng._snaps
+  cold = sj.Engine(model, slots=2, max_seq=256, block_size=BS, prefix_cache_bytes=0)
+  assert [r.tokens for r in res] == [r.tokens for r in cold.run(reqs)]
+  # a round whose prompts share nothing stores its blocks at the round's end as well
+  other = [Request(tokens=list(rng.integers(0, TINY.vocab_size, 2 * BS + 1)), max_tokens=2)
+           for _ in range(2)]
+  eng.run(other)
+  assert eng.prefix_cache.stats["entries"] == 3 + 4 and not eng._snaps
+
+
 def test_conversation_cache_extends(model):
   eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS, prefix_cache_bytes=0)
   p = list(range(10, 50))

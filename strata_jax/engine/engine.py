@@ -272,7 +272,7 @@ class Engine:
                              ) if decode_buckets and len(self.stages) == 1 and not self._shared \
         else ()
     self._idx_dev: dict = {}      # device copies of the bucket row lists, by rows
-    self._snaps: list = []        # prefix-cache snapshots read to the host after the first token
+    self._snaps: list = []        # prefix-cache snapshots of this round, stored at its end
     has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
@@ -321,6 +321,7 @@ class Engine:
   def _purge(self, entries) -> list[int]:
     """Drop the cached blocks and slot conversations of freed adapters; re-place the table."""
     ids = {e.id for e in entries}
+    self._flush_snapshots()   # none are pending between rounds; never store a freed chain
     for e in entries:
       self.prefix_cache.discard(self.adapters.blocks.pop(e.id, ()))
     for slot in range(self.n_slots):
@@ -426,6 +427,9 @@ class Engine:
       mask = self._put(np.isin(np.arange(self.n_slots), cancel).astype(np.int32))
       self.rows = self._on_last(steps.deactivate_rows, self.rows, mask)
     chunk = self._dispatch()
+    # the new prompts' snapshots go to the host behind the decode chunk just queued (the
+    # device computes it meanwhile), not before their first tokens
+    self._start_snapshot_copies()
     if self._inflight is not None:
       self._collect(self._inflight)
     self._inflight = chunk
@@ -439,6 +443,7 @@ class Engine:
         h.result = self._finish(slot, run, reason="cancelled")
         del self._running[slot]
         self._row_dev = None
+    self._flush_snapshots()
 
   def warmup(self, prompt_lengths: Sequence[int] | None = None,
              plans: Sequence[smp.Plan] = (smp.Plan(),)):
@@ -585,6 +590,8 @@ class Engine:
                            control_vector_id=self.control_vector_id) if aligned else [])
     self.adapters.note_blocks(choice, hashes, self.prefix_cache)
     if aligned:
+      if self._snaps and not {h[b] for h, b, _ in self._snaps}.isdisjoint(hashes):
+        self._flush_snapshots()   # an earlier prompt of this round shares blocks: store them
       self._reset(slot)
       start = self._restore_prefix(slot, toks, hashes, switch) if not req.return_logits else 0
     run.cached = start
@@ -633,7 +640,6 @@ class Engine:
     want_logits = req.return_logits or req.return_step_logits
     self._emit_chunk(slot, run, self._read(out1, plan), 1,
                      self._host(last) if want_logits else None)
-    self._flush_snapshots()
     run.spec = self._spec_n(req)
     if run.spec:    # speculative rounds from now on, off the device sampler's rows
       run.rng = np.random.default_rng(req.seed)
@@ -661,8 +667,11 @@ class Engine:
     self.slot_tokens[slot] = []
 
   def _snapshot(self, slot: int, hashes: list[bytes], blk: int, with_state: bool):
-    """Slice a block's K/V (and GDN state) on the device now; read to the host later
-    (`_flush_snapshots`, after the first token), so the copies stay out of the TTFT."""
+    """Slice a block's K/V (and GDN state) on the device now; the copies to the host start
+    after the round's first tokens and decode dispatch (`_start_snapshot_copies`) and land in
+    the prefix cache at the end of the round (`_flush_snapshots`), so they stay out of the
+    TTFT and overlap the decode. (Started right away, the tens of MB of a 48-layer GDN state
+    queued ahead of the first token's own copy to the host.)"""
     if self.prefix_cache.max_bytes <= 0:
       return
     if hashes[blk] in self.prefix_cache:
@@ -677,14 +686,16 @@ class Engine:
         conv, ssm = distributed.call_on_stage(steps.read_recurrent, st.device, state,
                                               jnp.int32(slot))
         entry.update(conv=conv, ssm=ssm)
-      if not self._shared:
-        # start the device-to-host copies behind the prefill now, so the flush after the
-        # first token finds them done instead of waiting on them (the GDN state of a 48-layer
-        # model is tens of MB a snapshot)
-        for a in entry.values():
-          a.copy_to_host_async()
       payload.append(entry)
     self._snaps.append((hashes, blk, payload))
+
+  def _start_snapshot_copies(self):
+    if self._shared:
+      return
+    for _, _, payload in self._snaps:
+      for entry in payload:
+        for a in entry.values():
+          a.copy_to_host_async()
 
   def _flush_snapshots(self):
     for hashes, blk, payload in self._snaps:
