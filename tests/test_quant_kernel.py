@@ -184,6 +184,48 @@ def test_lora_rank_scale_table(impl):
                  rank_scale=jnp.asarray(rs), lora_down="a", **kw)
 
 
+@pytest.mark.parametrize("form,n", [("rows", 1), ("rows", 3), ("dot", 17)])
+@pytest.mark.parametrize("qtype,dtype", [("q4_k", F32), ("q6_k", BF16), ("q8_0", BF16)])
+def test_k_split_partial_sums_match_float64_and_the_unsplit_kernel(qtype, dtype, form, n):
+  """k_split programs per output tile each sum a share of `in`: the same result as float64
+  math, and within rounding of one program per tile; groups (the experts' pairs) each read
+  their own matrix."""
+  qt, w64 = _weight(qtype, lead=(3,), blocks=4, seed=7)
+  planes = flat(jax.device_put(qt))
+  d_in = qt.shape[-1]
+  x = np.stack([_x(n, d_in, dtype, seed=s) for s in (1, 2)])           # G = 2
+  idx = jnp.asarray([2, 0], jnp.int32)
+  tiles = dict(form=form, block_out=16, block_in=BLOCK[qtype] if qtype != "q8_0" else 32,
+               interpret=True)
+  if form == "dot":
+    tiles["block_rows"] = 16
+  one = qmatmul_pallas(jnp.asarray(x), planes, idx, qtype=qtype, d_out=OUT, **tiles)
+  if qtype == "q8_0":   # 3 blocks, one a step: a split must divide the 3 steps
+    for bad in (2, 3):
+      with pytest.raises(ValueError, match="k_split"):
+        qmatmul_pallas(jnp.asarray(x), planes, idx, qtype=qtype, d_out=OUT, k_split=bad,
+                       **tiles)
+    return
+  for k_split in (2, 4):
+    got = qmatmul_pallas(jnp.asarray(x), planes, idx, qtype=qtype, d_out=OUT, k_split=k_split,
+                         **tiles)
+    assert got.shape == (2, n, OUT) and got.dtype == x.dtype
+    for g, m in enumerate((2, 0)):
+      assert_close(got[g], _want(x[g], w64[m]), rel=_tol(dtype), what=f"k_split {k_split} g{g}")
+    assert_close(got, one, rel=_tol(dtype), what=f"k_split {k_split} vs unsplit")
+
+
+def test_k_split_is_refused_with_the_lora_epilogue():
+  qt, _ = _weight("q4_k")
+  planes = flat(jax.device_put(qt))
+  d_in = qt.shape[-1]
+  with pytest.raises(ValueError, match="k_split needs lora='none'"):
+    qmatmul_pallas(jnp.ones((1, 2, d_in), F32), planes, jnp.zeros((1,), jnp.int32),
+                   qtype="q4_k", d_out=OUT, lora="h", on=jnp.ones((2,), jnp.int32),
+                   h=jnp.ones((2, 8), F32), b=jnp.ones((OUT, 8), F32), k_split=2,
+                   block_in=256, interpret=True)
+
+
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("qtype,dtype", [("q4_k", F32), ("q8_0", BF16)])
 def test_experts_match_float64(impl, qtype, dtype):
@@ -243,6 +285,10 @@ def test_kernel_lowers_to_triton_for_the_gpu(qtype, dtype, lora, form):
   def f(x, p, i):
     return qmatmul_pallas(x, p, i, qtype=qtype, d_out=OUT, form=form, **kw)
 
+  if lora == "none":   # the split-K programs lower too
+    f = functools.partial(lambda x, p, i, f0: f0(x, p, i), f0=lambda x, p, i: qmatmul_pallas(
+        x, p, i, qtype=qtype, d_out=OUT, form=form, block_in=256, k_split=2))
+
   low = jax.jit(f).trace(jnp.ones((1, 3, d_in), dtype), planes,
                          jnp.zeros((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
   assert "xla.gpu.triton" in low.as_text()
@@ -265,6 +311,20 @@ def test_gpu_parity(qtype, n, dtype, form):
   got = qmatmul(jnp.asarray(x), jax.device_put(qt), index=jnp.int32(2), implementation="pallas",
                 tiles={"form": form})
   assert_close(got, _want(x, w64[2]), rel=_tol(dtype), what=f"gpu {qtype} N{n} {form}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("qtype", [q for q in QUANT_TYPES if q != "q8_0"])  # 8 steps each
+@pytest.mark.parametrize("n,dtype,form", [(1, BF16, "rows"), (2, F32, "rows"), (5, F32, "dot")])
+def test_gpu_k_split_parity(qtype, n, dtype, form):
+  qt, w64 = _weight(qtype, lead=(3,), out=328, blocks=8, seed=13)
+  x = _x(n, qt.shape[-1], dtype)
+  for k_split in (2, 8):
+    got = qmatmul(jnp.asarray(x), jax.device_put(qt), index=jnp.int32(1),
+                  implementation="pallas",
+                  tiles={"form": form, "block_in": 256, "k_split": k_split})
+    assert_close(got, _want(x, w64[1]), rel=_tol(dtype), what=f"gpu k_split {k_split} {qtype}")
 
 
 @pytest.mark.gpu

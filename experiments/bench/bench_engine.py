@@ -117,6 +117,13 @@ def engine_run(eng, prompts, new, kw):
   return n_dec / (last[0] - start), n_all / (t1 - t0), res
 
 
+def _windowed(run, B, new, window):
+  """engine_run's result; stores its decode window (µs: the time its decode rate divides by)."""
+  rate = run[0]
+  window[0] = B * (new - 1) / rate * 1e6
+  return run[2][0].tokens
+
+
 def program_rate(eng, B, steps_per_call, calls, pos, reps):
   """decode_greedy on the engine's stage (params, padded adapter, forms), switch on: B *
   steps_per_call * calls / seconds, the median over reps (one untimed round first)."""
@@ -139,6 +146,47 @@ def program_rate(eng, B, steps_per_call, calls, pos, reps):
       toks = out[-1]
     jax.block_until_ready(toks)
     state = state.replace(pos=jnp.full((B,), pos, jnp.int32))
+    if r:
+      times.append(time.perf_counter() - t0)
+  return (B * steps_per_call * calls / statistics.median(times) if times else None), times
+
+
+def sample_program_rate(eng, B, steps_per_call, calls, pos, reps, kw):
+  """`steps.decode_sample`, the engine's own decode program, called back to back as
+  `program_rate` calls decode_greedy (B rows active, request parameters `kw`, switch on): the
+  device-side price of on-device sampling and row bookkeeping, apart from the engine's host
+  loop."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from strata_jax import steps
+  from strata_jax.engine import sampling as hs
+  from strata_jax.engine.engine import Request
+  from strata_jax.sampling import Rows
+  from strata_jax.state import init_state
+  st = eng.stages[0]
+  req = Request(tokens=[0], max_tokens=1 << 30, **kw)
+  rp = hs.RowParams(B)
+  for i in range(B):
+    rp.set(i, req, 1)
+  sp, switch, stop = (jax.device_put(a) for a in (rp.params(), rp.switch, rp.stops()))
+  plan = hs.plan_for([req])
+  state = init_state(st.cfg, B, eng.max_seq, eng.model.dtype)
+  times = []
+  for r in range(reps + 1):
+    state = state.replace(pos=jnp.full((B,), pos, jnp.int32))
+    rows = jax.device_put(Rows(last=np.zeros(B, np.int32), active=np.ones(B, np.int32),
+                               remaining=np.full(B, 1 << 30, np.int32),
+                               n_gen=np.zeros(B, np.int32),
+                               recent=np.full((B, hs.dev.RECENT), -1, np.int32)))
+    jax.block_until_ready(rows)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out, rows, state = steps.decode_sample(st.cfg, st.params, st.lora, state, rows, sp,
+                                             switch, stop, n_steps=steps_per_call, plan=plan,
+                                             with_logits=False, cvec=st.cvec)
+    jax.block_until_ready(out[0])
     if r:
       times.append(time.perf_counter() - t0)
   return (B * steps_per_call * calls / statistics.median(times) if times else None), times
@@ -387,6 +435,8 @@ def main(argv=None):
       lengths = [args.prompt] + ([args.ttft_tokens] if B == 1 else [])
       e.warmup(lengths, plans=plans)
       program_rate(e, B, args.decode_steps, 1, args.prompt, 0)
+      for kw in ({}, dict(SAMPLED, seed=7)):
+        sample_program_rate(e, B, args.decode_steps, 1, args.prompt, 0, kw)
       if B == 1:
         prefill_time(e, args.ttft_tokens, 0)
       return B
@@ -411,16 +461,20 @@ def main(argv=None):
         d[f"{mode}_end_to_end_tok_s"], d[f"{mode}_end_to_end_runs"] = statistics.median(e2e), e2e
       d["program_tok_s"], d["program_runs_s"] = program_rate(e, B, args.decode_steps, calls,
                                                              args.prompt, args.reps)
+      for mode, kw in (("greedy", {}), ("sampled", dict(SAMPLED, seed=7))):
+        d[f"sample_program_{mode}_tok_s"], d[f"sample_program_{mode}_runs_s"] = \
+            sample_program_rate(e, B, args.decode_steps, calls, args.prompt, args.reps, kw)
       for mode in ("greedy", "sampled"):
         d[f"{mode}_ratio"] = d[f"{mode}_tok_s"] / d["program_tok_s"]
       details["decode"][str(B)] = d
       if args.profile:   # where the engine's extra time goes: a slower program, or idle gaps
         import common
+        window = [None]   # the engine run's decode window (µs), the profile's last stretch
         steps_run = calls * args.decode_steps
         details.setdefault("profile", {})[str(B)] = dict(
-            engine=common.profile_call(lambda: engine_run(
-                e, _prompts(rng, B, args.prompt, V), args.new, {})[2][0].tokens,
-                steps_run, top=25),
+            engine=common.profile_call(lambda: _windowed(engine_run(
+                e, _prompts(rng, B, args.prompt, V), args.new, {}), B, args.new, window),
+                steps_run, top=25, window_us=lambda: window[0]),
             program=common.profile_call(lambda: program_rate(
                 e, B, args.decode_steps, calls, args.prompt, 0)[1], steps_run, top=25))
       print("decode", B, {k: v for k, v in d.items() if not k.endswith("runs")}, flush=True)

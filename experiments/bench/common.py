@@ -246,12 +246,14 @@ def ceilings(kernels_json: dict | None) -> dict:
   return dict(bw=bw, flops=fl, source=src)
 
 
-def profile_call(call, n_steps: int = 1, top: int = 60) -> dict:
+def profile_call(call, n_steps: int = 1, top: int = 60, window_us=None) -> dict:
   """Trace `call()` (jax.profiler, perfetto) and summarise the GPU side per step: kernels by
   name (time, count), busy time (the union of kernel intervals, all streams), the span from
   the first kernel's start to the last one's end, and the longest idle gaps inside that span
   (host waits, syncs, copies not on a traced stream). A slower program shows in `top`; a host
-  that keeps the device waiting shows in `idle_us` and `gaps`."""
+  that keeps the device waiting shows in `idle_us` and `gaps`. `window_us` (a callable, asked
+  after the call): only the kernels that start in the span's last that-many µs count (an
+  engine run's decode, after its prefills)."""
   import collections
   import glob
   import gzip
@@ -273,13 +275,19 @@ def profile_call(call, n_steps: int = 1, top: int = 60) -> dict:
   for e in ev:
     if e.get("ph") != "X" or "gpu" not in pname.get(e.get("pid"), "?").lower():
       continue
-    b = by[e.get("name", "?")[:120]]
-    b[0] += e.get("dur", 0.0)
-    b[1] += 1
-    spans.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+    spans.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)),
+                   e.get("name", "?")[:120]))
   if not spans:
     return dict(error="no GPU events in the trace")
   spans.sort()
+  if window_us is not None and window_us() is not None:
+    end = max(s1 for _, s1, _ in spans)
+    spans = [sp for sp in spans if sp[0] >= end - window_us()]
+  for s0, s1, name in spans:
+    b = by[name]
+    b[0] += s1 - s0
+    b[1] += 1
+  spans = [sp[:2] for sp in spans]
   busy, gaps, (cur_s, cur_e) = 0.0, [], spans[0]
   for s0, e0 in spans[1:]:
     if s0 > cur_e:

@@ -74,6 +74,8 @@ class Tiling(NamedTuple):
   a_cd: object = None  # operand dtype / precision of x @ A^T ("a" mode)
   a_precision: object = None
   scale: float = 1.0
+  k_split: int = 1  # programs per output tile along `in`, each summing its share of steps
+  out_tiles: int = 1  # output tiles per matrix (grid axis 0 is out_tiles * k_split)
 
   @property
   def row_ragged(self):
@@ -197,13 +199,29 @@ def _kernel(*refs, t):
     *lora_refs, o_ref = rest
   bn, bo = t.block_rows, t.block_out
   j, g, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  ks = j // t.out_tiles  # this program's share of `in` (0 without a split)
+  j = j % t.out_tiles
   o0, r0 = j * bo, i * bn
   o_ok = (o0 + jnp.arange(bo)) < t.d_out if t.out_ragged else None
   r_ok = (r0 + jnp.arange(bn)) < t.m if t.row_ragged else None
   s = idx_ref[g]
   tl = _Tiles({**planes, "x": x_ref}, s, g, o0, r0, o_ok, r_ok, t)
+  tl.ks = ks
   form = _dot_form if t.form == "dot" else _rows_form
   form(tl, lora_refs, o_ref, t)
+
+
+def _k_loop(tl, t, body, init):
+  """fori_loop over this program's loop steps: all of them, or its 1/k_split share (its
+  partial sum goes to output block ks * G + g, and the caller sums the k_split blocks)."""
+  n = _units(t.qtype, t.d_in) // t.unroll // t.k_split
+  if t.k_split == 1:
+    return lax.fori_loop(0, n, body, init)
+  return lax.fori_loop(0, n, lambda step, c: body(tl.ks * n + step, c), init)
+
+
+def _out_group(tl, t):
+  return tl.g if t.k_split == 1 else tl.ks * t.groups + tl.g
 
 
 def _step_tiles(tl, step, t):
@@ -240,7 +258,7 @@ def _dot_form(tl, lora_refs, o_ref, t):
   acc0 = jnp.zeros((bn, bo), _F32)
   comp0 = jnp.zeros((bn, bo), _F32) if kahan else jnp.zeros((), _F32)
   h0 = jnp.zeros((bn, rp), _F32) if t.lora == "a" else jnp.zeros((), _F32)
-  acc, _, h = lax.fori_loop(0, _units(t.qtype, t.d_in) // t.unroll, body, (acc0, comp0, h0))
+  acc, _, h = _k_loop(tl, t, body, (acc0, comp0, h0))
   y = plain = acc.astype(t.out_dtype)
   if t.lora != "none":
     on = _load(on_ref.at[pl.ds(tl.r0, bn)], tl.r_ok) != 0  # [bn]; padded rows read 0: off
@@ -257,7 +275,7 @@ def _dot_form(tl, lora_refs, o_ref, t):
 
     any_on = jnp.max(on.astype(jnp.int32)) > 0
     y = lax.cond(any_on, with_lora, lambda: plain)
-  _store(o_ref.at[tl.g, pl.ds(tl.r0, bn), pl.ds(tl.o0, bo)], y,
+  _store(o_ref.at[_out_group(tl, t), pl.ds(tl.r0, bn), pl.ds(tl.o0, bo)], y,
          _and(_col(tl.r_ok), _row(tl.o_ok)))
 
 
@@ -294,7 +312,7 @@ def _rows_form(tl, lora_refs, o_ref, t):
 
   acc0 = tuple(jnp.zeros((bo, width), _F32) for _ in range(bn))
   h0 = tuple(jnp.zeros((rp, width), _F32) for _ in range(bn if t.lora == "a" else 0))
-  accs, hs = lax.fori_loop(0, _units(t.qtype, t.d_in) // t.unroll, body, (acc0, h0))
+  accs, hs = _k_loop(tl, t, body, (acc0, h0))
   accs = [jnp.sum(a, axis=1) for a in accs]  # [bo] each
   plain = [a.astype(t.out_dtype) for a in accs]
   ys = plain
@@ -322,7 +340,7 @@ def _rows_form(tl, lora_refs, o_ref, t):
       any_on = any_on | v
     ys = lax.cond(any_on, with_lora, lambda: tuple(plain))
   for r in range(bn):
-    _store(o_ref.at[tl.g, tl.r0 + r, pl.ds(tl.o0, bo)], ys[r], tl.o_ok)
+    _store(o_ref.at[_out_group(tl, t), tl.r0 + r, pl.ds(tl.o0, bo)], ys[r], tl.o_ok)
 
 
 def _pow2_at_least(v, lo=_MIN_TILE):
@@ -390,11 +408,11 @@ def check_planes(planes, qtype, d_out, d_in):
 
 @functools.partial(jax.jit, static_argnames=(
     "qtype", "d_out", "lora", "scale", "form", "block_rows", "block_out", "block_in",
-    "num_warps", "num_stages", "interpret", "precision", "out_dtype"))
+    "num_warps", "num_stages", "interpret", "precision", "out_dtype", "k_split"))
 def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=None,
                    lora="none", scale=1.0, form=None, block_rows=None, block_out=None,
                    block_in=None, num_warps=None, num_stages=None, interpret=False,
-                   precision=None, out_dtype=None):
+                   precision=None, out_dtype=None, k_split=1):
   """y[g] = x[g] @ W[idx[g]]^T (+ the LoRA epilogue), reading the weight stack in place.
 
   Args:
@@ -419,6 +437,10 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     interpret: run the Pallas interpreter (CPU).
     precision: of the weight product for fp32 x (None: HIGHEST, IEEE fp32).
     out_dtype: of y (None: x.dtype); the accumulation is fp32 either way.
+    k_split: programs per output tile along `in` (a power of 2 dividing the loop steps;
+      lora "none" only). Each writes its fp32 partial sum and one XLA sum over the k_split
+      partials (a fixed order) gives y: more programs for a matrix with few output tiles,
+      each with a shorter K loop.
 
   Returns:
     [G, M, out] in out_dtype.
@@ -457,9 +479,16 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   units = _units(qtype, d_in)
   want = max(1, (block_in or bk0) // BLOCK[qtype])  # blocks per step
   unroll = next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and units % u == 0)
+  k_split = int(k_split or 1)
+  if k_split < 1 or k_split & (k_split - 1) or (units // unroll) % k_split:
+    raise ValueError(f"quant kernel: k_split={k_split} must be a power of 2 dividing the "
+                     f"{units // unroll} loop steps")
+  if k_split > 1 and lora != "none":
+    raise ValueError("quant kernel: k_split needs lora='none' (the epilogue needs the sum)")
+  n_out = pl.cdiv(d_out, bo)
   t = Tiling(qtype=qtype, groups=groups, m=m, d_in=d_in, d_out=d_out, block_rows=bn,
              block_out=bo, unroll=unroll, form=form, cd=cd, precision=prec, out_dtype=od,
-             lora=lora, scale=float(scale))
+             lora=lora, scale=float(scale), k_split=k_split, out_tiles=n_out)
   idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
   args = [idx, x, *(planes[n] for n in PLANES[qtype])]
   if lora != "none":
@@ -482,10 +511,15 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   if groups == 0 or m == 0 or d_out == 0:
     return jnp.zeros((groups, m, d_out), od)
   params = None if interpret else _triton_params(num_warps or 4, num_stages or 3)
-  return pl.pallas_call(
+  if k_split > 1:
+    t = t._replace(out_dtype=jnp.dtype(_F32))
+  y = pl.pallas_call(
       functools.partial(_kernel, t=t),
-      grid=(pl.cdiv(d_out, bo), groups, pl.cdiv(m, bn)),
-      out_shape=jax.ShapeDtypeStruct((groups, m, d_out), od),
+      grid=(n_out * k_split, groups, pl.cdiv(m, bn)),
+      out_shape=jax.ShapeDtypeStruct((k_split * groups, m, d_out), t.out_dtype),
       in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
       interpret=interpret, compiler_params=params, name=f"qmatmul_{qtype}",
   )(*args)
+  if k_split > 1:
+    y = jnp.sum(y.reshape(k_split, groups, m, d_out), axis=0).astype(od)
+  return y
