@@ -368,6 +368,22 @@ def test_gpu_experts(qtype):
   assert_close(got, want, rel=2 * _tol(BF16), what=f"gpu experts {qtype}")
 
 
+def test_split_defaults_follow_the_measured_shapes():
+  """Compiled "rows" GEMVs: few output tiles split `in` 4 ways at 512 columns a step, the
+  experts 2 ways, the output head 2 ways at 256; a split always divides the loop steps."""
+  from pallas_kernels.quant.kernel import split_defaults
+  assert split_defaults(2048, 4096, "q4_k") == (512, 4)      # ssm_out: 8 steps
+  assert split_defaults(512, 2048, "q4_k") == (512, 4)       # shared expert gate / up
+  assert split_defaults(2048, 512, "q4_k") == (512, 1)       # one step: nothing to split
+  assert split_defaults(8192, 2048, "q5_k") == (1024, 1)     # many tiles
+  assert split_defaults(512, 2048, "q4_k", groups=10) == (1024, 2)
+  assert split_defaults(2048, 512, "q6_k", groups=10) == (1024, 1)
+  assert split_defaults(151936, 2048, "q6_k") == (256, 2)
+  assert split_defaults(64, 96, "q8_0") == (512, 1)           # 3 blocks: no power-of-2 split
+  assert split_defaults(512, 2560, "q4_k", groups=10) == (1024, 1)  # 10 blocks: 5 steps of 2
+  assert split_defaults(512, 3072, "q4_k", groups=10) == (1024, 1)  # 12 blocks: 3 steps of 4
+
+
 def test_rows_form_expert_tiles_shrink_until_the_grid_has_enough_programs():
   """The experts' GEMVs (one matrix per pair) get 4-16-row tiles and >= ROWS_MIN_PROGRAMS
   programs; a single matrix keeps 32-row tiles (faster for ssm_out on the H200)."""

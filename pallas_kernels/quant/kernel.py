@@ -187,6 +187,12 @@ def _units(qtype, d_in):
   return d_in // BLOCK[qtype]
 
 
+def _unroll(qtype, d_in, block_in):
+  """Blocks per loop step: block_in's worth, rounded down to a power of 2 dividing the row."""
+  want = max(1, block_in // BLOCK[qtype])
+  return next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and _units(qtype, d_in) % u == 0)
+
+
 def _kernel(*refs, t):
   names = PLANES[t.qtype]
   idx_ref, x_ref, *rest = refs
@@ -382,6 +388,34 @@ def tiling_defaults(m, d_out, *, form="dot", interpret=False, groups=1):
   return bn, min(bo, _pow2_at_least(d_out)), bk
 
 
+SPLIT_BELOW_TILES = 128  # a single matrix with fewer 32-row output tiles splits `in` 4 ways
+SPLIT_FROM_OUT = 32768   # ... and one this tall (the output head) 2 ways
+
+
+def split_defaults(d_out, d_in, qtype, *, groups=1):
+  """(block_in, k_split) of the compiled "rows" form without an epilogue, when not given.
+
+  Measured on the H200 at batch 1 (`experiments/bench/gemv_sweep.py`,
+  results/device/gemv_sweep_run1.json; µs per call, default -> this):
+  ssm_out [2048, 4096] Q4_K 43.6 -> 19.2 (512 columns a step, 4 splits); the shared
+  expert's [512, 2048] 21.0 -> 12.1 (the same); the experts' [512, 2048] over 10 pairs
+  25.5 -> 23.2 (2 splits); the Q6_K output head [151936, 2048] 260.8 -> 207.8 (256 columns,
+  2 splits). A matrix with many output tiles and a short `in` gains nothing (the GDN qkv
+  [8192, 2048]: 25.6, the best setting 23.7), so it keeps one program per tile.
+  """
+  bk, ks = 1024, 1
+  if groups > 1:
+    ks = 2
+  elif d_out >= SPLIT_FROM_OUT:
+    bk, ks = 256, 2
+  elif -(-d_out // 32) < SPLIT_BELOW_TILES:
+    bk, ks = 512, 4
+  steps = _units(qtype, d_in) // _unroll(qtype, d_in, bk)
+  while ks > 1 and steps % ks:
+    ks //= 2
+  return bk, ks
+
+
 def _triton_params(num_warps, num_stages):
   cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
   return cls(num_warps=num_warps, num_stages=num_stages)
@@ -412,7 +446,7 @@ def check_planes(planes, qtype, d_out, d_in):
 def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=None,
                    lora="none", scale=1.0, form=None, block_rows=None, block_out=None,
                    block_in=None, num_warps=None, num_stages=None, interpret=False,
-                   precision=None, out_dtype=None, k_split=1):
+                   precision=None, out_dtype=None, k_split=None):
   """y[g] = x[g] @ W[idx[g]]^T (+ the LoRA epilogue), reading the weight stack in place.
 
   Args:
@@ -440,7 +474,8 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     k_split: programs per output tile along `in` (a power of 2 dividing the loop steps;
       lora "none" only). Each writes its fp32 partial sum and one XLA sum over the k_split
       partials (a fixed order) gives y: more programs for a matrix with few output tiles,
-      each with a shorter K loop.
+      each with a shorter K loop. None: `split_defaults` for the compiled "rows" form with
+      no epilogue and no block_in given, else 1.
 
   Returns:
     [G, M, out] in out_dtype.
@@ -468,6 +503,10 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   if not interpret and pltriton is None:
     raise RuntimeError("quant kernel: this JAX has no Pallas Triton backend; use 'xla'")
   bn0, bo0, bk0 = tiling_defaults(m, d_out, form=form, interpret=interpret, groups=groups)
+  if k_split is None:
+    k_split = 1
+    if form == "rows" and not interpret and lora == "none" and block_in is None:
+      bk0, k_split = split_defaults(d_out, d_in, qtype, groups=groups)
   bn, bo = block_rows or bn0, block_out or bo0
   if form == "rows":  # unrolled rows: a divisor of M, so no row is ever out of range
     bn = next(v for v in range(min(bn, max(m, 1)), 0, -1) if m % v == 0) if m else 1
@@ -477,8 +516,7 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   else:
     cd, prec = jnp.dtype(_F32), precision or lax.Precision.HIGHEST
   units = _units(qtype, d_in)
-  want = max(1, (block_in or bk0) // BLOCK[qtype])  # blocks per step
-  unroll = next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and units % u == 0)
+  unroll = _unroll(qtype, d_in, block_in or bk0)
   k_split = int(k_split or 1)
   if k_split < 1 or k_split & (k_split - 1) or (units // unroll) % k_split:
     raise ValueError(f"quant kernel: k_split={k_split} must be a power of 2 dividing the "
