@@ -6,7 +6,7 @@ import pytest
 from model_fixtures import TINY, random_lora, tiny_model
 
 import strata_jax as sj
-from strata_jax.engine.engine import Request
+from strata_jax.engine.engine import Request, _snap_bytes
 
 BS = 32
 
@@ -85,21 +85,46 @@ def test_prefix_hit_bit_identical_logits(model):
 def test_prompts_started_in_one_round_share_blocks_and_store_them_by_its_end(model):
   """Snapshots reach the host after the round's decode dispatch, not inside `_start`: a second
   prompt started in the same round still reads the first one's blocks (they are stored before
-  its prefill), and every block is in the cache once `run` returns."""
+  its prefill), and every block is in the cache once `run` returns (the engine is idle)."""
   rng = np.random.default_rng(3)
   shared = list(rng.integers(0, TINY.vocab_size, 3 * BS))
   reqs = [Request(tokens=shared + [9, 10 + i], max_tokens=3) for i in range(2)]
   eng = sj.Engine(model, slots=2, max_seq=256, block_size=BS)
   res = eng.run(reqs)
   assert res[0].cached_tokens == 0 and res[1].cached_tokens == 3 * BS
-  assert eng.prefix_cache.stats["entries"] == 3 and not eng._snaps
+  assert eng.prefix_cache.stats["entries"] == 3 and not eng._snaps and not eng._copying
   cold = sj.Engine(model, slots=2, max_seq=256, block_size=BS, prefix_cache_bytes=0)
   assert [r.tokens for r in res] == [r.tokens for r in cold.run(reqs)]
   # a round whose prompts share nothing stores its blocks at the round's end as well
   other = [Request(tokens=list(rng.integers(0, TINY.vocab_size, 2 * BS + 1)), max_tokens=2)
            for _ in range(2)]
   eng.run(other)
-  assert eng.prefix_cache.stats["entries"] == 3 + 4 and not eng._snaps
+  assert eng.prefix_cache.stats["entries"] == 3 + 4 and not eng._snaps and not eng._copying
+
+
+def test_waiting_snapshots_past_the_cache_capacity_are_dropped_oldest_first(model):
+  """Snapshots wait on the device for their host copies; those that the cache could not hold
+  go at once, oldest first, and the newest prompt's blocks are the ones stored."""
+  rng = np.random.default_rng(4)
+  probe = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
+  probe.run([Request(tokens=list(rng.integers(0, TINY.vocab_size, 2 * BS + 1)), max_tokens=1)])
+  per_prompt = probe.prefix_cache.stats["bytes"]          # its 2 blocks, one with the state
+  eng = sj.Engine(model, slots=3, max_seq=256, block_size=BS,
+                  prefix_cache_bytes=per_prompt + per_prompt // 2)
+  prompts = [list(rng.integers(0, TINY.vocab_size, 2 * BS + 1)) for _ in range(3)]
+  eng._start_snapshot_copies = lambda: None   # every snapshot waits until the engine is idle
+  held, snapshot = [], eng._snapshot
+
+  def watched(*a, **kw):
+    snapshot(*a, **kw)
+    held.append(sum(_snap_bytes(x) for x in eng._snaps + eng._copying))
+  eng._snapshot = watched
+  eng.run([Request(tokens=p, max_tokens=4) for p in prompts])
+  assert not eng._snaps and not eng._copying
+  assert len(held) == 6 and max(held) <= eng.prefix_cache.max_bytes < 3 * per_prompt
+  hashes = [sj.block_hashes(p, BS) for p in prompts]
+  assert hashes[2][1] in eng.prefix_cache and hashes[0][0] not in eng.prefix_cache
+  assert eng.prefix_cache.stats["bytes"] <= per_prompt + per_prompt // 2
 
 
 def test_conversation_cache_extends(model):

@@ -15,7 +15,10 @@ Keys (the issue's targets), written to `--out` as {"entries": [summary.json entr
   0.95): `Engine(slots=B)` serving B requests at once, decode tokens/s = tokens after each
   row's first / (last token - the moment every row has its first token), over
   `steps.decode_greedy` (16 steps a call, 4 calls, the engine's padded adapter, switch on,
-  rows at position 128) tokens/s; same process, same batch, same K/V capacity.
+  rows holding B distinct random 128-token prompts prefilled by the engine's prefill program,
+  so their tokens route to different experts as the engine's do) tokens/s; same process,
+  same batch, same K/V capacity. `sample_program_*`: the engine's own decode program
+  (`decode_sample`) timed the same way, the device-side price of on-device sampling.
 - server_vs_engine_b32 (>= 0.85): `create_app` (what `strata-jax serve` runs) on the batch-32
   engine in this process, 32 concurrent streaming `/v1/completions` clients in another process;
   aggregate tokens/s (all completion tokens / first request sent to last answer read) over the
@@ -124,21 +127,44 @@ def _windowed(run, B, new, window):
   return run[2][0].tokens
 
 
-def program_rate(eng, B, steps_per_call, calls, pos, reps):
-  """decode_greedy on the engine's stage (params, padded adapter, forms), switch on: B *
-  steps_per_call * calls / seconds, the median over reps (one untimed round first)."""
-  import jax
+def prefilled_state(eng, B, pos, seed=0):
+  """A [B]-row state (the engine's capacity) holding B random `pos`-token prompts, prefilled
+  row by row with the engine's own prefill program, switch on; and their last tokens.
+  The decode references start from it: rows at real, distinct contexts route their tokens to
+  different experts, as the engine's rows do (identical rows would all read the same 10
+  experts, which made the reference too fast at batch 8 and 32 in run 2)."""
   import jax.numpy as jnp
+  import numpy as np
 
   from strata_jax import steps
   from strata_jax.state import init_state
   st = eng.stages[0]
   state = init_state(st.cfg, B, eng.max_seq, eng.model.dtype)
-  state = state.replace(pos=jnp.full((B,), pos, jnp.int32))
-  toks = jnp.zeros((B,), jnp.int32)
+  rng = np.random.default_rng(seed)
+  last = []
+  for slot in range(B):
+    toks = rng.integers(0, eng.model.cfg.vocab_size, pos).astype(np.int32)
+    _, state = steps.prefill(st.cfg, st.params, st.lora, state, jnp.int32(slot),
+                             jnp.asarray(toks), jnp.int32(pos), jnp.int32(1), cvec=st.cvec)
+    last.append(int(toks[-1]))
+  return state, jnp.asarray(np.asarray(last, np.int32))
+
+
+def program_rate(eng, B, steps_per_call, calls, pos, reps):
+  """decode_greedy on the engine's stage (params, padded adapter, forms), switch on, from B
+  prefilled prompts (`prefilled_state`): B * steps_per_call * calls / seconds, the median
+  over reps (one untimed round first; each round restarts at position `pos`)."""
+  import jax
+  import jax.numpy as jnp
+
+  from strata_jax import steps
+  st = eng.stages[0]
+  state, toks = prefilled_state(eng, B, pos)
   one = jnp.ones((B,), jnp.int32)
   times = []
+  first = toks
   for r in range(reps + 1):
+    toks = first
     t0 = time.perf_counter()
     for _ in range(calls):
       out, state = steps.decode_greedy(st.cfg, st.params, st.lora, state, toks, one, one,
@@ -164,7 +190,6 @@ def sample_program_rate(eng, B, steps_per_call, calls, pos, reps, kw):
   from strata_jax.engine import sampling as hs
   from strata_jax.engine.engine import Request
   from strata_jax.sampling import Rows
-  from strata_jax.state import init_state
   st = eng.stages[0]
   req = Request(tokens=[0], max_tokens=1 << 30, **kw)
   rp = hs.RowParams(B)
@@ -172,11 +197,11 @@ def sample_program_rate(eng, B, steps_per_call, calls, pos, reps, kw):
     rp.set(i, req, 1)
   sp, switch, stop = (jax.device_put(a) for a in (rp.params(), rp.switch, rp.stops()))
   plan = hs.plan_for([req])
-  state = init_state(st.cfg, B, eng.max_seq, eng.model.dtype)
+  state, last = prefilled_state(eng, B, pos)
   times = []
   for r in range(reps + 1):
     state = state.replace(pos=jnp.full((B,), pos, jnp.int32))
-    rows = jax.device_put(Rows(last=np.zeros(B, np.int32), active=np.ones(B, np.int32),
+    rows = jax.device_put(Rows(last=np.asarray(last), active=np.ones(B, np.int32),
                                remaining=np.full(B, 1 << 30, np.int32),
                                n_gen=np.zeros(B, np.int32),
                                recent=np.full((B, hs.dev.RECENT), -1, np.int32)))

@@ -135,6 +135,15 @@ class _Chunk:
   cols: dict | None = None  # slot -> its column in the outputs (None: the slot itself)
 
 
+# Prefix-cache snapshot bytes whose host copies start in one scheduling round (at least one
+# snapshot): well under what the host link moves in one decode chunk.
+SNAPSHOT_COPY_BYTES = 64 << 20
+
+
+def _snap_bytes(item) -> int:
+  return sum(a.nbytes for entry in item[2] for a in entry.values())
+
+
 class Engine:
   """Batch slots over one model (optionally split into stages), an optional LoRA set and an
   optional control vector.
@@ -272,7 +281,8 @@ class Engine:
                              ) if decode_buckets and len(self.stages) == 1 and not self._shared \
         else ()
     self._idx_dev: dict = {}      # device copies of the bucket row lists, by rows
-    self._snaps: list = []        # prefix-cache snapshots of this round, stored at its end
+    self._snaps: list = []        # prefix-cache snapshots waiting for their host copy
+    self._copying: list = []      # ... and those whose copies have started
     has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
@@ -427,12 +437,13 @@ class Engine:
       mask = self._put(np.isin(np.arange(self.n_slots), cancel).astype(np.int32))
       self.rows = self._on_last(steps.deactivate_rows, self.rows, mask)
     chunk = self._dispatch()
-    # the new prompts' snapshots go to the host behind the decode chunk just queued (the
-    # device computes it meanwhile), not before their first tokens
-    self._start_snapshot_copies()
     if self._inflight is not None:
       self._collect(self._inflight)
     self._inflight = chunk
+    # prefix-cache snapshots reach the host a slice a round, behind the decode chunk just
+    # queued, so they never hold up a first token or the next dispatch
+    self._store_copied()
+    self._start_snapshot_copies()
     spec_rows = {s: hr for s, hr in self._running.items()
                  if hr[1].spec and hr[1].cancel_at is None}
     if spec_rows:
@@ -443,7 +454,8 @@ class Engine:
         h.result = self._finish(slot, run, reason="cancelled")
         del self._running[slot]
         self._row_dev = None
-    self._flush_snapshots()
+    if not self.busy:
+      self._flush_snapshots()
 
   def warmup(self, prompt_lengths: Sequence[int] | None = None,
              plans: Sequence[smp.Plan] = (smp.Plan(),)):
@@ -590,8 +602,9 @@ class Engine:
                            control_vector_id=self.control_vector_id) if aligned else [])
     self.adapters.note_blocks(choice, hashes, self.prefix_cache)
     if aligned:
-      if self._snaps and not {h[b] for h, b, _ in self._snaps}.isdisjoint(hashes):
-        self._flush_snapshots()   # an earlier prompt of this round shares blocks: store them
+      waiting = self._copying + self._snaps
+      if waiting and not {h[b] for h, b, _ in waiting}.isdisjoint(hashes):
+        self._flush_snapshots()   # an earlier prompt shares blocks: store them first
       self._reset(slot)
       start = self._restore_prefix(slot, toks, hashes, switch) if not req.return_logits else 0
     run.cached = start
@@ -667,11 +680,13 @@ class Engine:
     self.slot_tokens[slot] = []
 
   def _snapshot(self, slot: int, hashes: list[bytes], blk: int, with_state: bool):
-    """Slice a block's K/V (and GDN state) on the device now; the copies to the host start
-    after the round's first tokens and decode dispatch (`_start_snapshot_copies`) and land in
-    the prefix cache at the end of the round (`_flush_snapshots`), so they stay out of the
-    TTFT and overlap the decode. (Started right away, the tens of MB of a 48-layer GDN state
-    queued ahead of the first token's own copy to the host.)"""
+    """Slice a block's K/V (and GDN state) on the device now; it reaches the host cache
+    later: up to SNAPSHOT_COPY_BYTES a round behind that round's decode dispatch
+    (`_start_snapshot_copies`, stored a round later by `_store_copied`), and all at once when
+    the engine goes idle or a new prompt shares its blocks (`_flush_snapshots`).
+    H200, bench-a3b: a GDN state is 75 MB and reached the host at ~1-2 GB/s. Copied at the
+    prompt's first token it queued ahead of that token's own copy (TTFT); copied all at once
+    behind the decode it stalled the dispatch loop (batch 32: 2.4 GB, engine/program 0.37)."""
     if self.prefix_cache.max_bytes <= 0:
       return
     if hashes[blk] in self.prefix_cache:
@@ -688,23 +703,41 @@ class Engine:
         entry.update(conv=conv, ssm=ssm)
       payload.append(entry)
     self._snaps.append((hashes, blk, payload))
+    # Waiting snapshots past the cache's capacity: the oldest go, as the LRU would evict
+    # them on insertion anyway (and they hold device memory until stored).
+    held = [_snap_bytes(x) for x in self._copying + self._snaps]
+    while self._snaps and sum(held) > self.prefix_cache.max_bytes:
+      self._snaps.pop(0)
+      held.pop(len(self._copying))
 
   def _start_snapshot_copies(self):
+    """Start the device-to-host copies of the oldest waiting snapshots, SNAPSHOT_COPY_BYTES
+    at most (at least one snapshot)."""
     if self._shared:
       return
-    for _, _, payload in self._snaps:
-      for entry in payload:
+    n = 0
+    while self._snaps and (n == 0 or n < SNAPSHOT_COPY_BYTES):
+      item = self._snaps.pop(0)
+      for entry in item[2]:
         for a in entry.values():
           a.copy_to_host_async()
+      self._copying.append(item)
+      n += _snap_bytes(item)
 
-  def _flush_snapshots(self):
-    for hashes, blk, payload in self._snaps:
+  def _store_copied(self):
+    """Store the snapshots whose copies were started (a round ago: done or nearly)."""
+    items, self._copying = self._copying, []
+    for hashes, blk, payload in items:
       payload = tuple({k: self._host(a) for k, a in e.items()} for e in payload)
       if hashes[blk] in self.prefix_cache:
         self.prefix_cache.replace(hashes[blk], payload)
       else:
         self.prefix_cache.insert(hashes[blk], payload, hashes[blk - 1] if blk else None)
-    self._snaps = []
+
+  def _flush_snapshots(self):
+    """Store every waiting snapshot now."""
+    self._copying, self._snaps = self._copying + self._snaps, []
+    self._store_copied()
 
   def _restore_prefix(self, slot: int, toks: list[int], hashes: list[bytes], switch: int) -> int:
     """Load the longest cached block prefix (leaving >= 1 token to compute); returns its length."""
