@@ -129,13 +129,21 @@ LORA_CASES = [("pallas_interpret", "q5_k", "h", F32, "mixed", 18),
               ("pallas_interpret", "q8_0", "h", F32, "all", 18),
               ("pallas_interpret", "q4_k", "h", BF16, "mixed", 3),
               ("pallas_interpret", "q8_0", "a", F32, "mixed", 3),
-              ("xla", "q5_k", "h", BF16, "mixed", 18), ("xla", "q5_k", "h", F32, "mixed", 18)]
+              ("xla", "q5_k", "h", BF16, "mixed", 18), ("xla", "q5_k", "h", F32, "mixed", 18),
+              # a base split along `in` (the GPU's default for a few rows and few output tiles):
+              # the plain call's fp32 sum, then the delta and the select
+              ("pallas_interpret", "q4_k", "a", F32, "mixed", 3, 2),
+              ("pallas_interpret", "q6_k", "h", BF16, "mixed", 2, 2)]
 
 
-@pytest.mark.parametrize("impl,qtype,down,dtype,on_kind,n", LORA_CASES,
-                         ids=["-".join(map(str, (*c[:3], np.dtype(c[3]).name, c[4], c[5])))
+LORA_CASES = [c if len(c) == 7 else (*c, 1) for c in LORA_CASES]
+
+
+@pytest.mark.parametrize("impl,qtype,down,dtype,on_kind,n,k_split", LORA_CASES,
+                         ids=["-".join(map(str, (*c[:3], np.dtype(c[3]).name, *c[4:])))
                               for c in LORA_CASES])
-def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_kind, n):
+def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_kind, n,
+                                                   k_split):
   rank, scale = 12, 0.5
   qt, w64 = _weight(qtype)
   w = jax.device_put(qt)
@@ -144,6 +152,8 @@ def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_
   tiles = None
   if impl != "xla":  # "rows" form: one row per program; "dot": 16-row tiles, ragged
     tiles = dict(SMALL_TILES, block_rows=1) if n <= ROWS_MAX else SMALL_TILES
+  if k_split > 1:
+    tiles = dict(tiles, block_in=256, k_split=k_split)
   kw = dict(index=jnp.int32(1), implementation=impl, tiles=tiles)
   got = np.asarray(qmatmul_lora(jnp.asarray(x), w, jnp.asarray(a), jnp.asarray(b),
                                 jnp.asarray(on), scale=scale, lora_down=down, **kw))

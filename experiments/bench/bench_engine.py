@@ -30,7 +30,7 @@ Each figure is the median of --reps timed runs after one untimed run. Compiles: 
 is built before timing, the engines' `warmup` and the reference programs in threads; the
 persistent compilation cache (STRATA_JAX_CACHE, as the CLI) makes a repeat run start fast.
 `--merge-summary [PATH]` replaces these keys in PATH (default
-experiments/results/device/summary.json, a list of entries) and keeps the others.
+experiments/results/summary.json, a list of entries) and keeps the others.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-DEFAULT_SUMMARY = os.path.join(ROOT, "experiments", "results", "device", "summary.json")
+DEFAULT_SUMMARY = os.path.join(ROOT, "experiments", "results", "summary.json")
 TARGETS = {"greedy": 0.95, "sampled": 0.9, "server": 0.85, "ttft": 1.2}
 SAMPLED = dict(temperature=0.8, top_p=0.95)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.lora.kernel import dot_policy
-from pallas_kernels.quant.kernel import qmatmul_pallas
+from pallas_kernels.quant.kernel import default_split, qmatmul_pallas
 from pallas_kernels.quant.layout import QTensor, flat
 from pallas_kernels.quant.reference import dequantize, select_matrix
 
@@ -147,6 +147,18 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
       _lora_h(x, a) * rank_scale.astype(_F32))
   if impl == "xla":
     acc = _xla_acc(x, w, index, precision)
+    delta = lax.dot_general(lora_h(), b.astype(_F32), _NT, precision=_HI,
+                            preferred_element_type=_F32)
+    if scale != 1.0:
+      delta = delta * scale
+    return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype), acc.astype(x.dtype))
+  tk = dict(tiles or {})
+  if default_split(n, d_out, d_in, w.qtype, form=tk.get("form"), interpret=impl != "pallas",
+                   block_in=tk.get("block_in"), k_split=tk.get("k_split"))[1] > 1:
+    # The plain call splits `in` here (kernel.split_defaults): the base is that same call's
+    # fp32 sum, and the delta and the select follow in XLA, so an off row is `qmatmul`'s.
+    acc = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=d_out,
+                         precision=precision, out_dtype=_F32, **_kernel_kw(impl, tiles))[0]
     delta = lax.dot_general(lora_h(), b.astype(_F32), _NT, precision=_HI,
                             preferred_element_type=_F32)
     if scale != 1.0:

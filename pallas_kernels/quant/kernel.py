@@ -416,6 +416,17 @@ def split_defaults(d_out, d_in, qtype, *, groups=1):
   return bk, ks
 
 
+def default_split(m, d_out, d_in, qtype, *, groups=1, form=None, interpret=False,
+                  lora="none", block_in=None, k_split=None):
+  """(block_in, k_split) a call with these arguments runs with (None block_in: the tiling's)."""
+  form = form or ("rows" if m <= ROWS_MAX else "dot")
+  if k_split is not None:
+    return block_in, int(k_split)
+  if form == "rows" and not interpret and lora == "none" and block_in is None:
+    return split_defaults(d_out, d_in, qtype, groups=groups)
+  return block_in, 1
+
+
 def _triton_params(num_warps, num_stages):
   cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
   return cls(num_warps=num_warps, num_stages=num_stages)
@@ -503,10 +514,10 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   if not interpret and pltriton is None:
     raise RuntimeError("quant kernel: this JAX has no Pallas Triton backend; use 'xla'")
   bn0, bo0, bk0 = tiling_defaults(m, d_out, form=form, interpret=interpret, groups=groups)
-  if k_split is None:
-    k_split = 1
-    if form == "rows" and not interpret and lora == "none" and block_in is None:
-      bk0, k_split = split_defaults(d_out, d_in, qtype, groups=groups)
+  bk_split, k_split = default_split(m, d_out, d_in, qtype, groups=groups, form=form,
+                                    interpret=interpret, lora=lora, block_in=block_in,
+                                    k_split=k_split)
+  bk0 = bk_split or bk0
   bn, bo = block_rows or bn0, block_out or bo0
   if form == "rows":  # unrolled rows: a divisor of M, so no row is ever out of range
     bn = next(v for v in range(min(bn, max(m, 1)), 0, -1) if m % v == 0) if m else 1
