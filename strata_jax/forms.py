@@ -50,6 +50,12 @@ CHOICES: dict[str, tuple] = {
     # matmuls over weights kept quantised (weights="keep"): "auto" = the Pallas kernel that
     # dequantises in-kernel on the GPU, dequantise + XLA dot elsewhere.
     "quant_impl": ("auto", "xla", "pallas", "pallas_interpret"),
+    # a stack whose layers come in several quant types (llama.cpp's Q4_K_M: Q6_K in its
+    # "more bits" layers): "switch" = an XLA conditional on the layer's type (a host round
+    # trip each on the GPU: ~20 % of the 80B step waited on them); "predicated" = one kernel
+    # launch per type with an "active" flag in memory, the inactive ones returning at once,
+    # and a select. Not the default until measured (pallas_kernels/quant/README.md).
+    "quant_groups": ("switch", "predicated"),
     # fp32 matmuls: "auto" = "highest" (full fp32) for a float32 compute dtype, the dtype's own
     # for bfloat16; "tf32" is the GPU's faster reduced fp32, only ever chosen by name.
     "matmul_precision": ("auto", "highest", "tf32", "default"),
@@ -67,6 +73,7 @@ class Forms:
   moe_many: str = "auto"
   moe_few: str = "auto"
   quant_impl: str = "auto"
+  quant_groups: str = "switch"
   matmul_precision: str = "auto"
 
   def __post_init__(self):

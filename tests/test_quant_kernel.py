@@ -225,6 +225,26 @@ def test_k_split_partial_sums_match_float64_and_the_unsplit_kernel(qtype, dtype,
     assert_close(got, one, rel=_tol(dtype), what=f"k_split {k_split} vs unsplit")
 
 
+@pytest.mark.parametrize("lora", ["none", "h"])
+def test_gated_call_runs_only_when_active_and_then_equals_the_plain_call(lora):
+  """`active` 1: the same bits as the call without the flag; 0: no program writes y (the
+  caller selects another group's result), here left at what the interpreter allocated."""
+  qt, _ = _weight("q4_k", blocks=4)
+  planes = flat(jax.device_put(qt))
+  d_in = qt.shape[-1]
+  x = jnp.asarray(_x(2, d_in, F32))[None]
+  kw = dict(qtype="q4_k", d_out=OUT, block_in=256, interpret=True)
+  if lora == "h":
+    kw.update(lora="h", on=jnp.asarray([1, 0], jnp.int32), h=jnp.ones((2, 8), F32),
+              b=jnp.full((OUT, 8), 0.01, F32))
+  idx = jnp.asarray([1], jnp.int32)
+  plain = qmatmul_pallas(x, planes, idx, **kw)
+  on = qmatmul_pallas(x, planes, idx, active=jnp.int32(1), **kw)
+  off = qmatmul_pallas(x, planes, idx, active=jnp.int32(0), **kw)
+  assert np.array_equal(bits(on), bits(plain))
+  assert not np.array_equal(np.asarray(off), np.asarray(plain))
+
+
 def test_k_split_is_refused_with_the_lora_epilogue():
   qt, _ = _weight("q4_k")
   planes = flat(jax.device_put(qt))
@@ -295,9 +315,10 @@ def test_kernel_lowers_to_triton_for_the_gpu(qtype, dtype, lora, form):
   def f(x, p, i):
     return qmatmul_pallas(x, p, i, qtype=qtype, d_out=OUT, form=form, **kw)
 
-  if lora == "none":   # the split-K programs lower too
+  if lora == "none":   # the split-K programs and the "active" flag lower too
     f = functools.partial(lambda x, p, i, f0: f0(x, p, i), f0=lambda x, p, i: qmatmul_pallas(
-        x, p, i, qtype=qtype, d_out=OUT, form=form, block_in=256, k_split=2))
+        x, p, i, qtype=qtype, d_out=OUT, form=form, block_in=256, k_split=2,
+        active=i[0] + 1))
 
   low = jax.jit(f).trace(jnp.ones((1, 3, d_in), dtype), planes,
                          jnp.zeros((1,), jnp.int32)).lower(lowering_platforms=("cuda",))

@@ -2,6 +2,9 @@
 Q5_K or Q6_K (rows that are not whole blocks stay F32, as llama.cpp falls back) give the same
 fp32 logits (<= 1e-5) and greedy tokens, with the quantised leaves really kept as QTensors
 (device bytes within 1.1x of the file's), and the adapter projections (qmatmul_lora) too."""
+import dataclasses
+import types
+
 import gguf
 import gguf_fixtures as F
 import jax
@@ -133,3 +136,11 @@ def test_mixed_types_within_a_stack(tmp_path):
     return np.concatenate([np.asarray(lg), np.asarray(lg2)])
 
   assert_close(run(keep), run(deq), abs_=QUANT_KEEP_LOGITS_ABS_FP32, what="mixed keep vs deq")
+  # every group's kernel with its "active" flag and a select: the switch's numbers, bit for bit
+  def with_forms(**changes):
+    cfg = dataclasses.replace(keep.cfg, forms=dataclasses.replace(keep.cfg.forms, **changes))
+    return types.SimpleNamespace(cfg=cfg, params=keep.params)
+
+  switch = run(with_forms(quant_impl="pallas_interpret"))
+  pred = run(with_forms(quant_impl="pallas_interpret", quant_groups="predicated"))
+  assert np.array_equal(switch, pred)

@@ -6,6 +6,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   unroll    the layer scan fully unrolled at decode (one straight program per step)
   moe/nomoe the Pallas in-place expert kernel, or the gather form (STRATA_MOE_IMPL=pallas/xla)
   gdn/nogdn the Pallas fused GDN decode kernel, or jnp (STRATA_GDN_IMPL=pallas/xla)
+  qpred     a mixed-type quantised stack (--gguf Q4_K_M) by one gated launch per type and a
+            select, instead of an XLA conditional (Forms.quant_groups="predicated")
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
             the Pallas kernels that dequantise in place (Forms.quant_impl)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
@@ -48,6 +50,7 @@ FORM_VARIANTS = {
     "nogdn": {"gdn_decode": "xla"},
     "qxla": {"quant_impl": "xla"},
     "qpallas": {"quant_impl": "pallas"},
+    "qpred": {"quant_groups": "predicated"},
 }
 
 

@@ -74,7 +74,8 @@ def _kernel_kw(impl, tiles):
   return dict(interpret=impl == "pallas_interpret", **(tiles or {}))
 
 
-def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=None):
+def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=None,
+            active=None):
   """y = x @ W^T, fp32 accumulation, y in x.dtype.
 
   Args:
@@ -86,7 +87,10 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
     implementation: one of CHOICES.
     precision: of the product for fp32 x (None: HIGHEST).
     tiles: optional kernel options {form, block_rows, block_out, block_in, num_warps,
-      num_stages} (kernel.qmatmul_pallas).
+      num_stages, k_split} (kernel.qmatmul_pallas).
+    active: None, or an int32 scalar (traced): 0 leaves the result unspecified and, in the
+      kernels, costs one launch whose programs return at once (one call per type of a
+      mixed-type stack, the caller selecting; "xla" computes regardless).
 
   Returns:
     [N, out] in x.dtype.
@@ -96,7 +100,7 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
   if impl == "xla":
     return _xla_acc(x, w, index, precision).astype(x.dtype)
   y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=w.shape[-2],
-                     precision=precision, **_kernel_kw(impl, tiles))
+                     precision=precision, active=active, **_kernel_kw(impl, tiles))
   return y[0]
 
 
@@ -108,7 +112,8 @@ def _lora_h(x, a):
 
 
 def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
-                 implementation="auto", precision=None, lora_down="h", tiles=None):
+                 implementation="auto", precision=None, lora_down="h", tiles=None,
+                 active=None):
   """y = W x + where(on, scale * B (A x)) per row: a select, so off rows are `qmatmul`'s.
 
   Args:
@@ -121,7 +126,7 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
     lora_down: "h" computes h = x @ A^T once in XLA and the kernel adds B h in its epilogue;
       "a" computes h inside the kernel's K loop (no extra op, but every output tile's
       program reads all of A). Both are the same numbers.
-    implementation, precision, tiles: as `qmatmul`.
+    implementation, precision, tiles, active: as `qmatmul`.
 
   Returns:
     [N, out] in x.dtype; rows with on == 0 are bit-identical to `qmatmul(x, w, ...)`.
@@ -158,7 +163,8 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
     # The plain call splits `in` here (kernel.split_defaults): the base is that same call's
     # fp32 sum, and the delta and the select follow in XLA, so an off row is `qmatmul`'s.
     acc = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=d_out,
-                         precision=precision, out_dtype=_F32, **_kernel_kw(impl, tiles))[0]
+                         precision=precision, out_dtype=_F32, active=active,
+                         **_kernel_kw(impl, tiles))[0]
     delta = lax.dot_general(lora_h(), b.astype(_F32), _NT, precision=_HI,
                             preferred_element_type=_F32)
     if scale != 1.0:
@@ -170,7 +176,7 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
   else:
     kw["a"] = a
   y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=d_out,
-                     precision=precision, **kw, **_kernel_kw(impl, tiles))
+                     precision=precision, active=active, **kw, **_kernel_kw(impl, tiles))
   return y[0]
 
 
@@ -183,7 +189,7 @@ def _expert_rows(idx, layer, n_layers, n_experts):
 
 
 def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precision=None,
-            tiles=None):
+            tiles=None, active=None):
   """Few-token routed experts over quantised stacks, reading only the chosen experts.
 
   out[n] = sum_j weights[n, j] * Wd_e (silu(Wg_e x[n]) * (Wu_e x[n])), e = idx[n, j] of layer
@@ -195,8 +201,8 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
     wg, wu: QTensor [L, E, F, D]; wd: QTensor [L, E, D, F].
     idx: [N, k] int32 expert ids; weights: [N, k] routing weights.
     layer: int32 scalar (traced OK).
-    implementation, precision, tiles: as `qmatmul`. The kernel runs three launches (gate,
-      up, down) over all N * k (token, expert) pairs, one pair per row group.
+    implementation, precision, tiles, active: as `qmatmul`. The kernel runs three launches
+      (gate, up, down) over all N * k (token, expert) pairs, one pair per row group.
 
   Returns:
     [N, D] float32.
@@ -228,7 +234,8 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
   else:
     def proj(w, v):
       y = qmatmul_pallas(v[:, None, :], flat(w), rows, qtype=w.qtype, d_out=w.shape[-2],
-                         precision=precision, out_dtype=_F32, **_kernel_kw(impl, tiles))
+                         precision=precision, out_dtype=_F32, active=active,
+                         **_kernel_kw(impl, tiles))
       return y[:, 0, :]
   g, u = proj(wg, xp), proj(wu, xp)  # [P, F] fp32
   h = jax.nn.silu(g).astype(x.dtype) * u.astype(x.dtype)

@@ -75,6 +75,7 @@ class Tiling(NamedTuple):
   a_precision: object = None
   scale: float = 1.0
   k_split: int = 1  # programs per output tile along `in`, each summing its share of steps
+  gated: bool = False  # an "active" flag in memory: 0 makes every program return at once
   out_tiles: int = 1  # output tiles per matrix (grid axis 0 is out_tiles * k_split)
 
   @property
@@ -194,6 +195,15 @@ def _unroll(qtype, d_in, block_in):
 
 
 def _kernel(*refs, t):
+  pids = (pl.program_id(0), pl.program_id(1), pl.program_id(2))  # outside any branch
+  if t.gated:   # a call that only runs when its flag is set (one group of a mixed stack)
+    active_ref, *refs = refs
+    pl.when(active_ref[0] != 0)(lambda: _program(refs, pids, t))
+  else:
+    _program(refs, pids, t)
+
+
+def _program(refs, pids, t):
   names = PLANES[t.qtype]
   idx_ref, x_ref, *rest = refs
   planes = dict(zip(names, rest[:len(names)]))
@@ -204,7 +214,7 @@ def _kernel(*refs, t):
   else:
     *lora_refs, o_ref = rest
   bn, bo = t.block_rows, t.block_out
-  j, g, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  j, g, i = pids
   ks = j // t.out_tiles  # this program's share of `in` (0 without a split)
   j = j % t.out_tiles
   o0, r0 = j * bo, i * bn
@@ -457,7 +467,7 @@ def check_planes(planes, qtype, d_out, d_in):
 def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=None,
                    lora="none", scale=1.0, form=None, block_rows=None, block_out=None,
                    block_in=None, num_warps=None, num_stages=None, interpret=False,
-                   precision=None, out_dtype=None, k_split=None):
+                   precision=None, out_dtype=None, k_split=None, active=None):
   """y[g] = x[g] @ W[idx[g]]^T (+ the LoRA epilogue), reading the weight stack in place.
 
   Args:
@@ -487,6 +497,9 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
       partials (a fixed order) gives y: more programs for a matrix with few output tiles,
       each with a shorter K loop. None: `split_defaults` for the compiled "rows" form with
       no epilogue and no block_in given, else 1.
+    active: None, or an int32 scalar: 0 makes every program return at once and y is left
+      unspecified (the caller selects another call's result). One launch per type of a
+      mixed-type stack, without an XLA conditional (a host round trip on the GPU).
 
   Returns:
     [G, M, out] in out_dtype.
@@ -560,6 +573,9 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   if groups == 0 or m == 0 or d_out == 0:
     return jnp.zeros((groups, m, d_out), od)
   params = None if interpret else _triton_params(num_warps or 4, num_stages or 3)
+  if active is not None:
+    t = t._replace(gated=True)
+    args = [jnp.reshape(jnp.asarray(active, jnp.int32), (1,)), *args]
   if k_split > 1:
     t = t._replace(out_dtype=jnp.dtype(_F32))
   y = pl.pallas_call(

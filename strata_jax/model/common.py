@@ -19,11 +19,12 @@ from pallas_kernels.quant.layout import QTensor
 class QRef:
   """Matrix `index` (int32, traced OK; flat over the leading stack dims; None for a single
   matrix) of QTensor `w`, multiplied by `pallas_kernels.quant.api` with `implementation`
-  (`Forms.quant_impl`). Made inside the traced step; not a pytree (it never crosses a jit
-  boundary)."""
+  (`Forms.quant_impl`); `groups` (`Forms.quant_groups`) says how a mixed-type stack picks its
+  layer's type. Made inside the traced step; not a pytree (it never crosses a jit boundary)."""
   w: QTensor
   index: object = None
   implementation: str = "auto"
+  groups: str = "switch"
 
 
 def is_quant(w) -> bool:
@@ -32,18 +33,27 @@ def is_quant(w) -> bool:
 
 
 def _qparts(w):
-  """(QTensor or QGroups, index, implementation) of a QRef or a bare QTensor."""
-  return (w.w, w.index, w.implementation) if isinstance(w, QRef) else (w, None, "auto")
+  """(QTensor or QGroups, index, implementation, groups) of a QRef or a bare QTensor."""
+  return ((w.w, w.index, w.implementation, w.groups) if isinstance(w, QRef)
+          else (w, None, "auto", "switch"))
 
 
-def quant_call(w, index, fn):
-  """fn(qtensor, index) for a QTensor stack; for a QGroups, a switch on the layer's group
-  calling fn(that group's stack, the layer's position in it)."""
+def quant_call(w, index, fn, groups="switch"):
+  """fn(qtensor, index) for a QTensor stack. For a QGroups (one stack per quant type), the
+  layer's group: "switch", a conditional calling fn(that group's stack, the layer's position
+  in it); "predicated", fn(stack, position, active=this group's flag) for every group (an
+  inactive kernel launch returns at once) and a select of the layer's group."""
   from strata_jax.params import QGroups  # noqa: PLC0415
   if not isinstance(w, QGroups):
     return fn(w, index)
   group = jnp.asarray(w.group, jnp.int32)[index]
   pos = jnp.asarray(w.pos, jnp.int32)[index]
+  if groups == "predicated":
+    ys = [fn(part, pos, active=(group == g).astype(jnp.int32)) for g, part in enumerate(w.parts)]
+    out = ys[-1]
+    for g in range(len(ys) - 2, -1, -1):
+      out = jnp.where(group == g, ys[g], out)
+    return out
   return lax.switch(group, [lambda part=part: fn(part, pos) for part in w.parts])
 
 
@@ -60,10 +70,10 @@ def linear(x, w):
   """
   if is_quant(w):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
-    qt, index, impl = _qparts(w)
+    qt, index, impl, groups = _qparts(w)
     x2 = x.reshape(-1, x.shape[-1])
-    y = quant_call(qt, index, lambda q, i: quant_api.qmatmul(x2, q, index=i,
-                                                             implementation=impl))
+    y = quant_call(qt, index, lambda q, i, **kw: quant_api.qmatmul(
+        x2, q, index=i, implementation=impl, **kw), groups)
     return y.reshape(*x.shape[:-1], y.shape[-1])
   return lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                          preferred_element_type=x.dtype)
@@ -118,9 +128,10 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   x2 = x.reshape(B * T, -1)
   if is_quant(w):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
-    qt, index, impl = _qparts(w)
-    y = quant_call(qt, index, lambda q, i: quant_api.qmatmul_lora(
-        x2, q, lora_a, lora_b, on, rank_scale=rank_scale, index=i, implementation=impl))
+    qt, index, impl, groups = _qparts(w)
+    y = quant_call(qt, index, lambda q, i, **kw: quant_api.qmatmul_lora(
+        x2, q, lora_a, lora_b, on, rank_scale=rank_scale, index=i, implementation=impl, **kw),
+        groups)
     return y.reshape(B, T, -1)
   y = linear(x, w)
   from pallas_kernels.lora import api as lora_api  # noqa: PLC0415 (kernel package loads lazily)

@@ -45,9 +45,9 @@ def _layer(cfg, dense, quant, i, index):
   """One layer's params: slot `i` of the scanned (dense) block, and `QRef(stack, index)` for
   each quantised stack, which the quantised matmul reads in place at the traced `index`."""
   p = jax.tree.map(lambda a: a[i], dense)
-  impl = cfg.forms.quant_impl
-  fields = {f.name: QRef(getattr(quant, f.name), index, impl) for f in dataclasses.fields(quant)
-            if _is_q(getattr(quant, f.name))}
+  impl, groups = cfg.forms.quant_impl, cfg.forms.quant_groups
+  fields = {f.name: QRef(getattr(quant, f.name), index, impl, groups)
+            for f in dataclasses.fields(quant) if _is_q(getattr(quant, f.name))}
   return p.replace(**fields) if fields else p
 
 

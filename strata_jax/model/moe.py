@@ -88,10 +88,18 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
     if isinstance(wg, QGroups):  # the three stacks are grouped alike (by the layer's types)
       group = jnp.asarray(wg.group, jnp.int32)[layer]
       pos = jnp.asarray(wg.pos, jnp.int32)[layer]
-      routed = jax.lax.switch(group, [
-          lambda g=g, u=u, d=d: quant_api.experts(x, g, u, d, idx, w, layer=pos,
-                                                  implementation=impl)
-          for g, u, d in zip(wg.parts, wu.parts, wd.parts)])
+      if cfg.forms.quant_groups == "predicated":   # as common.quant_call
+        parts = [quant_api.experts(x, g, u, d, idx, w, layer=pos, implementation=impl,
+                                   active=(group == k).astype(jnp.int32))
+                 for k, (g, u, d) in enumerate(zip(wg.parts, wu.parts, wd.parts))]
+        routed = parts[-1]
+        for k in range(len(parts) - 2, -1, -1):
+          routed = jnp.where(group == k, parts[k], routed)
+      else:
+        routed = jax.lax.switch(group, [
+            lambda g=g, u=u, d=d: quant_api.experts(x, g, u, d, idx, w, layer=pos,
+                                                    implementation=impl)
+            for g, u, d in zip(wg.parts, wu.parts, wd.parts)])
     else:
       routed = quant_api.experts(x, wg, wu, wd, idx, w, layer=layer, implementation=impl)
   elif form == "few":
