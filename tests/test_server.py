@@ -118,6 +118,22 @@ def test_openai_completions_complete_and_stream(srv):
   assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
 
+def test_a_decode_chunk_streams_as_one_event(base_srv):
+  """The worker hands a step's tokens to the loop at once and the stream sends them as one
+  delta: fewer text events than tokens, the same text as the answer in one piece."""
+  body = {"prompt": "Count: one two three", "max_tokens": 12, "temperature": 0,
+          "return_tokens": True}
+  full = _complete(base_srv, **body).json()
+  with httpx.stream("POST", f"{base_srv.url}/v1/completions", timeout=120,
+                    json={**body, "stream": True}) as r:
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+             if line.startswith("data: {")]
+  texts = [t for t in texts if t]
+  n = len(full["choices"][0]["tokens"])
+  assert "".join(texts) == full["choices"][0]["text"]
+  assert n >= 6 and len(texts) <= n // 2, (n, texts)
+
+
 def test_anthropic_messages_complete_and_stream(srv):
   ac = _anth(srv)
   kw = {"model": "demo", "max_tokens": 8, "system": SYSTEM,

@@ -234,19 +234,29 @@ class Server:
     lp = LogprobTrack(self.model, spec) if spec.logprobs is not None else None
     while True:
       kind, payload = await events.get()
-      if kind == "logprobs":
-        lp.entry = payload
-      elif kind == "token":
-        if lp is not None:
-          lp.token(payload, len(ts.text))
-        delta = ts.push(payload)
-        if ts.matched is not None:
-          events.cancel.set()
-        if delta:
+      # The tokens already queued behind this one (a decode chunk's, handed over at once)
+      # go out as one delta: one stream event for the lot, not one per token.
+      delta = ""
+      while kind in ("logprobs", "token"):
+        if kind == "logprobs":
+          lp.entry = payload
+        else:
           if lp is not None:
-            yield "logprobs", lp.take(ts.sent)
-          yield "text", delta
-      elif kind == "done":
+            lp.token(payload, len(ts.text))
+          delta += ts.push(payload)
+          if ts.matched is not None:
+            events.cancel.set()
+        if events.empty():
+          kind = None
+          break
+        kind, payload = events.get_nowait()
+      if delta:
+        if lp is not None:
+          yield "logprobs", lp.take(ts.sent)
+        yield "text", delta
+      if kind is None:
+        continue
+      if kind == "done":
         out = self.outcome(spec, payload)
         rest = ts.finish(out.text)
         if lp is not None:

@@ -40,6 +40,9 @@ class _Gen:
   loop: asyncio.AbstractEventLoop
   events: asyncio.Queue
   cancel: threading.Event
+  # events made on the worker thread during one engine step, handed to the loop at once
+  # after it (a decode chunk emits up to 16 tokens a row: one wake-up of the loop, not 16)
+  buf: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -51,6 +54,11 @@ class _Call:
 
 
 _STOP = object()
+
+
+def _put_all(events: asyncio.Queue, items: list):
+  for item in items:
+    events.put_nowait(item)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn, *args):
@@ -128,12 +136,14 @@ class EngineWorker:
       self._pending += 1
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    req.on_token = lambda tok: _post(loop, events.put_nowait, ("token", int(tok)))
+    job = _Gen(req=req, loop=loop, events=events, cancel=threading.Event())
+    # called on the worker thread inside engine.step(); `_flush` hands them over after it
+    req.on_token = lambda tok: job.buf.append(("token", int(tok)))
     if req.logprobs is not None:   # each token's entry comes just before the token
-      req.on_logprobs = lambda entry: _post(loop, events.put_nowait, ("logprobs", entry))
+      req.on_logprobs = lambda entry: job.buf.append(("logprobs", entry))
     # Setting this (a stop string matched, the client went away) ends the generation early.
-    events.cancel = threading.Event()
-    self._q.put(_Gen(req=req, loop=loop, events=events, cancel=events.cancel))
+    events.cancel = job.cancel
+    self._q.put(job)
     return events
 
   async def call(self, fn: Callable[[Any], Any], barrier: bool = True):
@@ -146,7 +156,13 @@ class EngineWorker:
     return await fut
 
   # ----- the worker thread ------------------------------------------------------------------
+  def _flush(self, job: _Gen):
+    if job.buf:
+      items, job.buf = job.buf, []
+      _post(job.loop, _put_all, job.events, items)
+
   def _done(self, job: _Gen, kind: str, payload):
+    self._flush(job)
     with self._lock:
       self._pending -= 1
     _post(job.loop, job.events.put_nowait, (kind, payload))
@@ -195,6 +211,7 @@ class EngineWorker:
           self.engine.step()
           still = []
           for handle, job in running:
+            self._flush(job)
             if handle.done:
               self._done(job, "done", handle.result)
             else:
