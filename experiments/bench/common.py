@@ -192,6 +192,24 @@ def param_count(cfg) -> int:
   return sum(math.prod(s) for s in param_shapes(cfg).values())
 
 
+def random_qtensor(key, qtype, lead, out, d_in):
+  """A QTensor of random planes on the device (random bits; f16 scales in [1e-3, 1e-2])."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels.quant.layout import PLANE_RATIO, PLANES, QTensor
+  fields = {}
+  for k, name in zip(jax.random.split(key, 8), PLANES[qtype]):
+    shape = (*lead, out, int(d_in * PLANE_RATIO[qtype][name]))
+    if name in ("d", "dmin"):
+      fields[name] = jax.random.uniform(k, shape, jnp.float32, 1e-3, 1e-2).astype(jnp.float16)
+    else:
+      bits = jax.random.bits(k, shape, jnp.uint8)
+      fields[name] = bits.view(jnp.int8) if (qtype, name) in (("q8_0", "qs"), ("q6_k", "sc")) \
+          else bits
+  return QTensor(**fields, qtype=qtype, shape=(*lead, out, d_in))
+
+
 # ---------------------------------------------------------------------------------------------
 # Timing and output.
 

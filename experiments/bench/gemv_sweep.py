@@ -55,23 +55,6 @@ VARIANTS = [
 ]
 
 
-def random_qtensor(key, qtype, lead, out, d_in):
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_kernels.quant.layout import PLANE_RATIO, PLANES, QTensor
-  fields = {}
-  for k, name in zip(jax.random.split(key, 8), PLANES[qtype]):
-    shape = (*lead, out, int(d_in * PLANE_RATIO[qtype][name]))
-    if name in ("d", "dmin"):
-      fields[name] = jax.random.uniform(k, shape, jnp.float32, 1e-3, 1e-2).astype(jnp.float16)
-    else:
-      bits = jax.random.bits(k, shape, jnp.uint8)
-      fields[name] = bits.view(jnp.int8) if (qtype, name) in (("q8_0", "qs"), ("q6_k", "sc")) \
-          else bits
-  return QTensor(**fields, qtype=qtype, shape=(*lead, out, d_in))
-
-
 def program(call, n_mats, groups, iters):
   import jax
   import jax.numpy as jnp
@@ -110,9 +93,9 @@ def main(argv=None):
   res = dict(device=str(jax.devices()[0]), jax=jax.__version__, iters=args.iters,
              reps=args.reps, results=[])
   for name, qtype, d_out, d_in, groups in shapes:
-    one = random_qtensor(jax.random.key(0), qtype, (1,), d_out, d_in).nbytes
+    one = common.random_qtensor(jax.random.key(0), qtype, (1,), d_out, d_in).nbytes
     n_mats = 2 if args.smoke else max(args.iters * groups, -(-256 * 2**20 // one))
-    w = random_qtensor(jax.random.key(1), qtype, (n_mats,), d_out, d_in)
+    w = common.random_qtensor(jax.random.key(1), qtype, (n_mats,), d_out, d_in)
     x = jax.random.normal(jax.random.key(2), (groups, 1, d_in), jnp.bfloat16)
     planes = flat(w)
     for v in VARIANTS:

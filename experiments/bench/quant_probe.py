@@ -57,24 +57,6 @@ flags.DEFINE_float("budget_s", 500.0, "stop starting new measurements after this
 F = flags.FLAGS
 
 
-def _random_qtensor(key, qtype, lead, out, d_in):
-  """A QTensor of random planes on the device (random bits; f16 scales in [1e-3, 1e-2])."""
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_kernels.quant.layout import PLANE_RATIO, PLANES, QTensor
-  fields = {}
-  for k, name in zip(jax.random.split(key, 8), PLANES[qtype]):
-    shape = (*lead, out, int(d_in * PLANE_RATIO[qtype][name]))
-    if name in ("d", "dmin"):
-      fields[name] = jax.random.uniform(k, shape, jnp.float32, 1e-3, 1e-2).astype(jnp.float16)
-    else:
-      bits = jax.random.bits(k, shape, jnp.uint8)
-      fields[name] = bits.view(jnp.int8) if (qtype, name) in (("q8_0", "qs"), ("q6_k", "sc")) \
-          else bits
-  return QTensor(**fields, qtype=qtype, shape=(*lead, out, d_in))
-
-
 class OutOfTime(Exception):
   """The --budget_s is spent: what was measured so far is written."""
 
@@ -163,9 +145,9 @@ def probe(res):
         print(json.dumps(r), flush=True)
       del dense
   for qtype, (name, d_out, d_in) in itertools.product(F.types.split(","), shapes):
-    one = _random_qtensor(key, qtype, (1,), d_out, d_in).nbytes
+    one = common.random_qtensor(key, qtype, (1,), d_out, d_in).nbytes
     n_layers = _layers(one)
-    w = _random_qtensor(key, qtype, (n_layers,), d_out, d_in)
+    w = common.random_qtensor(key, qtype, (n_layers,), d_out, d_in)
     for n in batches:
       x = jax.random.normal(jax.random.key(n), (n, d_in), bf16)
       io = 2 * n * (d_in + d_out)
@@ -226,9 +208,9 @@ def _sweep(shapes, impl, timer):
   iters = F.sweep_iters
   out = []
   for qtype in F.sweep_types.split(","):
-    one = _random_qtensor(jax.random.key(0), qtype, (1,), d_out, d_in).nbytes
+    one = common.random_qtensor(jax.random.key(0), qtype, (1,), d_out, d_in).nbytes
     n_layers = _layers(one)
-    w = _random_qtensor(jax.random.key(0), qtype, (n_layers,), d_out, d_in)
+    w = common.random_qtensor(jax.random.key(0), qtype, (n_layers,), d_out, d_in)
     for n in (1, 8):
       x = jax.random.normal(jax.random.key(n), (n, d_in), "bfloat16")
       best = None

@@ -331,7 +331,7 @@ class Engine:
   def _purge(self, entries) -> list[int]:
     """Drop the cached blocks and slot conversations of freed adapters; re-place the table."""
     ids = {e.id for e in entries}
-    self._flush_snapshots()   # none are pending between rounds; never store a freed chain
+    self._flush_snapshots()   # store what waits now, so the discard below sees a freed chain
     for e in entries:
       self.prefix_cache.discard(self.adapters.blocks.pop(e.id, ()))
     for slot in range(self.n_slots):
