@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the device, one call (~9 min): the compiled cases of the kernels changed since the last
 # full GPU test run (quant k_split and its defaults, the experts, the LoRA adapter table in
-# fp32), the 80B-A3B layer shapes at 8 layers (decode_probe, batch 1, profile), then
+# fp32), the 80B-A3B layer shapes at 8 layers (decode_probe, batch 1, profile; the switch and
+# the predicated quant groups), then
 # bench_engine (every batch, one timed run each). Results and logs in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -15,7 +16,7 @@ timeout 140 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs -n 8 -m gpu 
   2>&1 | tee $OUT/check_gpu_tests.log | tail -6
 echo "tests done $(( $(date +%s) - t0 )) s"
 python3 experiments/bench/make_gguf.py --geometry qwen3next-80b-a3b --layers 8 --out /tmp/a8.gguf --no-progress
-timeout 110 python3 experiments/bench/decode_probe.py --gguf /tmp/a8.gguf --variants base \
+timeout 150 python3 experiments/bench/decode_probe.py --gguf /tmp/a8.gguf --variants base,qpred \
   --batches 1 --n_steps 8 --reps 3 --profile base --out $OUT/decode_probe_a80b_l8_split.json \
   2>&1 | grep '"variant"'
 echo "probe done $(( $(date +%s) - t0 )) s"
