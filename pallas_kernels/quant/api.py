@@ -150,26 +150,25 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
   on = on.astype(jnp.int32)
   lora_h = lambda: _lora_h(x, a) if rank_scale is None else (
       _lora_h(x, a) * rank_scale.astype(_F32))
-  if impl == "xla":
-    acc = _xla_acc(x, w, index, precision)
+
+  def with_delta(acc):
+    """The fp32 base `acc` plus the delta on the on rows (XLA), a select keeping the rest."""
     delta = lax.dot_general(lora_h(), b.astype(_F32), _NT, precision=_HI,
                             preferred_element_type=_F32)
     if scale != 1.0:
       delta = delta * scale
     return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype), acc.astype(x.dtype))
+
+  if impl == "xla":
+    return with_delta(_xla_acc(x, w, index, precision))
   tk = dict(tiles or {})
   if default_split(n, d_out, d_in, w.qtype, form=tk.get("form"), interpret=impl != "pallas",
                    block_in=tk.get("block_in"), k_split=tk.get("k_split"))[1] > 1:
     # The plain call splits `in` here (kernel.split_defaults): the base is that same call's
     # fp32 sum, and the delta and the select follow in XLA, so an off row is `qmatmul`'s.
-    acc = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=d_out,
-                         precision=precision, out_dtype=_F32, active=active,
-                         **_kernel_kw(impl, tiles))[0]
-    delta = lax.dot_general(lora_h(), b.astype(_F32), _NT, precision=_HI,
-                            preferred_element_type=_F32)
-    if scale != 1.0:
-      delta = delta * scale
-    return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype), acc.astype(x.dtype))
+    return with_delta(qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype,
+                                     d_out=d_out, precision=precision, out_dtype=_F32,
+                                     active=active, **_kernel_kw(impl, tiles))[0])
   kw = dict(on=on, b=b, scale=scale, lora=lora_down)
   if lora_down == "h":
     kw["h"] = lora_h()

@@ -49,12 +49,17 @@ def quant_call(w, index, fn, groups="switch"):
   group = jnp.asarray(w.group, jnp.int32)[index]
   pos = jnp.asarray(w.pos, jnp.int32)[index]
   if groups == "predicated":
-    ys = [fn(part, pos, active=(group == g).astype(jnp.int32)) for g, part in enumerate(w.parts)]
-    out = ys[-1]
-    for g in range(len(ys) - 2, -1, -1):
-      out = jnp.where(group == g, ys[g], out)
-    return out
+    return pick_group(group, [fn(part, pos, active=(group == g).astype(jnp.int32))
+                              for g, part in enumerate(w.parts)])
   return lax.switch(group, [lambda part=part: fn(part, pos) for part in w.parts])
+
+
+def pick_group(group, ys):
+  """ys[group] by selects (every y computed, the inactive ones left unspecified)."""
+  out = ys[-1]
+  for g in range(len(ys) - 2, -1, -1):
+    out = jnp.where(group == g, ys[g], out)
+  return out
 
 
 def linear(x, w):

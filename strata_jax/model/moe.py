@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import is_quant, linear
+from strata_jax.model.common import is_quant, linear, pick_group
 from strata_jax.params import QGroups
 
 
@@ -89,12 +89,10 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
       group = jnp.asarray(wg.group, jnp.int32)[layer]
       pos = jnp.asarray(wg.pos, jnp.int32)[layer]
       if cfg.forms.quant_groups == "predicated":   # as common.quant_call
-        parts = [quant_api.experts(x, g, u, d, idx, w, layer=pos, implementation=impl,
-                                   active=(group == k).astype(jnp.int32))
-                 for k, (g, u, d) in enumerate(zip(wg.parts, wu.parts, wd.parts))]
-        routed = parts[-1]
-        for k in range(len(parts) - 2, -1, -1):
-          routed = jnp.where(group == k, parts[k], routed)
+        routed = pick_group(group, [
+            quant_api.experts(x, g, u, d, idx, w, layer=pos, implementation=impl,
+                              active=(group == k).astype(jnp.int32))
+            for k, (g, u, d) in enumerate(zip(wg.parts, wu.parts, wd.parts))])
       else:
         routed = jax.lax.switch(group, [
             lambda g=g, u=u, d=d: quant_api.experts(x, g, u, d, idx, w, layer=pos,
