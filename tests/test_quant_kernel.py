@@ -245,6 +245,17 @@ def test_gated_call_runs_only_when_active_and_then_equals_the_plain_call(lora):
   assert not np.array_equal(np.asarray(off), np.asarray(plain))
 
 
+def test_gated_experts_equal_the_ungated_ones():
+  d = f = 256
+  raw = {k: random_raw("q4_k", (2, 3, f, d), seed=s) for s, k in enumerate("gud")}
+  qts = [jax.device_put(pack(raw[k], "q4_k", raw[k].shape[:-1] + (d,))) for k in "gud"]
+  args = (jnp.asarray(_x(2, d, F32)), *qts, jnp.asarray([[0, 2], [1, 1]], jnp.int32),
+          jnp.full((2, 2), 0.5, F32))
+  kw = dict(layer=jnp.int32(1), implementation="pallas_interpret")
+  assert np.array_equal(bits(experts(*args, **kw)),
+                        bits(experts(*args, active=jnp.int32(1), **kw)))
+
+
 def test_k_split_is_refused_with_the_lora_epilogue():
   qt, _ = _weight("q4_k")
   planes = flat(jax.device_put(qt))

@@ -136,11 +136,13 @@ def test_mixed_types_within_a_stack(tmp_path):
     return np.concatenate([np.asarray(lg), np.asarray(lg2)])
 
   assert_close(run(keep), run(deq), abs_=QUANT_KEEP_LOGITS_ABS_FP32, what="mixed keep vs deq")
-  # every group's kernel with its "active" flag and a select: the switch's numbers, bit for bit
+  # every group's call with its "active" flag and a select: the switch's numbers, bit for bit
+  # (XLA computes every group and the select keeps the layer's; the kernel's gating itself is
+  # test_quant_kernel's `test_gated_call_runs_only_when_active_and_then_equals_the_plain_call`)
   def with_forms(**changes):
     cfg = dataclasses.replace(keep.cfg, forms=dataclasses.replace(keep.cfg.forms, **changes))
     return types.SimpleNamespace(cfg=cfg, params=keep.params)
 
-  switch = run(with_forms(quant_impl="pallas_interpret"))
-  pred = run(with_forms(quant_impl="pallas_interpret", quant_groups="predicated"))
+  switch = run(with_forms(quant_impl="xla"))
+  pred = run(with_forms(quant_impl="xla", quant_groups="predicated"))
   assert np.array_equal(switch, pred)
