@@ -123,9 +123,10 @@ def _row(v):
 class _Tiles:
   """Loads of one program's tiles: rows [o0, o0 + bo) of matrix s, rows [r0, r0 + bn) of x."""
 
-  def __init__(self, refs, s, g, o0, r0, o_ok, r_ok, t):
+  def __init__(self, refs, s, g, o0, r0, o_ok, r_ok, t, ks=0):
     self.refs, self.s, self.g, self.o0, self.r0 = refs, s, g, o0, r0
     self.o_ok, self.r_ok, self.t = o_ok, r_ok, t
+    self.ks = ks  # this program's share of `in` (k_split)
 
   def vec(self, name, col):
     """[bo] column `col` of a plane, as fp32."""
@@ -221,8 +222,7 @@ def _program(refs, pids, t):
   o_ok = (o0 + jnp.arange(bo)) < t.d_out if t.out_ragged else None
   r_ok = (r0 + jnp.arange(bn)) < t.m if t.row_ragged else None
   s = idx_ref[g]
-  tl = _Tiles({**planes, "x": x_ref}, s, g, o0, r0, o_ok, r_ok, t)
-  tl.ks = ks
+  tl = _Tiles({**planes, "x": x_ref}, s, g, o0, r0, o_ok, r_ok, t, ks)
   form = _dot_form if t.form == "dot" else _rows_form
   form(tl, lora_refs, o_ref, t)
 

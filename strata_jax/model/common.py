@@ -39,27 +39,28 @@ def _qparts(w):
 
 
 def quant_call(w, index, fn, groups="switch"):
-  """fn(qtensor, index) for a QTensor stack. For a QGroups (one stack per quant type), the
-  layer's group: "switch", a conditional calling fn(that group's stack, the layer's position
-  in it); "predicated", fn(stack, position, active=this group's flag) for every group (an
-  inactive kernel launch returns at once) and a select of the layer's group."""
+  """fn(qtensor, index) for a QTensor stack; for a QGroups, `group_call` with
+  fn(that group's stack, the layer's position in it)."""
   from strata_jax.params import QGroups  # noqa: PLC0415
   if not isinstance(w, QGroups):
     return fn(w, index)
+  return group_call(w, index, lambda g, pos, **kw: fn(w.parts[g], pos, **kw), groups)
+
+
+def group_call(w, index, fn, groups="switch"):
+  """fn(g, position) for layer `index` of the QGroups `w` (one stack per quant type; g the
+  layer's group, the position its layer in that group's stack). "switch": a conditional on
+  g; "predicated": fn(g, position, active=flag) for every group (an inactive kernel launch
+  returns at once) and a select of the layer's group."""
   group = jnp.asarray(w.group, jnp.int32)[index]
   pos = jnp.asarray(w.pos, jnp.int32)[index]
   if groups == "predicated":
-    return pick_group(group, [fn(part, pos, active=(group == g).astype(jnp.int32))
-                              for g, part in enumerate(w.parts)])
-  return lax.switch(group, [lambda part=part: fn(part, pos) for part in w.parts])
-
-
-def pick_group(group, ys):
-  """ys[group] by selects (every y computed, the inactive ones left unspecified)."""
-  out = ys[-1]
-  for g in range(len(ys) - 2, -1, -1):
-    out = jnp.where(group == g, ys[g], out)
-  return out
+    ys = [fn(g, pos, active=(group == g).astype(jnp.int32)) for g in range(len(w.parts))]
+    out = ys[-1]
+    for g in range(len(ys) - 2, -1, -1):
+      out = jnp.where(group == g, ys[g], out)
+    return out
+  return lax.switch(group, [lambda g=g: fn(g, pos) for g in range(len(w.parts))])
 
 
 def linear(x, w):

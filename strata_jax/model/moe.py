@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import is_quant, linear, pick_group
+from strata_jax.model.common import group_call, is_quant, linear
 from strata_jax.params import QGroups
 
 
@@ -86,18 +86,9 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
     layer = layer if stacks is not None else p.gate_exps.index
     impl = cfg.forms.quant_impl
     if isinstance(wg, QGroups):  # the three stacks are grouped alike (by the layer's types)
-      group = jnp.asarray(wg.group, jnp.int32)[layer]
-      pos = jnp.asarray(wg.pos, jnp.int32)[layer]
-      if cfg.forms.quant_groups == "predicated":   # as common.quant_call
-        routed = pick_group(group, [
-            quant_api.experts(x, g, u, d, idx, w, layer=pos, implementation=impl,
-                              active=(group == k).astype(jnp.int32))
-            for k, (g, u, d) in enumerate(zip(wg.parts, wu.parts, wd.parts))])
-      else:
-        routed = jax.lax.switch(group, [
-            lambda g=g, u=u, d=d: quant_api.experts(x, g, u, d, idx, w, layer=pos,
-                                                    implementation=impl)
-            for g, u, d in zip(wg.parts, wu.parts, wd.parts)])
+      routed = group_call(wg, layer, lambda k, pos, **kw: quant_api.experts(
+          x, wg.parts[k], wu.parts[k], wd.parts[k], idx, w, layer=pos, implementation=impl,
+          **kw), cfg.forms.quant_groups)
     else:
       routed = quant_api.experts(x, wg, wu, wd, idx, w, layer=layer, implementation=impl)
   elif form == "few":
