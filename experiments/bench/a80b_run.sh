@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On the device, one call (~9 min): write the 80B-A3B Q4_K_M file, time the device program at
+# batch 1 with the quant groups switched and predicated (decode_probe), then load it through
+# the Engine with the faster form and decode at batch 1 and 8, adapter on and off (load_80b).
+# Results in $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site $(ls ${WHL:-.whl}/*.whl | grep -v -e fla -e flash_linear -e einops) >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false STRATA_JAX_CACHE=/tmp/xla
+unset JAX_DEFAULT_MATMUL_PRECISION
+t0=$(date +%s)
+python3 experiments/bench/make_gguf.py --geometry qwen3next-80b-a3b --quant q4_k_m \
+  --out /tmp/a80b.gguf --no-progress 2>&1 | tail -2
+echo "gguf written $(( $(date +%s) - t0 )) s"
+timeout 170 python3 experiments/bench/decode_probe.py --gguf /tmp/a80b.gguf --variants base,qpred \
+  --batches 1 --n_steps 8 --reps 3 --out $OUT/decode_probe_a80b.json 2>&1 | grep '"variant"' | cut -c1-300
+echo "probe done $(( $(date +%s) - t0 )) s"
+FORMS=$(python3 - "$OUT/decode_probe_a80b.json" <<'PY'
+import json, sys
+try:
+  r = {x["variant"]: x["ms_per_step"] for x in json.load(open(sys.argv[1]))["results"]}
+  print("quant_groups=predicated" if r.get("qpred", 1e9) < r.get("base", 1e9) else "")
+except Exception:
+  print("")
+PY
+)
+echo "engine forms: '${FORMS}'"
+timeout $(( ${CAP:-560} - ($(date +%s) - t0) )) python3 experiments/bench/load_80b.py \
+  --gguf /tmp/a80b.gguf --no-warm --batches ${BATCHES:-1,8} --forms "$FORMS" --out $OUT/a80b.json 2>&1 \
+  | grep -v -e "^W" -e "^I" -e "^\*" -e "^$" | cut -c1-400 | tail -5
+echo "all done $(( $(date +%s) - t0 )) s"
