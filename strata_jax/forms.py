@@ -52,10 +52,12 @@ CHOICES: dict[str, tuple] = {
     "quant_impl": ("auto", "xla", "pallas", "pallas_interpret"),
     # a stack whose layers come in several quant types (llama.cpp's Q4_K_M: Q6_K in its
     # "more bits" layers): "switch" = an XLA conditional on the layer's type (a host round
-    # trip each on the GPU: ~20 % of the 80B step waited on them); "predicated" = one kernel
-    # launch per type with an "active" flag in memory, the inactive ones returning at once,
-    # and a select. Not the default until measured (pallas_kernels/quant/README.md).
-    "quant_groups": ("switch", "predicated"),
+    # trip each on the GPU); "predicated" = one kernel launch per type with an "active" flag
+    # in memory, the inactive ones returning at once, and a select. "auto" = "predicated" on
+    # the GPU (80B-A3B Q4_K_M decode at batch 1 on the H200: 7.37 ms a step against 8.55
+    # switched, experiments/results/device/decode_probe_a80b_run3_qpred.json), "switch"
+    # elsewhere (XLA would compute every type's product there).
+    "quant_groups": ("auto", "switch", "predicated"),
     # fp32 matmuls: "auto" = "highest" (full fp32) for a float32 compute dtype, the dtype's own
     # for bfloat16; "tf32" is the GPU's faster reduced fp32, only ever chosen by name.
     "matmul_precision": ("auto", "highest", "tf32", "default"),
@@ -73,7 +75,7 @@ class Forms:
   moe_many: str = "auto"
   moe_few: str = "auto"
   quant_impl: str = "auto"
-  quant_groups: str = "switch"
+  quant_groups: str = "auto"
   matmul_precision: str = "auto"
 
   def __post_init__(self):
@@ -102,6 +104,7 @@ class Forms:
         moe_many=auto(self.moe_many, "pallas", "dense"),
         moe_few=auto(self.moe_few, "pallas", "xla"),
         quant_impl=auto(self.quant_impl, "pallas", "xla"),
+        quant_groups=auto(self.quant_groups, "predicated", "switch"),
         matmul_precision=precision)
 
   def jax_precision(self, compute_dtype) -> str | None:
