@@ -151,6 +151,58 @@ def decode_rates(engine, batch: int, n_tokens: int, prompt_len: int, lora: bool 
   return float(sum(per)), float(np.median(per))
 
 
+def write_report(out_path, command, details, fits, layer_split):
+  """summary.json entries from `details`, written with them to `out_path` (also after each
+  batch: a run cut off by its time limit keeps what it measured). Returns the entries."""
+  from common import COPY_TBPS
+  def entry(name, measured, target, unit, met):
+    return {"name": name, "measured": measured, "target": target, "unit": unit, "met": met,
+            "command": command}
+
+  if layer_split:
+    held = details.get("device_bytes_in_use", {})
+    stage = details.get("param_device_bytes", {})
+    within = bool(stage) and all(held.get(d) is None or held[d] <= 1.1 * stage[d]
+                                 for d in stage)
+    details["split_within_stage_plus_10pct"] = within
+    entries = [entry("a80b_split_fits", fits and within, True,
+                     "loads + decodes split; each device <= its stage + 10%", fits and within)]
+  else:
+    entries = [entry("a80b_q4km_fits_one_h200", fits, True, "loads and generates", fits)]
+  if "device_bytes_ratio" in details:
+    r = details["device_bytes_ratio"]
+    entries.append(entry("a80b_q4km_device_bytes_ratio", round(r, 4), 1.1,
+                         "device weight bytes / file tensor bytes", r <= 1.1))
+  if "host_peak_bytes" in details:
+    g = details["host_peak_bytes"] / 2**30
+    entries.append(entry("a80b_host_peak_gib", round(g, 3), 8, "GiB (RssAnon+RssShmem peak)",
+                         g <= 8))
+  if "load_s" in details:
+    entries.append(entry("a80b_load_s", round(details["load_s"], 2), 90, "s (warm page cache)",
+                         details["load_s"] <= 90))
+  dec = details.get("decode", {})
+  for key, v in dec.items():
+    b, sw = key.split("_")
+    if sw != "off":
+      target = ANCHOR_TOK_S if b == "b1" else None
+      entries.append(entry(f"a80b_q4km_decode_tok_s_{b}", round(v["tok_s"], 2), target,
+                           f"tok/s (batch {b[1:]}, adapter {sw}; anchor 164 at b1)",
+                           (v["tok_s"] >= target) if target else None))
+  b1 = dec.get("b1_on") or dec.get("b1_none")
+  if b1:
+    achieved = details["weight_bytes_per_token_b1"] * b1["tok_s"] / (COPY_TBPS * 1e12)
+    details["b1_achieved_tbps"] = details["weight_bytes_per_token_b1"] * b1["tok_s"] / 1e12
+    entries.append(entry("a80b_q4km_decode_b1_roofline_fraction", round(achieved, 4), 0.5,
+                         f"fraction of {COPY_TBPS} TB/s (weight bytes per token / s)",
+                         achieved >= 0.5))
+  if layer_split:  # a split run answers only a80b_split_fits (the rest is in details)
+    entries = entries[:1]
+  os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+  with open(out_path, "w") as f:
+    json.dump({"entries": entries, "details": details}, f, indent=1, default=str)
+  return entries
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--gguf", help="the model GGUF (make_gguf.py)")
@@ -229,57 +281,14 @@ def main(argv=None):
         details["decode"][f"b{b}_{'on' if sw else 'off' if sw is False else 'none'}"] = {
             "tok_s": agg, "per_request_tok_s": med}
       del engine
+      write_report(out_path, command, details, True, args.layer_split)
     fits = True
   except Exception as e:  # noqa: BLE001 (reported in the JSON, then re-raised)
     err = f"{type(e).__name__}: {e}"
     details["error"] = err
     details["traceback"] = traceback.format_exc()[-4000:]
 
-  def entry(name, measured, target, unit, met):
-    return {"name": name, "measured": measured, "target": target, "unit": unit, "met": met,
-            "command": command}
-
-  if args.layer_split:
-    held = details.get("device_bytes_in_use", {})
-    stage = details.get("param_device_bytes", {})
-    within = bool(stage) and all(held.get(d) is None or held[d] <= 1.1 * stage[d]
-                                 for d in stage)
-    details["split_within_stage_plus_10pct"] = within
-    entries = [entry("a80b_split_fits", fits and within, True,
-                     "loads + decodes split; each device <= its stage + 10%", fits and within)]
-  else:
-    entries = [entry("a80b_q4km_fits_one_h200", fits, True, "loads and generates", fits)]
-  if "device_bytes_ratio" in details:
-    r = details["device_bytes_ratio"]
-    entries.append(entry("a80b_q4km_device_bytes_ratio", round(r, 4), 1.1,
-                         "device weight bytes / file tensor bytes", r <= 1.1))
-  if "host_peak_bytes" in details:
-    g = details["host_peak_bytes"] / 2**30
-    entries.append(entry("a80b_host_peak_gib", round(g, 3), 8, "GiB (RssAnon+RssShmem peak)",
-                         g <= 8))
-  if "load_s" in details:
-    entries.append(entry("a80b_load_s", round(details["load_s"], 2), 90, "s (warm page cache)",
-                         details["load_s"] <= 90))
-  dec = details.get("decode", {})
-  for key, v in dec.items():
-    b, sw = key.split("_")
-    if sw != "off":
-      target = ANCHOR_TOK_S if b == "b1" else None
-      entries.append(entry(f"a80b_q4km_decode_tok_s_{b}", round(v["tok_s"], 2), target,
-                           f"tok/s (batch {b[1:]}, adapter {sw}; anchor 164 at b1)",
-                           (v["tok_s"] >= target) if target else None))
-  b1 = dec.get("b1_on") or dec.get("b1_none")
-  if b1:
-    achieved = details["weight_bytes_per_token_b1"] * b1["tok_s"] / (COPY_TBPS * 1e12)
-    details["b1_achieved_tbps"] = details["weight_bytes_per_token_b1"] * b1["tok_s"] / 1e12
-    entries.append(entry("a80b_q4km_decode_b1_roofline_fraction", round(achieved, 4), 0.5,
-                         f"fraction of {COPY_TBPS} TB/s (weight bytes per token / s)",
-                         achieved >= 0.5))
-  if args.layer_split:  # a split run answers only a80b_split_fits (the rest is in details)
-    entries = entries[:1]
-  os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-  with open(out_path, "w") as f:
-    json.dump({"entries": entries, "details": details}, f, indent=1, default=str)
+  entries = write_report(out_path, command, details, fits, args.layer_split)
   print(json.dumps({"entries": entries, "details": {k: v for k, v in details.items()
                                                      if k != "traceback"}}, default=str))
   if err:
