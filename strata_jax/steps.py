@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.gdn.api import FUSED_CHOICES as FUSED_GDN_DECODE
 from strata_jax import sampling
 from strata_jax.config import ModelConfig
 from strata_jax.model import forward
@@ -79,7 +78,7 @@ def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, ac
            cvec=None):
   """One token for every row. tokens, switch, active: int32 [B] (tokens: the hidden [B, D]
   from the previous stage when this stage has no embedding); cvec: as in `prefill`. Inactive
-  rows keep their state (their K/V write lands past their length and is overwritten later).
+  rows keep their state bit for bit.
   Returns (logits float32 [B, V], state)."""
   act = active.astype(bool)
   n_new = act.astype(jnp.int32)   # tokens each row adds: its one token if active, else none
@@ -90,13 +89,11 @@ def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, ac
         n_new, switch, cvec)
     logits = (x[:, 0] if params.lm_head is None
               else forward.logits_from_hidden(cfg, params, x[:, 0]))
-  keep = lambda new, old: jnp.where(act.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)
-  if cfg.forms.gdn_decode not in FUSED_GDN_DECODE:
-    ssm = keep(ssm, state.ssm)
-  # else: the fused decode kernel does not store an inactive row's recurrent state at all
-  # (its rows are the input's, bit for bit), so the full-state select is skipped.
+  # No full-state select: an inactive row's K/V write is dropped and each GDN layer keeps an
+  # idle row's conv and recurrent state bit for bit (`gdn.gdn_mixer`). K/V, and at a fused
+  # step the recurrent state, come back as the layer scan's carry (`forward.layers_scan`).
   state = state.replace(
-      k=k, v=v, conv=keep(conv, state.conv), ssm=ssm,
+      k=k, v=v, conv=conv, ssm=ssm,
       pos=state.pos + act.astype(jnp.int32),
       switch=jnp.where(act, switch.astype(jnp.int32), state.switch))
   return logits, state

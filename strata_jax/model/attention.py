@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from strata_jax.config import ModelConfig
 from strata_jax.model.common import linear, out_projection, rms_norm, rope_neox
 
 
 def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lora_b, switch,
-               kv_start=None, *, row_scale=None):
+               kv_start=None, *, row_scale=None, layer=None):
   """x [B, T, D]; k_cache/v_cache [B, S, G, Hd]; pos [B] first position of x's tokens;
   n_new [B] how many of the T tokens each row adds (the rest is padding; 0: the row sits
   this call out, as an inactive decode slot does).
@@ -19,10 +20,15 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   attends causally to cache positions <= its own (and >= kv_start [B] when given: the MTP
   layer's cache starts where its row began feeding it, docs/mtp.md). Returns (y [B, T, D],
   k_cache, v_cache).
+
+  layer: None, or an int32 scalar (may be traced): k_cache/v_cache are then every layer's
+  stack [L, B, S, G, Hd], the new keys/values are scattered into layer `layer` of it and the
+  whole stacks come back (a layer scan carries them: the write is in place, no per-layer copy
+  of the cache in or out).
   """
   B, T, _ = x.shape
   H, G, Hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-  S = k_cache.shape[1]
+  S = k_cache.shape[-3]
   qg = linear(x, p.q).reshape(B, T, H, 2 * Hd)
   q, gate = qg[..., :Hd], qg[..., Hd:]
   k = linear(x, p.k).reshape(B, T, G, Hd)
@@ -34,8 +40,13 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   rows = jnp.arange(B)[:, None]
   real = jnp.arange(T, dtype=jnp.int32)[None, :] < n_new[:, None]
   write_at = jnp.where(real, positions, S)                    # S: out of range, dropped
-  k_cache = k_cache.at[rows, write_at].set(k.astype(k_cache.dtype), mode="drop")
-  v_cache = v_cache.at[rows, write_at].set(v.astype(v_cache.dtype), mode="drop")
+  at = (rows, write_at) if layer is None else (layer, rows, write_at)
+  k_cache = k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop")
+  k_all, v_all = k_cache, v_cache
+  if layer is not None:   # the layer's cache, read after its write
+    k_cache = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
+    v_cache = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
   qh = q.reshape(B, T, G, H // G, Hd).astype(jnp.float32)   # q-head h <- kv-head h//(H/G)
   scores = jnp.einsum("btgrd,bsgd->bgrts", qh, k_cache.astype(jnp.float32)) * (Hd ** -0.5)
   mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]              # [B, T, S]
@@ -48,5 +59,4 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache.astype(jnp.float32)).reshape(B, T, H, Hd)
   out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype).reshape(B, T, H * Hd)
   return (out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl,
-                         row_scale), k_cache,
-          v_cache)
+                         row_scale), k_all, v_all)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.gdn.api import FUSED_CHOICES
 from pallas_kernels.quant.layout import QTensor
 from strata_jax.config import ATTN, GDN, ModelConfig
 from strata_jax.model.attention import attn_mixer
@@ -114,6 +115,15 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
 
   The scan runs over repeats of the pattern's period (e.g. 12 x "GGGA"); the period's
   layers are unrolled in the body, so compile time does not grow with depth.
+
+  The K/V cache stacks ride in the scan's carry, whole: each attention layer scatters its new
+  keys/values into its own index (`attn_mixer(layer=)`) and XLA updates a while loop's carry in
+  place, where a scan's xs would be sliced (a copy) and its ys stacked (another). At a decode
+  step with the fused GDN kernel the recurrent state stack rides in the carry too: the kernel
+  reads and writes its layer of it in place (`gdn_mixer(layer=)`). The other GDN forms, and
+  the small conv state, take their layer's state from xs: a jnp read of a carried stack is
+  fused into several consumers, some of them after the layer's in-place update, and XLA then
+  copies the whole stack at every layer. keep_steps returns every step's state, not a stack.
   """
   period = pattern_period(cfg.layer_types)
   n_blocks = cfg.n_layers // period
@@ -135,30 +145,39 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   if lora is not None and lora.table is not None:
     sw = jnp.broadcast_to(switch, pos.shape).astype(jnp.int32)
     row_scale = jnp.take(lora.table, sw, axis=0, mode="clip").astype(jnp.float32)
-  kv_b, gdn_b = _blocks(kv, n_blocks), _blocks(gdn_state, n_blocks)
-  cvec_b = _blocks(cvec, n_blocks)   # [n_blocks, period, D], or None
   B, T, D = x.shape
+  ssm_in_carry = not keep_steps and T == 1 and cfg.forms.gdn_decode in FUSED_CHOICES
+  conv_b = _blocks(gdn_state[0], n_blocks)
+  ssm_b = None if ssm_in_carry else _blocks(gdn_state[1], n_blocks)
+  cvec_b = _blocks(cvec, n_blocks)   # [n_blocks, period, D], or None
   # The expert stacks whole, for the few-token MoE kernel (reads layer `blk * period + li`).
   stacks = (layers.moe.gate_exps, layers.moe.up_exps, layers.moe.down_exps)
   real = (jnp.arange(T, dtype=jnp.int32)[None, :] < n_new[:, None]).reshape(B * T)
 
-  def body(x, xs):
-    blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, kv_in, gdn_in, cv = xs
-    (kc, vc), (conv, ssm) = map(list, kv_in), map(list, gdn_in)
+  def body(carry, xs):
+    x, (kc, vc), ssm_all = carry   # ssm_all: the whole ssm stack, or None (then ssm_in)
+    blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, conv_in, ssm_in, cv = xs
+    conv_out, ssm_out = [], []
     gi = ai = 0
     for li, kind in enumerate(block_types):
       h = rms_norm(x, attn_norm[li], cfg.rms_eps)
       if kind == ATTN:
         p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
-        y, kc[ai], vc[ai] = attn_mixer(cfg, p, h, kc[ai], vc[ai], pos, n_new, *la_i,
-                                        switch, row_scale=row_scale)
+        y, kc, vc = attn_mixer(cfg, p, h, kc, vc, pos, n_new, *la_i, switch,
+                               row_scale=row_scale, layer=blk * n_a + ai)
         ai += 1
       else:
         p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi)
         lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
-        y, conv[gi], ssm[gi] = gdn_mixer(cfg, p, h, conv[gi], ssm[gi], n_new, *lg_i, switch,
-                                         keep_steps, row_scale=row_scale)
+        if ssm_in_carry:
+          y, conv, ssm_all = gdn_mixer(cfg, p, h, conv_in[gi], ssm_all, n_new, *lg_i, switch,
+                                       row_scale=row_scale, layer=blk * n_g + gi)
+        else:
+          y, conv, ssm = gdn_mixer(cfg, p, h, conv_in[gi], ssm_in[gi], n_new, *lg_i, switch,
+                                   keep_steps, row_scale=row_scale)
+          ssm_out.append(ssm)
+        conv_out.append(conv)
         gi += 1
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
@@ -168,12 +187,13 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
       if cv is not None:
         x = x + cv[li].astype(x.dtype)
     restack = lambda new, old: jnp.stack(new) if new else old   # a kind may be absent
-    return x, ((restack(kc, kv_in[0]), restack(vc, kv_in[1])),
-               (restack(conv, gdn_in[0]), restack(ssm, gdn_in[1])))
+    return (x, (kc, vc), ssm_all), (restack(conv_out, conv_in), restack(ssm_out, ssm_in))
 
-  x, (kv_b, gdn_b) = lax.scan(body, x, (jnp.arange(n_blocks, dtype=jnp.int32), norms_and_moe, gdn_p,
-                                         attn_p, lora_g, lora_a, kv_b, gdn_b, cvec_b))
-  return x, _unblocks(kv_b), _unblocks(gdn_b)
+  carry = (x, tuple(kv), gdn_state[1] if ssm_in_carry else None)
+  (x, kv, ssm_all), (conv_b, ssm_b) = lax.scan(
+      body, carry, (jnp.arange(n_blocks, dtype=jnp.int32), norms_and_moe, gdn_p, attn_p,
+                    lora_g, lora_a, conv_b, ssm_b, cvec_b))
+  return x, kv, (_unblocks(conv_b), ssm_all if ssm_in_carry else _unblocks(ssm_b))
 
 
 def embed(params, tokens):

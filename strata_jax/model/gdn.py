@@ -31,7 +31,7 @@ def causal_conv(x, conv_state, w, n_new):
 
 
 def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, switch,
-              keep_steps: bool = False, *, row_scale=None):
+              keep_steps: bool = False, *, row_scale=None, layer=None):
   """x [B, T, D]; p one layer's GDNParams; conv_state [B, K-1, C]; ssm [B, Hv, Dv, Dk] f32;
   n_new [B] tokens of the T each row adds (the rest is padding and leaves state unchanged;
   0: the row sits this call out).
@@ -41,7 +41,19 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   step `decode` runs, one token at a time) and the state after every step is kept: returns
   (y, conv_rows [B, K-1+T, C] the previous K-1 raw rows then the T new ones, ssm_steps
   [B, T, Hv, Dv, Dk] the recurrent state after token t). The state after the first n tokens is
-  then (conv_rows[:, n:n+K-1], ssm_steps[:, n-1]) (`strata_jax.speculative`)."""
+  then (conv_rows[:, n:n+K-1], ssm_steps[:, n-1]) (`strata_jax.speculative`).
+
+  layer: None, or an int32 scalar (may be traced; not with keep_steps): ssm is then every
+  layer's stack [L, B, Hv, Dv, Dk] and layer `layer` of it is updated; the whole stack comes
+  back. The fused decode kernel (T == 1, `gdn_api.FUSED_CHOICES`) reads and writes that layer
+  in place, so a layer scan can carry the stack; the other forms read and write it in jnp,
+  where XLA fuses the read into several consumers and then copies the whole stack to keep it
+  alive past the update (`forward.layers_scan` passes them one layer's state instead).
+
+  At T == 1 a row with n_new == 0 keeps its conv and recurrent state bit for bit (the fused
+  kernel does not store it; the other forms select it)."""
+  if keep_steps and layer is not None:
+    raise ValueError("gdn_mixer: keep_steps returns per-step states, not a stack: no `layer`")
   B, T, _ = x.shape
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
@@ -81,27 +93,40 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     _, (o, steps) = lax.scan(one, ssm, (jnp.arange(T), tm(g), tm(beta), tm(a), tm(b), ok))
     o, conv_state, ssm = jnp.moveaxis(o, 0, 1), rows, jnp.moveaxis(steps, 0, 1)
     return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), conv_state, ssm
-  qkv, conv_state = causal_conv(qkv, conv_state, p.conv, n_new)
+  # At T == 1 an idle row keeps its state bit for bit (the delta rule with g = beta = 0 gives
+  # S + 0, which can flip a zero's sign): `steps.decode` relies on it (no full-state select).
+  def idle(new, old):
+    if T > 1:
+      return new
+    return jnp.where((n_new > 0).reshape((B,) + (1,) * (old.ndim - 1)), new, old)
+  qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new)
+  conv_state = idle(conv_new, conv_state)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
   v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
   if T == 1 and cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES:
     # One launch from the raw inputs: gates, L2 norms, head expansion, the delta rule; the
-    # state of a row with no valid token is not stored (it is unchanged).
+    # state of a row with no valid token is not stored (it is unchanged). Given the stack and
+    # `layer`, the kernel updates that layer of it in place.
     o, ssm = gdn_api.step_fused(q_raw[:, 0], k_raw[:, 0], v[:, 0], a[:, 0], b[:, 0], p.a,
-                                p.dt_bias, ssm, n_new > 0, implementation=cfg.forms.gdn_decode)
-    o = o[:, None]
-  elif T == 1:
+                                p.dt_bias, ssm, n_new > 0, layer,
+                                implementation=cfg.forms.gdn_decode)
+    y = _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale)
+    return y, conv_state, ssm
+  s_in = ssm if layer is None else lax.dynamic_index_in_dim(ssm, layer, 0, keepdims=False)
+  if T == 1:
     # One fused step (L2 norms, head expansion, the delta rule) on the GPU.
-    o, ssm = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm,
-                               implementation=cfg.forms.gdn_decode)
+    o, s = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], s_in,
+                            implementation=cfg.forms.gdn_decode)
     o = o[:, None]
   else:
     q = jnp.repeat(l2_norm(q_raw) * (Dk ** -0.5), r, axis=2)   # v-head h <- k-head h//r
     k = jnp.repeat(l2_norm(k_raw), r, axis=2)
     chunked = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
                                 pallas_chunk=cfg.forms.gdn_pallas_chunk)
-    o, ssm = jax.vmap(chunked)(q, k, v, g, beta, ssm)
+    o, s = jax.vmap(chunked)(q, k, v, g, beta, s_in)
+  s = idle(s, s_in)
+  ssm = s if layer is None else lax.dynamic_update_index_in_dim(ssm, s, layer, 0)
   return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), conv_state, ssm
 
 
