@@ -256,6 +256,22 @@ def test_gated_experts_equal_the_ungated_ones():
                         bits(experts(*args, active=jnp.int32(1), **kw)))
 
 
+def test_experts_sorted_by_expert_equal_the_pairs_in_token_order():
+  """More pairs than experts (a prefill): the kernel runs them sorted by expert, and every
+  token's output is the unsorted run's, bit for bit (each pair is computed on its own)."""
+  d = f = 256
+  n_exp, n, k = 3, 5, 2
+  raw = {c: random_raw("q4_k", (2, n_exp, f, d), seed=s) for s, c in enumerate("gud")}
+  qts = [jax.device_put(pack(raw[c], "q4_k", raw[c].shape[:-1] + (d,))) for c in "gud"]
+  idx = np.random.default_rng(3).integers(0, n_exp, (n, k)).astype(np.int32)
+  args = (jnp.asarray(_x(n, d, F32)), *qts, jnp.asarray(idx),
+          jnp.asarray(np.random.default_rng(4).random((n, k)), F32))
+  kw = dict(layer=jnp.int32(1), implementation="pallas_interpret")
+  sorted_ = experts(*args, sort_pairs=True, **kw)
+  assert np.array_equal(bits(sorted_), bits(experts(*args, sort_pairs=False, **kw)))
+  assert np.array_equal(bits(sorted_), bits(experts(*args, **kw)))   # n * k > E: sorted
+
+
 def test_k_split_is_refused_with_the_lora_epilogue():
   qt, _ = _weight("q4_k")
   planes = flat(jax.device_put(qt))

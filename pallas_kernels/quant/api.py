@@ -188,7 +188,7 @@ def _expert_rows(idx, layer, n_layers, n_experts):
 
 
 def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precision=None,
-            tiles=None, active=None):
+            tiles=None, active=None, sort_pairs=None):
   """Few-token routed experts over quantised stacks, reading only the chosen experts.
 
   out[n] = sum_j weights[n, j] * Wd_e (silu(Wg_e x[n]) * (Wu_e x[n])), e = idx[n, j] of layer
@@ -202,6 +202,11 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
     layer: int32 scalar (traced OK).
     implementation, precision, tiles, active: as `qmatmul`. The kernel runs three launches
       (gate, up, down) over all N * k (token, expert) pairs, one pair per row group.
+    sort_pairs (static): run the kernel's pairs sorted by expert (None: when there are more
+      pairs than experts, as in a prefill). The grid walks a pair's output tiles, then the
+      next pair's, so sorted pairs of one expert follow each other and read its blocks from L2
+      instead of HBM; each pair's numbers do not depend on its neighbours, so the result is
+      the same, bit for bit. A decode batch has too few pairs for the sort to pay.
 
   Returns:
     [N, D] float32.
@@ -223,6 +228,12 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
   cd, prec = _compute(x.dtype, precision)
   rows = _expert_rows(idx, layer, n_layers, n_experts).reshape(n * k)  # [P]
   xp = jnp.repeat(x, k, axis=0)  # [P, D]: pair p = n * k + j
+  if sort_pairs is None:
+    sort_pairs = n * k > n_experts
+  order = None
+  if sort_pairs and impl != "xla":
+    order = jnp.argsort(rows, stable=True)
+    rows, xp = rows[order], xp[order]
   if impl == "xla":
     def proj(w, v):  # gather the chosen experts' planes, dequantise, multiply
       sel = QTensor(**{name: p.reshape(-1, *p.shape[2:])[rows] for name, p in w.planes.items()},
@@ -239,4 +250,6 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
   g, u = proj(wg, xp), proj(wu, xp)  # [P, F] fp32
   h = jax.nn.silu(g).astype(x.dtype) * u.astype(x.dtype)
   y = proj(wd, h)  # [P, D] fp32
+  if order is not None:   # back to pair order
+    y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)
   return jnp.sum(y.reshape(n, k, d) * weights.astype(_F32)[..., None], axis=1)
