@@ -1,5 +1,7 @@
-"""Where the quantised model's switch-off logits leave the no-adapter model's on the GPU
-(the skipped `test_keep_adapter_off_is_bit_identical_to_no_adapter`): the largest difference
+"""Where the quantised model's switch-off logits leave the adapter-free step program's
+(`lora=None`) on the GPU (`tests/test_quant_model.py`'s
+`test_keep_adapter_off_is_bit_identical_to_the_adapter_free_program`, a CPU promise since run
+1 of this probe): the largest difference
 per prefill position and decode step, for weights kept quantised and dequantised, under the
 XLA_FLAGS this process was started with. One JSON line per weights mode."""
 import json
