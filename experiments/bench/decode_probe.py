@@ -5,7 +5,9 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   bf16dot   projections return their 16-bit dtype from the dot (no fp32 result + convert)
   unroll    the layer scan fully unrolled at decode (one straight program per step)
   moe/nomoe the Pallas in-place expert kernel, or the gather form (STRATA_MOE_IMPL=pallas/xla)
-  gdn/nogdn the Pallas fused GDN decode kernel, or jnp (STRATA_GDN_IMPL=pallas/xla)
+  gdn/nogdn the Pallas GDN decode kernel (`step_raw`), or jnp (Forms.gdn_decode)
+  gdnfused  the fused GDN decode kernel (gates inside), whose recurrent state stack rides in
+            the layer scan's carry and is updated in place (Forms.gdn_decode="pallas_fused")
   qpred     a mixed-type quantised stack (--gguf Q4_K_M) by one gated launch per type and a
             select, instead of an XLA conditional (Forms.quant_groups="predicated")
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
@@ -46,6 +48,7 @@ FORM_VARIANTS = {
     "select": {"lora_branch": "select"},
     "moe": {"moe_few": "pallas"},
     "gdn": {"gdn_decode": "pallas"},
+    "gdnfused": {"gdn_decode": "pallas_fused"},
     "nomoe": {"moe_few": "xla"},
     "nogdn": {"gdn_decode": "xla"},
     "qxla": {"quant_impl": "xla"},
