@@ -88,6 +88,40 @@ def test_decode_chains_steps():
   assert_close(s_got, s_want, rel=REL, abs_=ABS, what="chained state")
 
 
+@pytest.mark.parametrize("impl", ["pallas_interpret", "xla",
+                                  pytest.param("pallas", marks=[pytest.mark.gpu, needs_gpu])])
+def test_stacked_step_updates_its_layer_in_place_and_skips_idle_rows(impl):
+  """`step_raw(layer=, valid=)`: layer 2 of a 4-layer stack is the one-layer step's, bit for bit,
+  for the valid rows; idle rows (negative zeros included) and the other layers are left as they
+  were."""
+  step_raw = api.step_raw
+  q, k, v, g, beta, s0 = make_inputs(3, 2, 4, 16, 32, act=F32, seed=5)
+  stack = jnp.asarray(np.random.default_rng(6).standard_normal((4, *s0.shape)), F32)
+  stack = stack.at[2, 1, :, 0].set(-0.0)
+  valid = jnp.asarray([1, 0, 1], jnp.int32)
+  o1, s1 = jax.jit(lambda st: step_raw(q, k, v, g, beta, st, implementation=impl))(stack[2])
+  o2, s2 = jax.jit(lambda st, i: step_raw(q, k, v, g, beta, st, implementation=impl, layer=i,
+                                          valid=valid))(stack, jnp.int32(2))
+  bits = lambda a: np.asarray(a).tobytes()
+  assert bits(o2) == bits(o1)
+  assert bits(s2[2, 0]) == bits(s1[0]) and bits(s2[2, 2]) == bits(s1[2])
+  assert bits(s2[2, 1]) == bits(stack[2, 1])            # idle row: not stored
+  assert bits(s2[np.array([0, 1, 3])]) == bits(stack[np.array([0, 1, 3])])
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "stack36"])
+def test_step_kernel_lowers_to_triton_for_the_gpu(stacked):
+  """Cross-lowering on CPU at the bench's sizes (batch 32, bf16 q/k/v; the stack of 36 layers
+  with a traced layer index and a mask)."""
+  q, k, v, g, beta, s0 = make_inputs(32, 16, 32, 128, 128, act=BF16)
+  extra = (jnp.zeros((36, *s0.shape), F32), jnp.int32(5), jnp.ones((32,), jnp.int32)) if (
+      stacked) else (s0,)
+  f = lambda *a: gdn_decode_pallas(*a)
+  text = jax.jit(f).trace(q, k, v, g, beta, *extra).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text
+
+
 def test_input_checks():
   q, k, v, g, beta, state = make_inputs(1, 2, 4, 16, 16)
   with pytest.raises(ValueError, match="Dk=24 must be a power of 2 >= 16"):

@@ -22,12 +22,15 @@ from strata_jax.parallel.split import slice_layers
 from strata_jax.state import init_state
 
 FORMS = {"xla": Forms(gdn_decode="xla", lora_impl="xla"),
+         "step": Forms(gdn_decode="pallas_interpret", lora_impl="xla"),
          "fused": Forms(gdn_decode="pallas_fused_interpret", lora_impl="xla")}
 CHUNK = 8
 
 
 def _model(form):
-  return tiny_model(dataclasses.replace(TINY, forms=FORMS[form]))
+  # the Pallas step kernel's tiles are at least 16 wide (TINY's Dv is 8)
+  dv = {"gdn_d_v": 16} if form == "step" else {}
+  return tiny_model(dataclasses.replace(TINY, forms=FORMS[form], **dv))
 
 
 def _bits(a):
@@ -57,8 +60,8 @@ def _random_state(cfg, batch, seed):
 
 # ----- the mixers: the stacked call is the one-layer call, at its index --------------------------
 
-@pytest.mark.parametrize("form,T", [("xla", 1), ("fused", 1), ("xla", 5)],
-                         ids=["xla-T1", "fused-T1", "xla-T5"])
+@pytest.mark.parametrize("form,T", [("xla", 1), ("fused", 1), ("step", 1), ("xla", 5)],
+                         ids=["xla-T1", "fused-T1", "step-T1", "xla-T5"])
 def test_stacked_gdn_mixer_is_the_one_layer_call_at_its_index(form, T):
   model = _model(form)
   cfg, B, il = model.cfg, 3, 4
@@ -126,7 +129,7 @@ def _decode_layer_by_layer(model, state, tokens, active):
                                ssm=jnp.stack(ssm), pos=state.pos + n_new)
 
 
-@pytest.mark.parametrize("form", ["xla", "fused"])
+@pytest.mark.parametrize("form", ["xla", "fused", "step"])
 def test_decode_equals_the_layers_run_one_by_one(form):
   """Bit for bit: the hidden state the layers hand on, and every state stack. (The hidden, not
   the logits: the final norm and matmul compiled into another program may round otherwise; a
@@ -142,7 +145,7 @@ def test_decode_equals_the_layers_run_one_by_one(form):
     assert _bits(getattr(got, name)) == _bits(getattr(want, name)), name
 
 
-@pytest.mark.parametrize("form", ["xla", "fused"])
+@pytest.mark.parametrize("form", ["xla", "fused", "step"])
 def test_decode_keeps_an_idle_row_bit_for_bit(form):
   """Negative zeros included: the delta rule with g = beta = 0 would give S + 0 = +0."""
   model = _model(form)
@@ -177,7 +180,7 @@ def _layer_scan(cfg, params, state):
   return e, shapes(e.invars[nc:nc + nk]), shapes(e.invars[nc + nk:])
 
 
-@pytest.mark.parametrize("form", ["xla", "fused"])
+@pytest.mark.parametrize("form", ["xla", "fused", "step"])
 def test_decode_layer_scan_carries_the_state_stacks(form):
   model = _model(form)
   cfg, st = model.cfg, init_state(model.cfg, 3, 64)
@@ -185,7 +188,7 @@ def test_decode_layer_scan_carries_the_state_stacks(form):
   assert tuple(st.k.shape) in carry and tuple(st.v.shape) in carry
   blocked = lambda a: (cfg.n_layers // 4, a.shape[0] // (cfg.n_layers // 4), *a.shape[1:])
   assert blocked(st.k) not in xs
-  if form == "fused":
+  if form in ("fused", "step"):   # a Pallas decode kernel: the stack updated in place
     assert tuple(st.ssm.shape) in carry and blocked(st.ssm) not in xs
     # every GDN layer hands the kernel the whole stack (read and written in place)
     calls = [c for c in _eqns(e.params["jaxpr"].jaxpr) if c.primitive.name == "pallas_call"]

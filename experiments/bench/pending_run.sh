@@ -2,7 +2,7 @@
 # On the device, one call (~9 min): the H200 figures still owed by issues 17-19, each under
 # its own time limit so one overrun leaves the others their time. Results in $OUT.
 #  1. bench-a3b decode at batch 1 / 8 / 32, the default GDN decode against the fused kernel
-#     whose state stack the layer scan now carries in place (issue 17 item 4);
+#     (issue 17 item 4: the Pallas kernels now update the carried state stack in place);
 #  2. bench_spec.py (issue 18: verify / draft cost, projected speed-up);
 #  3. multi_adapter_bench.py (issue 19: multi_adapter_b32_cost_ratio).
 set -uo pipefail

@@ -139,19 +139,39 @@ def resolve(implementation, batch):
   return impl
 
 
-def step_raw(q, k, v, g, beta, state, *, implementation=None):
+def step_raw(q, k, v, g, beta, state, *, implementation=None, layer=None, valid=None):
   """Decode form for a batch from raw (not yet normalised) q/k: l2norm, head expansion and
   the delta rule step in one. Contract as `reference.delta_rule_step_raw`:
   q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; state [B, Hv, Dv, Dk] float32
   -> (o [B, Hv, Dv] float32, new state [B, Hv, Dv, Dk] float32). The Pallas forms update
-  the state in place when the caller donates it."""
+  the state in place when the caller donates it.
+
+  With `layer` (an int32 scalar, may be traced), `state` is the stack [L, B, Hv, Dv, Dk] of
+  every layer's state; layer `layer` is updated and the whole stack returned, rows whose
+  `valid` [B] is 0 left as they were, bit for bit. The Pallas forms read and write that layer
+  in place (`in_place`); the jnp form slices, selects and updates it."""
   impl = resolve(implementation, q.shape[0])
-  if impl == "pallas":
-    require_gpu("gdn", impl, "'pallas_interpret' or 'xla'")
-    return gdn_decode_pallas(q, k, v, g, beta, state)
-  if impl == "pallas_interpret":
-    return gdn_decode_pallas(q, k, v, g, beta, state, interpret=True)
-  return reference.delta_rule_step_raw(q, k, v, g, beta, state)
+  if impl in ("pallas", "pallas_interpret"):
+    if impl == "pallas":
+      require_gpu("gdn", impl, "'pallas_interpret' or 'xla'")
+    return gdn_decode_pallas(q, k, v, g, beta, state, layer, valid,
+                             interpret=impl == "pallas_interpret")
+  if layer is None:
+    return reference.delta_rule_step_raw(q, k, v, g, beta, state)
+  old = state[layer]
+  o, s = reference.delta_rule_step_raw(q, k, v, g, beta, old)
+  if valid is not None:
+    s = jnp.where((valid != 0).reshape((-1,) + (1,) * (s.ndim - 1)), s, old)
+  return o, state.at[layer].set(s)
+
+
+def in_place(implementation, batch) -> bool:
+  """Whether the decode step under this choice (None: "auto") and batch updates a layer of a
+  stacked state in place (a Pallas kernel with the state aliased): a layer scan can then carry
+  the stack. The jnp forms cannot: XLA keeps the old stack alive with a copy per layer."""
+  if implementation in FUSED_CHOICES:
+    return True
+  return resolve(implementation, batch) in ("pallas", "pallas_interpret")
 
 
 def step_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, layer=None, *,

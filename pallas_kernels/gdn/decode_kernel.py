@@ -36,8 +36,16 @@ def _l2norm(x):
   return x * jax.lax.rsqrt(jnp.sum(x * x) + _EPS)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale):
-  """One program: batch row b, v-head h, a [block_v, Dk] tile of that head's state."""
+def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *rest, scale, stacked):
+  """One program: batch row b, v-head h, a [block_v, Dk] tile of that head's state (of
+  layer `layer_ref[0]` of the [L, block_v, Dk] stack when `stacked`; then a row whose valid
+  is 0 is not stored: the stack's other rows are the caller's, bit for bit)."""
+  if stacked:
+    valid_ref, layer_ref, s_in, o_ref, s_out = rest
+    layer = layer_ref[0]
+    s_ref, s_out_ref = s_in.at[layer], s_out.at[layer]
+  else:
+    s_ref, o_ref, s_out_ref = rest
   qn = _l2norm(q_ref[...]) * scale  # [Dk]
   kn = _l2norm(k_ref[...])  # [Dk]
   s = s_ref[...] * jnp.exp(g_ref[...].astype(_F32))  # [bv, Dk]
@@ -45,7 +53,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
   u = beta_ref[...].astype(_F32) * (v_ref[...].astype(_F32) - kv)
   s = s + u[:, None] * kn[None, :]
   o_ref[...] = jnp.sum(s * qn[None, :], axis=1)
-  s_out_ref[...] = s
+  if stacked:
+    @pl.when(valid_ref[...] != 0)
+    def _():
+      s_out_ref[...] = s
+  else:
+    s_out_ref[...] = s
 
 
 def check_ranks_and_dtypes(what, operands):
@@ -85,24 +98,36 @@ def check_decode_inputs(q, k, v, g, beta, state):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "num_warps"))
-def gdn_decode_pallas(q, k, v, g, beta, state, *, interpret=False, block_v=None,
-                      num_warps=None):
+def gdn_decode_pallas(q, k, v, g, beta, state, layer=None, valid=None, *, interpret=False,
+                      block_v=None, num_warps=None):
   """One gated-delta-rule decode step for every batch row and v-head, fused.
 
   Args:
     q, k: [B, Hk, Dk] raw (post-conv, not yet l2-normalised) rows, any float dtype.
     v: [B, Hv, Dv] any float dtype; Hv a multiple of Hk (v-head h reads k-head h // r).
     g, beta: [B, Hv] log decay and write strength (cast to float32).
-    state: [B, Hv, Dv, Dk] float32; aliased to the new state (in place when donated).
+    state: [B, Hv, Dv, Dk] float32; aliased to the new state (in place when donated). With
+      `layer`: the whole stack [L, B, Hv, Dv, Dk] of every layer's state, of which layer
+      `layer` is read and written in place (the others are neither read nor written).
+    layer: None, or an int32 scalar (traced: e.g. a scan's layer index) selecting the layer
+      of a stacked `state`, read in the kernel (no slice of the stack is copied).
+    valid: with `layer`, [B] (any int or bool dtype) or None (every row valid): rows with
+      valid == 0 are not stored (a layer scan carrying the stack then needs no select).
     interpret: run the Pallas interpreter (CPU).
     block_v: power-of-2 Dv tile (>= 16, <= Dv); None: 32 compiled, Dv interpreted (each
       interpreted grid step has a fixed cost, so fewer, larger steps).
     num_warps: Triton warps per program; None: 8 (ignored in interpret mode).
 
   Returns:
-    (o [B, Hv, Dv] float32, new_state [B, Hv, Dv, Dk] float32).
+    (o [B, Hv, Dv] float32, new_state float32 of `state`'s shape).
   """
-  check_decode_inputs(q, k, v, g, beta, state)
+  stacked = layer is not None
+  if stacked and state.ndim != 5:
+    raise ValueError(f"gdn decode: with `layer`, state must be the [L, B, Hv, Dv, Dk] stack, "
+                     f"got shape {state.shape}")
+  if valid is not None and not stacked:
+    raise ValueError("gdn decode: `valid` goes with a stacked state (`layer`)")
+  check_decode_inputs(q, k, v, g, beta, state[0] if stacked else state)
   require_triton(interpret, "gdn decode", "'xla'")
   b, hk, dk = q.shape
   _, hv, dv = v.shape
@@ -116,17 +141,28 @@ def gdn_decode_pallas(q, k, v, g, beta, state, *, interpret=False, block_v=None,
   qk_spec = pl.BlockSpec((sq, sq, dk), lambda i, h, j: (i, h // r, 0))
   vo_spec = pl.BlockSpec((sq, sq, bv), lambda i, h, j: (i, h, j))
   gb_spec = pl.BlockSpec((sq, sq), lambda i, h, j: (i, h))
-  s_spec = pl.BlockSpec((sq, sq, bv, dk), lambda i, h, j: (i, h, j, 0))
+  specs = [qk_spec, qk_spec, vo_spec, gb_spec, gb_spec]
+  operands = [q, k, v, g, beta]
+  if stacked:  # every layer in the block; the kernel indexes the one it updates
+    if valid is not None and valid.shape != (b,):
+      raise ValueError(f"gdn decode: valid {valid.shape} must be [B] = {(b,)}")
+    valid = (jnp.ones((b,), jnp.int32) if valid is None
+             else jnp.asarray(valid).astype(jnp.int32))
+    s_spec = pl.BlockSpec((state.shape[0], sq, sq, bv, dk), lambda i, h, j: (0, i, h, j, 0))
+    specs += [pl.BlockSpec((sq,), lambda i, h, j: (i,)), pl.BlockSpec((1,), lambda i, h, j: (0,))]
+    operands += [valid, jnp.asarray(layer, jnp.int32).reshape(1)]
+  else:
+    s_spec = pl.BlockSpec((sq, sq, bv, dk), lambda i, h, j: (i, h, j, 0))
   return pl.pallas_call(
-      functools.partial(_decode_kernel, scale=dk ** -0.5),
+      functools.partial(_decode_kernel, scale=dk ** -0.5, stacked=stacked),
       grid=(b, hv, dv // bv),
-      in_specs=[qk_spec, qk_spec, vo_spec, gb_spec, gb_spec, s_spec],
+      in_specs=[*specs, s_spec],
       out_specs=[vo_spec, s_spec],
       out_shape=[jax.ShapeDtypeStruct((b, hv, dv), _F32),
                  jax.ShapeDtypeStruct(state.shape, _F32)],
-      input_output_aliases={5: 1},
+      input_output_aliases={len(operands): 1},
       interpret=interpret,
       # One tile per program: nothing to pipeline (num_stages 1).
       compiler_params=None if interpret else triton_params(num_warps or _NUM_WARPS, 1),
       name="gdn_decode",
-  )(q, k, v, g, beta, state)
+  )(*operands, state)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.gdn.api import FUSED_CHOICES
+from pallas_kernels.gdn.api import in_place as gdn_in_place
 from pallas_kernels.quant.layout import QTensor
 from strata_jax.config import ATTN, GDN, ModelConfig
 from strata_jax.model.attention import attn_mixer
@@ -119,11 +119,12 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   The K/V cache stacks ride in the scan's carry, whole: each attention layer scatters its new
   keys/values into its own index (`attn_mixer(layer=)`) and XLA updates a while loop's carry in
   place, where a scan's xs would be sliced (a copy) and its ys stacked (another). At a decode
-  step with the fused GDN kernel the recurrent state stack rides in the carry too: the kernel
-  reads and writes its layer of it in place (`gdn_mixer(layer=)`). The other GDN forms, and
-  the small conv state, take their layer's state from xs: a jnp read of a carried stack is
-  fused into several consumers, some of them after the layer's in-place update, and XLA then
-  copies the whole stack at every layer. keep_steps returns every step's state, not a stack.
+  step with a Pallas GDN kernel (fused, or the step kernel: `gdn_api.in_place`) the recurrent
+  state stack rides in the carry too: the kernel reads and writes its layer of it in place
+  (`gdn_mixer(layer=)`). The jnp GDN forms, and the small conv state, take their layer's
+  state from xs: a jnp read of a carried stack is fused into several consumers, some of them
+  after the layer's in-place update, and XLA then copies the whole stack at every layer.
+  keep_steps returns every step's state, not a stack.
   """
   period = pattern_period(cfg.layer_types)
   n_blocks = cfg.n_layers // period
@@ -146,7 +147,7 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
     sw = jnp.broadcast_to(switch, pos.shape).astype(jnp.int32)
     row_scale = jnp.take(lora.table, sw, axis=0, mode="clip").astype(jnp.float32)
   B, T, D = x.shape
-  ssm_in_carry = not keep_steps and T == 1 and cfg.forms.gdn_decode in FUSED_CHOICES
+  ssm_in_carry = not keep_steps and T == 1 and gdn_in_place(cfg.forms.gdn_decode, B)
   conv_b = _blocks(gdn_state[0], n_blocks)
   ssm_b = None if ssm_in_carry else _blocks(gdn_state[1], n_blocks)
   cvec_b = _blocks(cvec, n_blocks)   # [n_blocks, period, D], or None

@@ -45,8 +45,9 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
 
   layer: None, or an int32 scalar (may be traced; not with keep_steps): ssm is then every
   layer's stack [L, B, Hv, Dv, Dk] and layer `layer` of it is updated; the whole stack comes
-  back. The fused decode kernel (T == 1, `gdn_api.FUSED_CHOICES`) reads and writes that layer
-  in place, so a layer scan can carry the stack; the other forms read and write it in jnp,
+  back. The decode kernels (T == 1, fused or the Pallas step: `gdn_api.in_place`) read and
+  write that layer in place, so a layer scan can carry the stack; the other forms read and
+  write it in jnp,
   where XLA fuses the read into several consumers and then copies the whole stack to keep it
   alive past the update (`forward.layers_scan` passes them one layer's state instead).
 
@@ -111,6 +112,13 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     o, ssm = gdn_api.step_fused(q_raw[:, 0], k_raw[:, 0], v[:, 0], a[:, 0], b[:, 0], p.a,
                                 p.dt_bias, ssm, n_new > 0, layer,
                                 implementation=cfg.forms.gdn_decode)
+    y = _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale)
+    return y, conv_state, ssm
+  if T == 1 and layer is not None and gdn_api.in_place(cfg.forms.gdn_decode, B):
+    # The Pallas step kernel updates this layer of the stack in place; idle rows not stored.
+    o, ssm = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm,
+                              implementation=cfg.forms.gdn_decode, layer=layer,
+                              valid=n_new > 0)
     y = _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale)
     return y, conv_state, ssm
   s_in = ssm if layer is None else lax.dynamic_index_in_dim(ssm, layer, 0, keepdims=False)
