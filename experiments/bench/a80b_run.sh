@@ -4,10 +4,7 @@
 # the Engine with the faster form and decode at batch 1 and 8, adapter on and off (load_80b).
 # Results in $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site $(ls ${WHL:-.whl}/*.whl | grep -v -e fla -e flash_linear -e einops) >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false STRATA_JAX_CACHE=/tmp/xla
-unset JAX_DEFAULT_MATMUL_PRECISION
+source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
 python3 experiments/bench/make_gguf.py --geometry qwen3next-80b-a3b --quant q4_k_m \
   --out /tmp/a80b.gguf --no-progress 2>&1 | tail -2

@@ -5,11 +5,8 @@
 # the predicated quant groups), then
 # bench_engine (every batch, one timed run each). Results and logs in $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site $(ls .whl/*.whl | grep -v -e fla -e flash_linear -e einops) >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false STRATA_JAX_CACHE=/tmp/xla
+source "$(dirname "$0")/device_env.sh"
 export STRATA_TEST_FAILURE_LOG=$OUT/check_failures.txt JAX_PLATFORMS=cuda   # else the tests skip the GPU
-unset JAX_DEFAULT_MATMUL_PRECISION
 t0=$(date +%s)
 timeout 140 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs -n 8 -m gpu \
   tests/test_quant_kernel.py "tests/test_lora_kernel.py::test_gpu_rank_scale_table" \

@@ -6,10 +6,7 @@
 #  2. bench_spec.py (issue 18: verify / draft cost, projected speed-up);
 #  3. multi_adapter_bench.py (issue 19: multi_adapter_b32_cost_ratio).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site $(ls ${WHL:-.whl}/*.whl | grep -v -e fla -e flash_linear -e einops) >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false STRATA_JAX_CACHE=/tmp/xla
-unset JAX_DEFAULT_MATMUL_PRECISION
+source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
 timeout 200 python3 experiments/bench/decode_probe.py --variants base,gdnfused --batches 1,8,32 \
   --n_steps 8 --reps 3 --out $OUT/decode_probe_state_in_place.json 2>&1 | grep '"variant"' | cut -c1-200

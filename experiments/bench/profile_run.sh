@@ -2,8 +2,7 @@
 # On the device: where decode time goes. The 80B-A3B layer shapes at 8 layers (Q4_K_M, decode_probe
 # --profile) and the engine against its device program (bench_engine --profile). Results in $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(ls .whl/*.whl | grep -v -e fla -e flash_linear -e einops) >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false STRATA_JAX_CACHE=/tmp/xla
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 t0=$(date +%s)
 python3 experiments/bench/make_gguf.py --geometry qwen3next-80b-a3b --layers 8 --out /tmp/a8.gguf --no-progress
