@@ -93,7 +93,9 @@ def test_decode_chains_steps():
 def test_stacked_step_updates_its_layer_in_place_and_skips_idle_rows(impl):
   """`step_raw(layer=, valid=)`: layer 2 of a 4-layer stack is the one-layer step's, bit for bit,
   for the valid rows; idle rows (negative zeros included) and the other layers are left as they
-  were."""
+  were. One exception: XLA's form compiled for the GPU fuses the stacked and the one-layer
+  programs differently, so there its valid rows agree to fp32 rounding only (GPU run 12,
+  gpu_tests_run12_failures.txt); the Pallas kernels are bit for bit on every backend."""
   step_raw = api.step_raw
   q, k, v, g, beta, s0 = make_inputs(3, 2, 4, 16, 32, act=F32, seed=5)
   stack = jnp.asarray(np.random.default_rng(6).standard_normal((4, *s0.shape)), F32)
@@ -103,8 +105,12 @@ def test_stacked_step_updates_its_layer_in_place_and_skips_idle_rows(impl):
   o2, s2 = jax.jit(lambda st, i: step_raw(q, k, v, g, beta, st, implementation=impl, layer=i,
                                           valid=valid))(stack, jnp.int32(2))
   bits = lambda a: np.asarray(a).tobytes()
-  assert bits(o2) == bits(o1)
-  assert bits(s2[2, 0]) == bits(s1[0]) and bits(s2[2, 2]) == bits(s1[2])
+  if impl == "xla" and ON_GPU:
+    assert_close(o2, o1, rel=REL, abs_=ABS, what="o")
+    assert_close(s2[2, ::2], s1[::2], rel=REL, abs_=ABS, what="valid rows' state")
+  else:
+    assert bits(o2) == bits(o1)
+    assert bits(s2[2, 0]) == bits(s1[0]) and bits(s2[2, 2]) == bits(s1[2])
   assert bits(s2[2, 1]) == bits(stack[2, 1])            # idle row: not stored
   assert bits(s2[np.array([0, 1, 3])]) == bits(stack[np.array([0, 1, 3])])
 

@@ -110,8 +110,10 @@ def main(_):
   mstate0 = mstate0.replace(start=jnp.full((1,), F.context, jnp.int32))
   hidden0 = (0.5 * jax.random.normal(jax.random.key(3), (1, 1, cfg.d_model))).astype(dtype)
 
+  # params and the adapter are arguments, never closed over: a closure would embed the
+  # model's 24 GB as program constants (the first H200 run died lowering them).
   @jax.jit
-  def decode_loop(state, tok, switch):
+  def decode_loop(params, lora, state, tok, switch):
     def body(c, _):
       st, t = c
       lg, st = steps.decode(cfg, params, lora, st, t, switch, one)
@@ -121,7 +123,7 @@ def main(_):
 
   def verify_loop_fn(n):
     @jax.jit
-    def loop(state, toks, switch):
+    def loop(params, lora, state, toks, switch):
       def body(c, i):
         st, tk = c
         ch, k, ne, _, st = steps.verify_greedy(cfg, params, lora, st, tk, switch,
@@ -133,7 +135,7 @@ def main(_):
     return loop
 
   @jax.jit
-  def mtp_loop(mstate, tok, h):
+  def mtp_loop(params, mstate, tok, h):
     def body(c, i):
       ms, t, hh = c
       lg, hn, k, v = mtp_forward(cfg, params, t[:, None], hh, ms.k, ms.v,
@@ -144,7 +146,7 @@ def main(_):
 
   def round_loop_fn(n):
     @jax.jit
-    def loop(state, mstate, toks, switch):
+    def loop(params, lora, state, mstate, toks, switch):
       def body(c, _):
         st, ms, tk = c
         ch, k, ne, dr, st, ms = steps.spec_step_greedy(
@@ -159,14 +161,14 @@ def main(_):
   # (function, arguments) per variant; the loops donate nothing, so the inputs are reused.
   on, off = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
   tok = jnp.full((1,), 5, jnp.int32)
-  specs = {"decode": (decode_loop, (state0, tok, on)),
-           "mtp_step": (mtp_loop, (mstate0, tok, hidden0))}
+  specs = {"decode": (decode_loop, (params, lora, state0, tok, on)),
+           "mtp_step": (mtp_loop, (params, mstate0, tok, hidden0))}
   for n in ns:
     toks = (jnp.arange(n + 1, dtype=jnp.int32)[None] * 11 + 3) % cfg.vocab_size
-    specs[f"verify_n{n}"] = (verify_loop_fn(n), (state0, toks, on))
+    specs[f"verify_n{n}"] = (verify_loop_fn(n), (params, lora, state0, toks, on))
     rl = round_loop_fn(n)
     for sw_name, sw in (("on", on), ("off", off)):
-      specs[f"round_n{n}_{sw_name}"] = (rl, (state0, mstate0, toks, sw))
+      specs[f"round_n{n}_{sw_name}"] = (rl, (params, lora, state0, mstate0, toks, sw))
 
   t0 = common.now()
   compiled = {}
