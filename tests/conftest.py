@@ -27,14 +27,22 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Device runs (experiments/bench/gpu_tests.sh): each failure's report appended to this file as
-# it happens, so a run stopped at its time limit still names what failed and why.
+# it happens, so a run stopped at its time limit still names what failed and why; and every
+# test's outcome and call time, so such a run also shows which tests were left and which are
+# slow.
 _FAILURE_LOG = os.environ.get("STRATA_TEST_FAILURE_LOG")
+_PROGRESS_LOG = os.environ.get("STRATA_TEST_PROGRESS_LOG")
 
 
 def pytest_runtest_logreport(report):
-  if _FAILURE_LOG and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+  if "PYTEST_XDIST_WORKER" in os.environ:   # the controller writes, once per report
+    return
+  if _FAILURE_LOG and report.failed:
     with open(_FAILURE_LOG, "a") as f:
       f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-8000:]}\n")
+  if _PROGRESS_LOG and (report.when == "call" or report.outcome != "passed"):
+    with open(_PROGRESS_LOG, "a") as f:
+      f.write(f"{report.duration:.2f}\t{report.outcome}\t{report.when}\t{report.nodeid}\n")
 
 
 @pytest.fixture(autouse=True, scope="module")

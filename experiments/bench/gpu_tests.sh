@@ -15,9 +15,11 @@ export PYTHONPATH=/tmp/site:$PWD JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCAT
 unset JAX_DEFAULT_MATMUL_PRECISION
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export STRATA_TEST_FAILURE_LOG="$OUT/gpu_test_failures.txt"   # each failure as it happens
+export STRATA_TEST_PROGRESS_LOG="$OUT/gpu_test_progress${GPU_SET:+_$GPU_SET}.tsv"  # seconds, outcome, test
 # GPU_SET=kernels | model | all (default): on a fresh machine (cold compilation cache) the
 # whole set ran past its cap (gpu_tests_run7_precursor_capped.log, gpu_tests_run8_capped.log),
-# so it can run as two calls.
+# so it can run as two calls. The kernels set alone needs more than 400 s at 12 workers (run 13
+# stopped at 99 %): give it its own call, CAP=580; the model set takes about 150 s.
 KERNELS="tests/test_lora_kernel.py tests/test_lora_kernel_mosaic.py tests/test_moe_kernel.py
   tests/test_moe_grouped_kernel.py tests/test_gdn_decode_kernel.py tests/test_gdn_chunked_kernel.py
   tests/test_gdn_parallel_kernel.py tests/test_gdn_decode_fused_kernel.py
