@@ -37,9 +37,13 @@ CHOICES: dict[str, tuple] = {
     # every Pallas chunked kernel's chunk (a power of 2 >= 16; 64 spilled registers on sm_90
     # in the serial kernel).
     "gdn_pallas_chunk": (32, 16, 64, 128),
-    # the decode delta rule step: "auto" = XLA below batch 24 on the GPU, the Pallas kernel above.
-    # "pallas_fused": one launch from the raw inputs, gates included, state in place and not
-    # stored for inactive rows; not "auto" until measured.
+    # the decode delta rule step: "auto" = "pallas_fused" on the GPU (one launch from the raw
+    # inputs, gates included, the state stack updated in place, inactive rows not stored;
+    # measured on the H200 at or below the default at every batch: 5.63 / 8.75 / 10.56 ms a
+    # bench-a3b step at batch 1 / 8 / 32 against 5.76 / 9.58 / 10.58,
+    # experiments/results/device/decode_probe_state_in_place_run1.json), XLA elsewhere.
+    # "pallas": the step kernel from precomputed gates (`step_raw`'s "auto" picks it from
+    # batch 24 on the GPU, where a caller holds only g and beta).
     "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
                    "pallas_fused_interpret"),
     # MoE with more (token, expert) pairs than experts: "auto" = the grouped Pallas kernel on the
@@ -86,8 +90,8 @@ class Forms:
 
   def resolve(self, backend: str, compute_dtype) -> Forms:
     """These forms with "auto" replaced by the concrete choice for `backend` ("cpu", "gpu",
-    ...) and the compute dtype. On the GPU the LoRA and GDN decode kernels keep "auto" (their
-    choice depends on the batch size, static under jit). Idempotent."""
+    ...) and the compute dtype. On the GPU the LoRA kernel keeps "auto" (its choice depends on
+    the batch size, static under jit). Idempotent."""
     gpu = backend == "gpu"
     auto = lambda value, on_gpu, elsewhere: value if value != "auto" else (
         on_gpu if gpu else elsewhere)
@@ -100,7 +104,7 @@ class Forms:
         lora_impl=auto(self.lora_impl, "auto", "pallas_interpret" if backend == "cpu"
                        else "xla"),
         gdn_chunked=auto(self.gdn_chunked, "pallas", "reference"),
-        gdn_decode=auto(self.gdn_decode, "auto", "xla"),
+        gdn_decode=auto(self.gdn_decode, "pallas_fused", "xla"),
         moe_many=auto(self.moe_many, "pallas", "dense"),
         moe_few=auto(self.moe_few, "pallas", "xla"),
         quant_impl=auto(self.quant_impl, "pallas", "xla"),

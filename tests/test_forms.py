@@ -38,7 +38,8 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   gpu = Forms().resolve("gpu", jnp.bfloat16)
   assert (gpu.gdn_chunked, gpu.moe_many, gpu.moe_few) == ("pallas", "pallas", "pallas")
   assert (gpu.quant_impl, gpu.quant_groups) == ("pallas", "predicated")
-  assert gpu.gdn_decode == gpu.lora_impl == "auto"   # chosen per batch size, as the api says
+  assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
+  assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
   assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
   tf32 = Forms(matmul_precision="tf32").resolve("gpu", jnp.float32)
   assert tf32.jax_precision(jnp.float32) == "tensorfloat32"

@@ -7,7 +7,10 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   moe/nomoe the Pallas in-place expert kernel, or the gather form (STRATA_MOE_IMPL=pallas/xla)
   gdn/nogdn the Pallas GDN decode kernel (`step_raw`), or jnp (Forms.gdn_decode)
   gdnfused  the fused GDN decode kernel (gates inside), whose recurrent state stack rides in
-            the layer scan's carry and is updated in place (Forms.gdn_decode="pallas_fused")
+            the layer scan's carry and is updated in place (Forms.gdn_decode="pallas_fused", the
+            GPU default since run 1 of decode_probe_state_in_place)
+  gdnstep   the GDN decode before that: jnp below batch 24, the step kernel from 24
+            (`step_raw`'s "auto")
   qpred     a mixed-type quantised stack (--gguf Q4_K_M) by one gated launch per type and a
             select, instead of an XLA conditional (Forms.quant_groups="predicated")
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
@@ -49,6 +52,7 @@ FORM_VARIANTS = {
     "moe": {"moe_few": "pallas"},
     "gdn": {"gdn_decode": "pallas"},
     "gdnfused": {"gdn_decode": "pallas_fused"},
+    "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},
     "nogdn": {"gdn_decode": "xla"},
     "qxla": {"quant_impl": "xla"},
