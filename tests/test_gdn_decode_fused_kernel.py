@@ -10,7 +10,8 @@ import pytest
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels.gdn import api, reference
-from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused, sigmoid, softplus
+from pallas_kernels.gdn.decode_fused_kernel import (gdn_decode_fused, gdn_decode_fused_steps,
+                                                    sigmoid, softplus)
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
@@ -197,6 +198,91 @@ def test_lowers_to_triton_for_the_gpu(block_v, stacked):
   assert "triton" in text
 
 
+# ------------------------------------------- T steps in one launch (speculative verification)
+
+def make_steps_inputs(b, t, hk, hv, dk, dv, *, act=F32, seed=0):
+  """make_inputs with a time axis: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv]; a
+  negative zero in the state (an invalid step must keep it)."""
+  rng = np.random.default_rng(seed)
+  n = lambda *s: rng.standard_normal(s)
+  state = n(b, hv, dv, dk)
+  state[:, 0, 0, 0] = -0.0
+  return (jnp.asarray(2.0 * n(b, t, hk, dk), act), jnp.asarray(n(b, t, hk, dk), act),
+          jnp.asarray(n(b, t, hv, dv), act), jnp.asarray(2.0 * n(b, t, hv), F32),
+          jnp.asarray(2.0 * n(b, t, hv), F32), jnp.asarray(-np.exp(n(hv)), F32),
+          jnp.asarray(n(hv), F32), jnp.asarray(state, F32))
+
+
+def step_by_step(q, k, v, a, b, a_coef, dt_bias, state, valid, implementation):
+  """T calls of the one-step kernel (`api.step_fused`), each on the state the last left."""
+  os_, ss = [], []
+  for t in range(q.shape[1]):
+    o, state = api.step_fused(q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], a_coef, dt_bias,
+                              state, valid[:, t], implementation=implementation)
+    os_.append(o)
+    ss.append(state)
+  return jnp.stack(os_, 1), jnp.stack(ss, 1)
+
+
+# (B, T, Hk, Hv, Dk, Dv): T = 3 and 5 (padded to 4 and 8 for Triton's blocks), 1, 4.
+STEPS_SHAPES = [(3, 3, 2, 4, 16, 8), (2, 5, 1, 3, 16, 16), (1, 1, 2, 2, 8, 32),
+                (2, 4, 2, 4, 16, 16)]
+
+
+def steps_valid(b, t):
+  """Row i has its first t - i steps valid (the last row possibly none)."""
+  return jnp.asarray(np.arange(t)[None, :] < (t - np.arange(b))[:, None], jnp.int32)
+
+
+@pytest.mark.parametrize("shape", STEPS_SHAPES, ids=lambda s: "B{}-T{}-Hk{}-Hv{}-Dk{}-Dv{}"
+                         .format(*s))
+def test_steps_kernel_equals_one_step_kernel_calls_bit_for_bit(shape):
+  """What makes a speculative verification's GDN layer round as decode does: each step's o
+  and state are the one-step kernel's, bit for bit (interpreter), invalid steps keep the
+  state (negative zeros included); and both are the oracle's within fp32 rounding."""
+  args = make_steps_inputs(*shape, seed=sum(shape))
+  valid = steps_valid(shape[0], shape[1])
+  o, steps = gdn_decode_fused_steps(*args, valid, interpret=True)
+  wo, ws = step_by_step(*args, valid, "pallas_fused_interpret")
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(wo))
+  np.testing.assert_array_equal(np.asarray(steps).view(np.uint32), np.asarray(ws).view(np.uint32))
+  with jax.default_matmul_precision("highest"):
+    ro, rs = reference.delta_rule_steps_fused(*args, valid)
+  assert_close(o, ro, rel=REL, abs_=ABS, what="o vs oracle")
+  assert_close(steps, rs, rel=REL, abs_=ABS, what="steps vs oracle")
+
+
+def test_steps_fused_dispatch():
+  """`api.steps_fused`: the kernel under the fused choices, a scan of `step_fused` steps
+  under the others (XLA's: the oracle's numbers to fp32 rounding); bad shapes named."""
+  args = make_steps_inputs(2, 3, 2, 4, 16, 8, seed=9)
+  valid = steps_valid(2, 3)
+  got = api.steps_fused(*args, valid, implementation="pallas_fused_interpret")
+  want = gdn_decode_fused_steps(*args, valid, interpret=True)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  xo, xs = api.steps_fused(*args, valid, implementation="xla")
+  with jax.default_matmul_precision("highest"):
+    ro, rs = reference.delta_rule_steps_fused(*args, valid)
+  assert_close(xo, ro, rel=REL, abs_=ABS, what="xla o")
+  assert_close(xs, rs, rel=REL, abs_=ABS, what="xla steps")
+  with pytest.raises(ValueError, match=r"valid \(2, 4\) must be \[B, T\]"):
+    gdn_decode_fused_steps(*args, jnp.ones((2, 4), jnp.int32), interpret=True)
+  with pytest.raises(ValueError, match="must be \\[B, T, H, D\\]"):
+    gdn_decode_fused_steps(args[0][:, 0], *args[1:], valid, interpret=True)
+
+
+@pytest.mark.parametrize("n_t", [5, 8])
+def test_steps_kernel_lowers_to_triton_for_the_gpu(n_t):
+  """Cross-lowering on CPU at the bench's verification sizes (batch 1, N + 1 = 5 positions,
+  padded to 8; bf16 q/k/v)."""
+  *inp, s0 = make_steps_inputs(1, n_t, 16, 32, 128, 128, act=BF16)
+  f = lambda *a: gdn_decode_fused_steps(*a)
+  text = jax.jit(f).trace(*inp, s0, steps_valid(1, n_t)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text
+
+
 # ---------------------------------------------------------------- compiled, on the device
 
 # The CPU shapes in both dtypes at the default tile; the bench's (32 heads of 128, batch
@@ -276,3 +362,26 @@ def test_model_decode_under_fused_form_keeps_idle_rows():
   assert not np.array_equal(np.asarray(st.ssm)[:, 0], before.ssm[:, 0])
   assert_close(st.ssm, wst.ssm, rel=REL, abs_=ABS, what="ssm vs xla form")
   assert_close(lg[0], wlg[0], abs_=1e-5, what="active row logits vs xla form")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", STEPS_SHAPES + [(1, 5, 16, 32, 128, 128)],
+                         ids=lambda s: "B{}-T{}-Hk{}-Hv{}-Dk{}-Dv{}".format(*s))
+def test_gpu_steps_kernel(shape):
+  """Compiled: the T-step kernel against the oracle (fp32 rounding) and, for invalid steps,
+  the state kept bit for bit."""
+  args = make_steps_inputs(*shape, act=BF16 if shape[-1] == 128 else F32, seed=sum(shape))
+  valid = steps_valid(shape[0], shape[1])
+  o, steps = gdn_decode_fused_steps(*args, valid)
+  with jax.default_matmul_precision("highest"):
+    ro, rs = reference.delta_rule_steps_fused(*args, valid)
+  assert_close(o, ro, rel=REL, abs_=ABS, what="o")
+  assert_close(steps, rs, rel=REL, abs_=ABS, what="steps")
+  first_invalid = np.asarray(valid).sum(1)
+  for i, n in enumerate(first_invalid):
+    if n < shape[1]:   # from its first invalid step on, the row keeps the state it had
+      kept = np.asarray(steps)[i, n - 1] if n else np.asarray(args[-1])[i]
+      np.testing.assert_array_equal(np.asarray(steps)[i, n:].view(np.uint32),
+                                    np.broadcast_to(kept, np.asarray(steps)[i, n:].shape)
+                                    .view(np.uint32))

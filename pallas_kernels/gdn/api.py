@@ -32,7 +32,7 @@ from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.gdn import chunked as chunked_form
 from pallas_kernels.gdn import reference
 from pallas_kernels.gdn.chunked_kernel import gdn_chunked_pallas
-from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused
+from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused, gdn_decode_fused_steps
 from pallas_kernels.gdn.decode_kernel import gdn_decode_pallas
 from pallas_kernels.gdn.parallel_kernel import gdn_chunked_parallel
 
@@ -202,3 +202,29 @@ def step_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, layer=None, *,
     return step_raw(q, k, v, g, beta, state, implementation=implementation)
   o, s = step_raw(q, k, v, g, beta, state[layer], implementation=implementation)
   return o, state.at[layer].set(s)
+
+
+def steps_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *, implementation=None):
+  """T decode steps from raw inputs with every step's state kept (a speculative
+  verification's GDN layer). Contract as `reference.delta_rule_steps_fused`: q, k
+  [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv]; state [B, Hv, Dv, Dk]; valid [B, T] or
+  None -> (o [B, T, Hv, Dv], steps [B, T, Hv, Dv, Dk]), float32.
+
+  "pallas_fused" / "pallas_fused_interpret": one launch (`gdn_decode_fused_steps`), each step
+  rounding as `step_fused`'s kernel does. Any other choice: a scan of `step_fused` steps."""
+  if implementation in FUSED_CHOICES:
+    if implementation == "pallas_fused":
+      require_gpu("gdn", implementation, "'pallas_fused_interpret' or 'xla'")
+    return gdn_decode_fused_steps(q, k, v, a, b, a_coef, dt_bias, state, valid,
+                                  interpret=implementation == "pallas_fused_interpret")
+  valid = jnp.ones(q.shape[:2], jnp.int32) if valid is None else jnp.asarray(valid)
+
+  def body(s, xs):
+    qt, kt, vt, at, bt, ok = xs
+    o, s_new = step_fused(qt, kt, vt, at, bt, a_coef, dt_bias, s, ok,
+                          implementation=implementation)
+    s = jnp.where((ok != 0)[:, None, None, None], s_new, s)
+    return s, (o, s)
+  tm = lambda x: jnp.moveaxis(x, 1, 0)
+  _, (o, steps) = jax.lax.scan(body, state, tuple(map(tm, (q, k, v, a, b, valid))))
+  return jnp.moveaxis(o, 0, 1), jnp.moveaxis(steps, 0, 1)

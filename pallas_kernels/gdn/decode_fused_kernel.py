@@ -57,21 +57,44 @@ def _fused_kernel(q_ref, k_ref, v_ref, a_ref, b_ref, acoef_ref, dtb_ref, valid_r
   else:
     s_ref, o_ref, s_out_ref = rest
   ok = valid_ref[...] != 0
-  g = acoef_ref[...].astype(_F32) * softplus(a_ref[...].astype(_F32)
-                                             + dtb_ref[...].astype(_F32))
-  beta = sigmoid(b_ref[...].astype(_F32))
-  g, beta = jnp.where(ok, g, 0.0), jnp.where(ok, beta, 0.0)
-  qn = _l2norm(q_ref[...]) * scale  # [Dk]
-  kn = _l2norm(k_ref[...])  # [Dk]
-  s = s_ref[...] * jnp.exp(g)  # [bv, Dk]
-  kv = jnp.sum(s * kn[None, :], axis=1)  # [bv]: S kn
-  u = beta * (v_ref[...].astype(_F32) - kv)
-  s = s + u[:, None] * kn[None, :]
-  o_ref[...] = jnp.sum(s * qn[None, :], axis=1)
+  o, s = _step(s_ref[...], q_ref[...], k_ref[...], v_ref[...], a_ref[...], b_ref[...],
+               acoef_ref[...], dtb_ref[...], ok, scale)
+  o_ref[...] = o
 
   @pl.when(ok)
   def _():
     s_out_ref[...] = s
+
+
+def _step(s, q, k, v, a, b, acoef, dtb, ok, scale):
+  """One step on a [bv, Dk] state tile (the math of both kernels, so a verification's steps
+  round as decode steps do): returns (o [bv], the state after the step; the caller keeps the
+  old one for an invalid row)."""
+  g = acoef.astype(_F32) * softplus(a.astype(_F32) + dtb.astype(_F32))
+  beta = sigmoid(b.astype(_F32))
+  g, beta = jnp.where(ok, g, 0.0), jnp.where(ok, beta, 0.0)
+  qn = _l2norm(q) * scale  # [Dk]
+  kn = _l2norm(k)  # [Dk]
+  s = s * jnp.exp(g)  # [bv, Dk]
+  kv = jnp.sum(s * kn[None, :], axis=1)  # [bv]: S kn
+  u = beta * (v.astype(_F32) - kv)
+  s = s + u[:, None] * kn[None, :]
+  return jnp.sum(s * qn[None, :], axis=1), s
+
+
+def _steps_kernel(q_ref, k_ref, v_ref, a_ref, b_ref, acoef_ref, dtb_ref, valid_ref, s_ref,
+                  o_ref, steps_ref, *, scale, n_steps):
+  """One program: batch row b, v-head h, a [block_v, Dk] state tile, carried through the
+  row's T steps in registers; the state after each step is written (an invalid step keeps
+  the state it was given, as the one-step kernel leaves it unstored)."""
+  s = s_ref[...]
+  for t in range(n_steps):   # static: T is small (a verification's N + 1); padding untouched
+    ok = valid_ref[t] != 0
+    o, s_new = _step(s, q_ref[t, :], k_ref[t, :], v_ref[t, :], a_ref[t], b_ref[t],
+                     acoef_ref[...], dtb_ref[...], ok, scale)
+    o_ref[t, :] = o
+    s = jnp.where(ok, s_new, s)
+    steps_ref[t, :, :] = s
 
 
 def check_fused_inputs(q, k, v, a, b, a_coef, dt_bias, valid, state):
@@ -170,3 +193,68 @@ def gdn_decode_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, layer=No
       compiler_params=None if interpret else triton_params(num_warps or _NUM_WARPS, 1),
       name="gdn_decode_fused",
   )(*operands, state)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "num_warps"))
+def gdn_decode_fused_steps(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *,
+                           interpret=False, block_v=None, num_warps=None):
+  """T decode steps of one row batch in one launch, keeping the state after each step (a
+  speculative verification's GDN layer). Step t is `gdn_decode_fused` on q[:, t], ..., with
+  the state the previous step left, bit for bit in the interpreter (`_step` is both kernels'
+  math).
+
+  Args:
+    q, k: [B, T, Hk, Dk] raw post-conv rows; v: [B, T, Hv, Dv]; a, b: [B, T, Hv] raw gate
+      inputs; a_coef, dt_bias: [Hv]; state: [B, Hv, Dv, Dk] float32, the state before step 0.
+    valid: [B, T] or None (all valid). An invalid step leaves the state as it was.
+    interpret, block_v, num_warps: as `gdn_decode_fused`.
+
+  Returns:
+    (o [B, T, Hv, Dv] float32, steps [B, T, Hv, Dv, Dk] float32: the state after each step).
+  """
+  for name, arr in (("q", q), ("k", k), ("v", v)):
+    if arr.ndim != 4:
+      raise ValueError(f"gdn decode steps: {name} {arr.shape} must be [B, T, H, D]")
+  for name, arr in (("a", a), ("b", b)):
+    if arr.ndim != 3:
+      raise ValueError(f"gdn decode steps: {name} {arr.shape} must be [B, T, Hv]")
+  bsz, n_t = q.shape[:2]
+  if valid is not None and valid.shape != (bsz, n_t):
+    raise ValueError(f"gdn decode steps: valid {valid.shape} must be [B, T] = {(bsz, n_t)}")
+  check_fused_inputs(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], a_coef, dt_bias,
+                     None if valid is None else valid[:, 0], state)
+  require_triton(interpret, "gdn decode", "'xla'")
+  _, _, hk, dk = q.shape
+  hv, dv = v.shape[2:]
+  r = hv // hk
+  bv = block_v or (dv if interpret else min(_BLOCK_V, dv))
+  if not pow2(bv) or bv > dv:
+    raise ValueError(f"gdn decode: block_v={bv} must be a power of 2 <= Dv={dv}")
+  valid = (jnp.ones((bsz, n_t), jnp.int32) if valid is None
+           else jnp.asarray(valid).astype(jnp.int32))
+  tp = 1 << max(n_t - 1, 0).bit_length()    # Triton blocks are powers of 2: pad T
+  if tp != n_t:   # the kernel runs the T real steps; the padding is neither read nor written
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - n_t)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, a, b, valid = map(pad, (q, k, v, a, b, valid))
+
+  sq = SQUEEZED
+  qk_spec = pl.BlockSpec((sq, tp, sq, dk), lambda i, h, j: (i, 0, h // r, 0))
+  vo_spec = pl.BlockSpec((sq, tp, sq, bv), lambda i, h, j: (i, 0, h, j))
+  ab_spec = pl.BlockSpec((sq, tp, sq), lambda i, h, j: (i, 0, h))
+  head_spec = pl.BlockSpec((sq,), lambda i, h, j: (h,))
+  row_spec = pl.BlockSpec((sq, tp), lambda i, h, j: (i, 0))
+  s_spec = pl.BlockSpec((sq, sq, bv, dk), lambda i, h, j: (i, h, j, 0))
+  steps_spec = pl.BlockSpec((sq, tp, sq, bv, dk), lambda i, h, j: (i, 0, h, j, 0))
+  o, steps = pl.pallas_call(
+      functools.partial(_steps_kernel, scale=dk ** -0.5, n_steps=n_t),
+      grid=(bsz, hv, dv // bv),
+      in_specs=[qk_spec, qk_spec, vo_spec, ab_spec, ab_spec, head_spec, head_spec, row_spec,
+                s_spec],
+      out_specs=[vo_spec, steps_spec],
+      out_shape=[jax.ShapeDtypeStruct((bsz, tp, hv, dv), _F32),
+                 jax.ShapeDtypeStruct((bsz, tp, hv, dv, dk), _F32)],
+      interpret=interpret,
+      compiler_params=None if interpret else triton_params(num_warps or _NUM_WARPS, 1),
+      name="gdn_decode_fused_steps",
+  )(q, k, v, a, b, a_coef, dt_bias, valid, state)
+  return o[:, :n_t], steps[:, :n_t]

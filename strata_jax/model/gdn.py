@@ -74,24 +74,28 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     rows = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)    # [B, K-1+T, C]
     one_each = jnp.ones((B,), jnp.int32)
 
-    fused = cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES
+    if cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES:
+      # Under the fused decode kernel: the conv of all T rows at once (each output is the same
+      # K products summed in the same order as a one-token conv), then the T steps in one
+      # launch whose per-step math is the decode kernel's, every step's state written.
+      c, _ = causal_conv(qkv, conv_state, p.conv, n_new)
+      q_s, k_s = c[..., :kd].reshape(B, T, Hk, Dk), c[..., kd:2 * kd].reshape(B, T, Hk, Dk)
+      v_s = c[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
+      o, ssm = gdn_api.steps_fused(q_s, k_s, v_s, a, b, p.a, p.dt_bias, ssm, valid[..., 0],
+                                   implementation=cfg.forms.gdn_decode)
+      return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), rows, ssm
 
     def one(s, xs):
-      t, g_t, beta_t, a_t, b_t, ok_t = xs
+      t, g_t, beta_t = xs
       win = lax.dynamic_slice_in_dim(rows, t, K, axis=1)                     # [B, K, C]
       c, _ = causal_conv(win[:, K - 1:], win[:, :K - 1], p.conv, one_each)
       q_t, k_t = c[:, 0, :kd].reshape(B, Hk, Dk), c[:, 0, kd:2 * kd].reshape(B, Hk, Dk)
       v_t = c[:, 0, 2 * kd:].reshape(B, Hv, Dv).astype(jnp.float32)
-      if fused:   # the decode step's own kernel (gates inside), as `decode` runs it
-        o_t, s = gdn_api.step_fused(q_t, k_t, v_t, a_t, b_t, p.a, p.dt_bias, s, ok_t,
-                                    implementation=cfg.forms.gdn_decode)
-      else:
-        o_t, s = gdn_api.step_raw(q_t, k_t, v_t, g_t, beta_t, s,
-                                  implementation=cfg.forms.gdn_decode)
+      o_t, s = gdn_api.step_raw(q_t, k_t, v_t, g_t, beta_t, s,
+                                implementation=cfg.forms.gdn_decode)
       return s, (o_t, s)
     tm = lambda a: jnp.moveaxis(a, 1, 0)                                     # [T, B, ...]
-    ok = tm(valid[..., 0])                                                   # [T, B]
-    _, (o, steps) = lax.scan(one, ssm, (jnp.arange(T), tm(g), tm(beta), tm(a), tm(b), ok))
+    _, (o, steps) = lax.scan(one, ssm, (jnp.arange(T), tm(g), tm(beta)))
     o, conv_state, ssm = jnp.moveaxis(o, 0, 1), rows, jnp.moveaxis(steps, 0, 1)
     return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), conv_state, ssm
   # At T == 1 an idle row keeps its state bit for bit (the delta rule with g = beta = 0 gives
