@@ -263,6 +263,26 @@ def test_greedy_speculative_equals_plain_greedy(model, lora, draft):
                for r in res)
 
 
+def test_greedy_speculative_equals_plain_greedy_under_the_fused_gdn_kernel(lora):
+  """The GPU's default GDN decode form (the fused kernel, here interpreted): the verification
+  runs its T steps in one launch (`gdn_decode_fused_steps`) and still gives plain greedy
+  decoding's tokens and leaves the states plain decoding leaves, with the switch mixed in one
+  batch."""
+  m = _model()
+  m = dataclasses.replace(m, cfg=dataclasses.replace(
+      m.cfg, forms=dataclasses.replace(m.cfg.forms, gdn_decode="pallas_fused_interpret")))
+  sw = [True, False, True]
+  res0, eng0 = _run(m, lora, sw, 0, n=8, engine=True)
+  res, eng = _run(m, lora, sw, 3, n=8, engine=True)
+  assert [r.tokens for r in res] == [r.tokens for r in res0]
+  assert sum(r.draft["accepted"] for r in res) > 0
+  st, ref = eng.states[0], eng0.states[0]   # every state as the one-token decode left it
+  np.testing.assert_array_equal(np.asarray(st.pos), np.asarray(ref.pos))
+  for name in ("conv", "ssm"):
+    assert_close(np.asarray(getattr(st, name)), np.asarray(getattr(ref, name)),
+                 rel=SPEC_STATE_REL_FP32, what=name)
+
+
 def test_rows_accept_different_lengths(model, lora, monkeypatch):
   """A drafter that knows the answer (row 0 fully, row 1 with its last draft wrong, row 2 never):
   the rows accept different lengths in the same rounds and still give the plain tokens; and
