@@ -98,8 +98,9 @@ def _prompts(rng, n, length, vocab):
   return [[int(t) for t in rng.integers(0, vocab, length)] for _ in range(n)]
 
 
-def engine_run(eng, prompts, new, kw):
-  """Serve `prompts` at once; (decode tok/s, end-to-end tok/s, results)."""
+def engine_run(eng, prompts, new, kw, loras=None):
+  """Serve `prompts` at once (request i under loras[i], default every adapter on);
+  (decode tok/s, end-to-end tok/s, results)."""
   from strata_jax.engine.engine import Request
   first, last = {}, [0.0]
 
@@ -109,8 +110,8 @@ def engine_run(eng, prompts, new, kw):
       first.setdefault(i, now)
       last[0] = now
     return f
-  reqs = [Request(tokens=p, max_tokens=new, lora=True, on_token=on_token(i), **kw)
-          for i, p in enumerate(prompts)]
+  reqs = [Request(tokens=p, max_tokens=new, lora=True if loras is None else loras[i],
+                  on_token=on_token(i), **kw) for i, p in enumerate(prompts)]
   t0 = time.perf_counter()
   res = eng.run(reqs)
   t1 = time.perf_counter()
