@@ -121,10 +121,40 @@ def test_waiting_snapshots_past_the_cache_capacity_are_dropped_oldest_first(mode
   eng._snapshot = watched
   eng.run([Request(tokens=p, max_tokens=4) for p in prompts])
   assert not eng._snaps and not eng._copying
-  assert len(held) == 6 and max(held) <= eng.prefix_cache.max_bytes < 3 * per_prompt
+  # one snapshot per prefill chunk: each prompt's two blocks are one slice (state included)
+  assert len(held) == 3 and max(held) <= eng.prefix_cache.max_bytes < 3 * per_prompt
   hashes = [sj.block_hashes(p, BS) for p in prompts]
   assert hashes[2][1] in eng.prefix_cache and hashes[0][0] not in eng.prefix_cache
   assert eng.prefix_cache.stats["bytes"] <= per_prompt + per_prompt // 2
+
+
+def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_block(
+    model, monkeypatch):
+  """TTFT: the K/V of every block a prefill chunk completes is read from the device in one
+  slice (not one read per block); the cache still holds one entry per block, each holding
+  only its own rows (a copy, not a view of the chunk's slice), the state on the last."""
+  from strata_jax import steps
+  calls, read_kv = [], steps.read_kv
+
+  def counted(*a, **kw):
+    calls.append(kw["length"])
+    return read_kv(*a, **kw)
+  monkeypatch.setattr(steps, "read_kv", counted)
+  prompt = list(np.random.default_rng(5).integers(0, TINY.vocab_size, 5 * BS + 3))
+  eng = sj.Engine(model, slots=1, max_seq=512, block_size=BS)
+  eng.generate(tokens=prompt, max_tokens=2)
+  assert calls == [8 * BS]   # one chunk of 5 blocks in an 8-block bucket: one read
+  hashes = sj.block_hashes(prompt, BS)
+  payloads = [eng.prefix_cache.peek(h)[0] for h in hashes]
+  assert all(p["k"].shape[1] == BS and p["k"].base is None for p in payloads)
+  assert ["ssm" in p for p in payloads] == [False] * 4 + [True]
+  # a prompt sharing those blocks restores them and computes what a cold engine computes
+  follow = prompt + [7]
+  eng.generate(tokens=[1, 2, 3], max_tokens=1)   # the slot's conversation no longer matches
+  hit = eng.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
+  cold = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0)
+  ref = cold.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
+  assert hit.cached_tokens == 5 * BS and np.array_equal(hit.step_logits, ref.step_logits)
 
 
 def test_conversation_cache_extends(model):

@@ -127,6 +127,18 @@ class _Running:
 
 
 @dataclasses.dataclass
+class _Snap:
+  """A prefill chunk's prefix-cache snapshot, waiting on the device for its host copy: the
+  K/V rows [start, start + L) of one slot (one read per chunk and stage), holding blocks
+  `blocks` of the chain `hashes`; the GDN state after block `state_blk` (or None)."""
+  hashes: list
+  blocks: list
+  start: int
+  state_blk: int | None
+  payload: list            # per stage: {"k", "v"[, "conv", "ssm"]} device arrays
+
+
+@dataclasses.dataclass
 class _Chunk:
   out: tuple               # device outputs of decode_sample (or of one sample_step)
   n: int
@@ -140,8 +152,8 @@ class _Chunk:
 SNAPSHOT_COPY_BYTES = 64 << 20
 
 
-def _snap_bytes(item) -> int:
-  return sum(a.nbytes for entry in item[2] for a in entry.values())
+def _snap_bytes(item: _Snap) -> int:
+  return sum(a.nbytes for entry in item.payload for a in entry.values())
 
 
 class Engine:
@@ -603,7 +615,7 @@ class Engine:
     self.adapters.note_blocks(choice, hashes, self.prefix_cache)
     if aligned:
       waiting = self._copying + self._snaps
-      if waiting and not {h[b] for h, b, _ in waiting}.isdisjoint(hashes):
+      if waiting and not {w.hashes[b] for w in waiting for b in w.blocks}.isdisjoint(hashes):
         self._flush_snapshots()   # an earlier prompt shares blocks: store them first
       self._reset(slot)
       start = self._restore_prefix(slot, toks, hashes, switch) if not req.return_logits else 0
@@ -623,13 +635,15 @@ class Engine:
           logits_parts.append(self._host(out)[:n])
         end = pos + n
         if aligned:
-          # K/V for every block the chunk completed; the (much larger) GDN state every
-          # `state_every` blocks and at the prompt's last full block (chunks end there).
-          for blk in range(pos // self.block_size, end // self.block_size):
-            if blk < len(hashes) and (blk + 1) * self.block_size > pos:
-              with_state = (blk + 1) * self.block_size == end and (
-                  (blk + 1) % self.state_every == 0 or blk == len(hashes) - 1)
-              self._snapshot(slot, hashes, blk, with_state)
+          # K/V for every block the chunk completed (one read); the (much larger) GDN state
+          # every `state_every` blocks and at the prompt's last full block (chunks end there).
+          blks = [b for b in range(pos // self.block_size, end // self.block_size)
+                  if b < len(hashes) and (b + 1) * self.block_size > pos]
+          last = blks[-1] if blks else None
+          with_state = last is not None and (last + 1) * self.block_size == end and (
+              (last + 1) % self.state_every == 0 or last == len(hashes) - 1)
+          if blks:
+            self._snapshot(slot, hashes, blks, last if with_state else None, bucket)
       last = logits_parts[-1][n - 1] if req.return_logits else out
       if self._shared and not req.return_logits:
         last = self._host(last)      # every process samples from the same logits
@@ -679,30 +693,39 @@ class Engine:
       self.states[i] = distributed.call_on_stage(steps.reset_rows, st.device, self.states[i], r)
     self.slot_tokens[slot] = []
 
-  def _snapshot(self, slot: int, hashes: list[bytes], blk: int, with_state: bool):
-    """Slice a block's K/V (and GDN state) on the device now; it reaches the host cache
-    later: up to SNAPSHOT_COPY_BYTES a round behind that round's decode dispatch
+  def _snapshot(self, slot: int, hashes: list[bytes], blks: list[int], state_blk, bucket: int):
+    """Read the K/V of blocks `blks` (consecutive) in one slice per stage, and the GDN state
+    after block `state_blk` (None: none), on the device now; they reach the host cache later:
+    up to SNAPSHOT_COPY_BYTES a round behind that round's decode dispatch
     (`_start_snapshot_copies`, stored a round later by `_store_copied`), and all at once when
     the engine goes idle or a new prompt shares its blocks (`_flush_snapshots`).
     H200, bench-a3b: a GDN state is 75 MB and reached the host at ~1-2 GB/s. Copied at the
     prompt's first token it queued ahead of that token's own copy (TTFT); copied all at once
-    behind the decode it stalled the dispatch loop (batch 32: 2.4 GB, engine/program 0.37)."""
+    behind the decode it stalled the dispatch loop (batch 32: 2.4 GB, engine/program 0.37).
+    The K/V slice is the chunk's bucket long (a length the prefill already compiles for), so
+    a 2,500-token prompt reads 3 slices instead of 39 one-block reads."""
     if self.prefix_cache.max_bytes <= 0:
       return
-    if hashes[blk] in self.prefix_cache:
-      if not with_state or "ssm" in self.prefix_cache.peek(hashes[blk])[0]:
-        return
+    cache = self.prefix_cache
+    have = lambda b: hashes[b] in cache and (b != state_blk or "ssm" in cache.peek(hashes[b])[0])
+    blks = [b for b in blks if not have(b)]
+    if not blks:
+      return
+    bs = self.block_size
+    length = min(bucket, self.max_seq)
+    start = min(blks[0] * bs, self.max_seq - length)   # the slice must lie inside the cache
     payload = []
     for st, state in zip(self.stages, self.states):
       k, v = distributed.call_on_stage(steps.read_kv, st.device, state, jnp.int32(slot),
-                                       jnp.int32(blk * self.block_size), length=self.block_size)
+                                       jnp.int32(start), length=length)
       entry = {"k": k, "v": v}
-      if with_state:
+      if state_blk in blks:
         conv, ssm = distributed.call_on_stage(steps.read_recurrent, st.device, state,
                                               jnp.int32(slot))
         entry.update(conv=conv, ssm=ssm)
       payload.append(entry)
-    self._snaps.append((hashes, blk, payload))
+    self._snaps.append(_Snap(hashes, blks, start, state_blk if state_blk in blks else None,
+                             payload))
     # Waiting snapshots past the cache's capacity: the oldest go, as the LRU would evict
     # them on insertion anyway (and they hold device memory until stored).
     held = [_snap_bytes(x) for x in self._copying + self._snaps]
@@ -718,21 +741,33 @@ class Engine:
     n = 0
     while self._snaps and (n == 0 or n < SNAPSHOT_COPY_BYTES):
       item = self._snaps.pop(0)
-      for entry in item[2]:
+      for entry in item.payload:
         for a in entry.values():
           a.copy_to_host_async()
       self._copying.append(item)
       n += _snap_bytes(item)
 
   def _store_copied(self):
-    """Store the snapshots whose copies were started (a round ago: done or nearly)."""
+    """Store the snapshots whose copies were started (a round ago: done or nearly): each
+    block's rows cut from its chunk's slice on the host (copied, so a cached block does not
+    keep its whole chunk alive)."""
     items, self._copying = self._copying, []
-    for hashes, blk, payload in items:
-      payload = tuple({k: self._host(a) for k, a in e.items()} for e in payload)
-      if hashes[blk] in self.prefix_cache:
-        self.prefix_cache.replace(hashes[blk], payload)
-      else:
-        self.prefix_cache.insert(hashes[blk], payload, hashes[blk - 1] if blk else None)
+    bs = self.block_size
+    for item in items:
+      host = [{k: self._host(a) for k, a in e.items()} for e in item.payload]
+      for blk in item.blocks:
+        lo = blk * bs - item.start
+        payload = []
+        for e in host:
+          entry = {"k": np.array(e["k"][:, lo:lo + bs]), "v": np.array(e["v"][:, lo:lo + bs])}
+          if blk == item.state_blk:
+            entry.update(conv=e["conv"], ssm=e["ssm"])
+          payload.append(entry)
+        payload, h, cache = tuple(payload), item.hashes, self.prefix_cache
+        if h[blk] not in cache:
+          cache.insert(h[blk], payload, h[blk - 1] if blk else None)
+        elif blk == item.state_blk and "ssm" not in cache.peek(h[blk])[0]:
+          cache.replace(h[blk], payload)   # the block, now with its state
 
   def _flush_snapshots(self):
     """Store every waiting snapshot now."""
