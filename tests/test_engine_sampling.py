@@ -103,9 +103,11 @@ def test_stop_id_ends_the_row_on_the_device(model):
 
 def test_warmup_compiles_the_buckets_used(model):
   eng = sj.Engine(model, slots=1, warmup=[100], **KW)
-  sizes = (steps.prefill._cache_size(), steps.decode_sample._cache_size())
+  sizes = (steps.prefill._cache_size(), steps.decode_sample._cache_size(),
+           steps.read_kv._cache_size())
   eng.generate(tokens=_prompt(4, 100), max_tokens=5)
-  assert (steps.prefill._cache_size(), steps.decode_sample._cache_size()) == sizes
+  assert (steps.prefill._cache_size(), steps.decode_sample._cache_size(),
+          steps.read_kv._cache_size()) == sizes   # the prefix cache's K/V slices too
   # 100 tokens: one 96-token chunk (to the last full block, bucket 128), then 4 (bucket 32)
   assert [b for _, _, b in eng._schedule(0, 100, 3, True)] == [128, 32]
 

@@ -488,6 +488,10 @@ class Engine:
     for b in sorted(buckets):
       # n_new 0: every layer leaves the row as it is
       self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False)
+      if self.prefix_cache.max_bytes > 0:   # the chunk's K/V slice for the prefix cache
+        for st, state in zip(self.stages, self.states):
+          distributed.call_on_stage(steps.read_kv, st.device, state, jnp.int32(0),
+                                    jnp.int32(0), length=min(b, self.max_seq))
     for plan in plans:
       one = self._put(host_sampling.empty_rows(1))
       self._on_last(steps.sample_step, self._put(jnp.zeros((1, self.model.cfg.vocab_size))),
