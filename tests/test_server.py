@@ -462,6 +462,30 @@ def test_overloaded_answers_503(model):
     assert [f.result().status_code for f in held] == [200, 200]
 
 
+def test_a_first_token_streams_before_the_step_that_made_it_ends(model):
+  """A step that admits a burst of requests prefills them one after another: each request's
+  first token reaches its client at once, not when the whole step (every prefill and the
+  previous decode chunk's read) is over. The fake step emits the first token, then waits for
+  the client to have read it."""
+  seen = threading.Event()
+  waited = []
+
+  def step(eng):
+    for h in eng.handles:
+      if not h.done and not waited:
+        h.req.on_token(7)
+        waited.append(seen.wait(20))   # False: the token was held until the step's end
+    _finish_all(eng)
+
+  with start_server(_FakeEngine(model, step)) as s:
+    with httpx.stream("POST", f"{s.url}/v1/completions", timeout=60,
+                      json={"prompt": [1], "max_tokens": 1, "stream": True}) as r:
+      for line in r.iter_lines():
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+          seen.set()
+  assert waited == [True]
+
+
 def test_serve_config_errors(tmp_path, capsys):
   cases = {"bad.json": "{not json", "top.json": '{"sampling": {}, "extra": 1}',
            "key.json": '{"sampling": {"temp": 0.5}}', "type.json": '{"sampling": {"top_p": 2}}',

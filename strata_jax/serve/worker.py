@@ -43,6 +43,7 @@ class _Gen:
   # events made on the worker thread during one engine step, handed to the loop at once
   # after it (a decode chunk emits up to 16 tokens a row: one wake-up of the loop, not 16)
   buf: list = dataclasses.field(default_factory=list)
+  first_sent: bool = False
 
 
 @dataclasses.dataclass
@@ -137,8 +138,15 @@ class EngineWorker:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     job = _Gen(req=req, loop=loop, events=events, cancel=threading.Event())
-    # called on the worker thread inside engine.step(); `_flush` hands them over after it
-    req.on_token = lambda tok: job.buf.append(("token", int(tok)))
+    # called on the worker thread inside engine.step(); `_flush` hands them over after it,
+    # except the first token, handed over at once: a step that admits a burst of requests
+    # prefills them one after another, and each first token need not wait for the others
+    def on_token(tok):
+      job.buf.append(("token", int(tok)))
+      if not job.first_sent:
+        job.first_sent = True
+        self._flush(job)
+    req.on_token = on_token
     if req.logprobs is not None:   # each token's entry comes just before the token
       req.on_logprobs = lambda entry: job.buf.append(("logprobs", entry))
     # Setting this (a stop string matched, the client went away) ends the generation early.
