@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -75,6 +76,80 @@ def test_generate_json_and_dump_logits(files):
   for k in ("prompt", "prompt_last", "steps"):
     assert np.array_equal(off[k], base[k]), k
   assert not np.array_equal(z["prompt"], base["prompt"])
+
+
+# --lora per occurrence: a numbered adapter; --lora A,B: one adapter stacking both files
+# (docs/adapters.md). Listed as (id, path, rank): a is rank 4, b rank 2.
+LORA_FORMS = {
+    "numbered": (lambda a, b: ["--lora", a, "--lora", b],
+                 lambda a, b: [(0, a, 4), (1, b, 2)]),
+    "stacked": (lambda a, b: ["--lora", f"{a},{b}"], lambda a, b: [(0, f"{a},{b}", 6)]),
+}
+
+
+@pytest.mark.parametrize("form", LORA_FORMS)
+def test_generate_lora_flags_give_numbered_or_stacked_adapters(files, form, monkeypatch,
+                                                               capsys):
+  """The engine `generate` builds holds one adapter per --lora flag, ids 0, 1, ...; a
+  comma-separated group is one adapter whose rank is the files' sum."""
+  import strata_jax as sj  # noqa: PLC0415
+  from strata_jax.cli import main as cli_main  # noqa: PLC0415
+  _, model, a, b = files
+  flags, want = LORA_FORMS[form]
+  built = []
+
+  class Recorded(sj.Engine):
+    def __init__(self, *args, **kw):
+      super().__init__(*args, **kw)
+      built.append(self)
+
+  monkeypatch.setattr(sj, "Engine", Recorded)
+  assert cli_main(["generate", "--model", model, *flags(a, b), "--prompt-tokens", "5,6,7",
+                   "-n", "2", "--json"]) == 0
+  res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert res["lora"] is True and len(res["tokens"]) == 2
+  (eng,) = built
+  got = [(x["id"], x["path"], x["rank"], x["scale"]) for x in eng.lora_adapters()]
+  assert got == [(i, path, rank, 1.0) for i, path, rank in want(a, b)]
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_serve_lora_flags_list_numbered_and_stacked_adapters(files, tmp_path):
+  """`strata-jax serve --lora A --lora B --lora A,B`: GET /lora-adapters lists three adapters,
+  the last stacking both files (one server process checks both forms)."""
+  import httpx  # noqa: PLC0415
+  _, model, a, b = files
+  flags = LORA_FORMS["numbered"][0](a, b) + LORA_FORMS["stacked"][0](a, b)
+  want = LORA_FORMS["numbered"][1](a, b) + [(2, f"{a},{b}", 6)]
+  port = _free_port()
+  log = tmp_path / "serve.log"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  with open(log, "w") as err:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "strata_jax", "serve", "--model", model, *flags,
+         "--port", str(port), "--slots", "1", "--ctx-size", "64"],
+        stdout=subprocess.DEVNULL, stderr=err, env=env)
+  try:
+    deadline = time.monotonic() + 300
+    while True:
+      assert proc.poll() is None, log.read_text()[-2000:]
+      assert time.monotonic() < deadline, log.read_text()[-2000:]
+      try:
+        r = httpx.get(f"http://127.0.0.1:{port}/lora-adapters", timeout=10)
+        break
+      except httpx.TransportError:
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+    got = [(x["id"], x["path"], x["rank"], x["scale"]) for x in r.json()]
+    assert got == [(i, path, rank, 1.0) for i, path, rank in want]
+  finally:
+    proc.terminate()
+    proc.wait(timeout=60)
 
 
 @pytest.mark.parametrize("args,needle", [
