@@ -193,7 +193,7 @@ def test_negative_or_nan_scale_is_400_and_changes_no_adapter(model, files):
       assert httpx.get(f"{s.url}/lora-adapters").json() == before
       msg = _error(post("/lora-adapters/load", f'{{"path": "{files[2]}", "scale": {bad}}}'),
                    400)
-      assert "scale must be a finite number >= 0" in msg, msg
+      assert "scale must be a finite number >= 0" in msg and str(files[2]) in msg, msg
       assert httpx.get(f"{s.url}/lora-adapters").json() == before
     r = httpx.post(f"{s.url}/lora-adapters/load", json={"path": files[2]}, timeout=60)
     assert r.status_code == 200 and r.json()["id"] == 2, "a refused load takes no id"

@@ -51,7 +51,14 @@ async def set_scales(srv: ServerDep,
 async def load(srv: ServerDep, body: schemas.LoraLoadRequest):
   from strata_jax.api import load_lora  # noqa: PLC0415
 
-  # Read and check the file off the worker thread (steps go on meanwhile); then place it.
+  from strata_jax.engine.adapters import check_scale  # noqa: PLC0415
+
+  # The scale first (no file is read for a call that is refused anyway); then read and check
+  # the file off the worker thread (steps go on meanwhile), then place it.
+  try:
+    check_scale(body.scale, f"POST /lora-adapters/load {body.path}")
+  except StrataError as e:
+    raise ApiError(400, str(e), param="scale") from None
   try:
     lora = await asyncio.to_thread(load_lora, srv.model, [body.path])
   except AdapterError as e:
