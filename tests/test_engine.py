@@ -1,5 +1,6 @@
 """Engine: slots, continuous batching, conversation cache and adapter-isolated prefix cache."""
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -155,6 +156,21 @@ def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_
   cold = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0)
   ref = cold.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
   assert hit.cached_tokens == 5 * BS and np.array_equal(hit.step_logits, ref.step_logits)
+
+
+def test_time_to_first_token_counts_the_wait_for_a_slot(model):
+  """`Result.ttft_s` runs from submit(): with one slot, the second of two requests submitted
+  together waits while the first decodes, and that wait is in its time to first token."""
+  stamps = []
+  eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS, prefix_cache_bytes=0)
+  eng.generate(tokens=[4, 5, 6], max_tokens=2)   # compile first
+  stamp = lambda t: stamps.append(time.perf_counter())
+  first, second = eng.run([Request(tokens=[1, 2, 3], max_tokens=24, on_token=stamp),
+                           Request(tokens=[7, 8, 9], max_tokens=2)])
+  assert len(stamps) == 24
+  # the second was submitted before the first's first token and started after its last
+  assert second.ttft_s >= stamps[-1] - stamps[0] > 0
+  assert first.ttft_s < second.ttft_s
 
 
 def test_conversation_cache_extends(model):

@@ -77,7 +77,7 @@ class Result:
   finish_reason: str            # "stop" | "length" | "cancelled"
   cached_tokens: int            # prompt tokens read from a cache
   prompt_tokens_computed: int
-  ttft_s: float
+  ttft_s: float                 # from submit() to the first token, queueing included
   decode_tokens_per_s: float
   slot: int
   text: str | None = None
@@ -94,6 +94,7 @@ class Handle:
 
   def __init__(self, req: Request):
     self.req, self.result, self.cancelled = req, None, False
+    self.t_submit = time.perf_counter()
 
   def cancel(self):
     """Stop generating soon (finish_reason "cancelled"); tokens read after the cancel are
@@ -436,6 +437,7 @@ class Engine:
         continue
       slot = self._pick_slot(h.req, exclude=self._running.keys())
       run = self._start(slot, h.req)
+      run.t0 = h.t_submit   # time to first token counts the wait for a slot too
       if self._finished(slot, run):
         h.result = self._finish(slot, run)
       else:
