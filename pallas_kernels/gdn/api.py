@@ -217,14 +217,6 @@ def steps_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *, implementa
       require_gpu("gdn", implementation, "'pallas_fused_interpret' or 'xla'")
     return gdn_decode_fused_steps(q, k, v, a, b, a_coef, dt_bias, state, valid,
                                   interpret=implementation == "pallas_fused_interpret")
-  valid = jnp.ones(q.shape[:2], jnp.int32) if valid is None else jnp.asarray(valid)
-
-  def body(s, xs):
-    qt, kt, vt, at, bt, ok = xs
-    o, s_new = step_fused(qt, kt, vt, at, bt, a_coef, dt_bias, s, ok,
-                          implementation=implementation)
-    s = jnp.where((ok != 0)[:, None, None, None], s_new, s)
-    return s, (o, s)
-  tm = lambda x: jnp.moveaxis(x, 1, 0)
-  _, (o, steps) = jax.lax.scan(body, state, tuple(map(tm, (q, k, v, a, b, valid))))
-  return jnp.moveaxis(o, 0, 1), jnp.moveaxis(steps, 0, 1)
+  one = lambda *args: step_fused(*args, implementation=implementation)
+  return reference.delta_rule_steps_fused(q, k, v, a, b, a_coef, dt_bias, state, valid,
+                                          step=one)

@@ -75,18 +75,19 @@ def delta_rule_step_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None):
   return delta_rule_step_raw(q, k, v, g, beta, state)
 
 
-def delta_rule_steps_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None):
+def delta_rule_steps_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *,
+                           step=delta_rule_step_fused):
   """T decode steps from raw inputs, the state after each kept: the contract of
   `decode_fused_kernel.gdn_decode_fused_steps`. q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
-  a, b [B, T, Hv]; state [B, Hv, Dv, Dk]; valid [B, T] or None. Step t is
-  `delta_rule_step_fused` on the state step t-1 left (an invalid step leaves it as it was).
+  a, b [B, T, Hv]; state [B, Hv, Dv, Dk]; valid [B, T] or None. Step t is `step` (default
+  `delta_rule_step_fused`) on the state step t-1 left (an invalid step leaves it as it was).
   Returns (o [B, T, Hv, Dv], steps [B, T, Hv, Dv, Dk]), float32."""
   n_t = q.shape[1]
   valid = jnp.ones(q.shape[:2], jnp.int32) if valid is None else jnp.asarray(valid)
 
   def body(s, xs):
     qt, kt, vt, at, bt, ok = xs
-    o, s_new = delta_rule_step_fused(qt, kt, vt, at, bt, a_coef, dt_bias, s, ok)
+    o, s_new = step(qt, kt, vt, at, bt, a_coef, dt_bias, s, ok)
     s = jnp.where((ok != 0)[:, None, None, None], s_new, s)
     return s, (o, s)
   tm = lambda x: jnp.moveaxis(x, 1, 0)
