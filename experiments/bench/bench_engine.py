@@ -73,22 +73,27 @@ def synthetic_tokenizer(vocab: int):
   return Tokenizer(_build_hf_tokenizer(tokens, types, [], "default"), tokens, types)
 
 
+def bench_model(cfg, params, dtype, tiny: bool):
+  """bench-a3b (or the tiny geometry) as an `sj.Model`: random device weights, a synthetic
+  tokenizer, one stage."""
+  import strata_jax as sj
+  return sj.Model(cfg=cfg, params=params, dtype=dtype, path="<bench-a3b>",
+                  fingerprint="bench-a3b" + ("-tiny" if tiny else ""),
+                  tokenizer=synthetic_tokenizer(cfg.vocab_size),
+                  layer_ranges=[(0, cfg.n_layers)])
+
+
 def build(args):
   import common
   import jax.numpy as jnp
 
-  import strata_jax as sj
   from strata_jax.params import LoraSet
   geom = common.TINY if args.smoke else common.BENCH_A3B
   cfg = common.model_config(geom)
   dtype = jnp.float32 if args.smoke else jnp.bfloat16
   t0 = time.perf_counter()
-  params = common.device_params(cfg, dtype)
+  model = bench_model(cfg, common.device_params(cfg, dtype), dtype, args.smoke)
   lp = common.device_lora(cfg, common.LORA_RANK, dtype)
-  model = sj.Model(cfg=cfg, params=params, dtype=dtype, path="<bench-a3b>",
-                   fingerprint="bench-a3b" + ("-tiny" if args.smoke else ""),
-                   tokenizer=synthetic_tokenizer(cfg.vocab_size),
-                   layer_ranges=[(0, cfg.n_layers)])
   lora = LoraSet(params=lp, files=(f"<random rank {common.LORA_RANK}>",), ignored=(),
                  rank_total=common.LORA_RANK, adapter_id=0xBE7C)
   return model, lora, time.perf_counter() - t0

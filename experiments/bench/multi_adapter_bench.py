@@ -139,10 +139,7 @@ def engine_rates(cfg, params, sets, dtype) -> dict:
   import bench_engine
   import strata_jax as sj
   B, K = F.batch, len(sets)
-  model = sj.Model(cfg=cfg, params=params, dtype=dtype, path="<bench-a3b>",
-                   fingerprint="bench-a3b" + ("-tiny" if F.tiny else ""),
-                   tokenizer=bench_engine.synthetic_tokenizer(cfg.vocab_size),
-                   layer_ranges=[(0, cfg.n_layers)])
+  model = bench_engine.bench_model(cfg, params, dtype, F.tiny)
   eng = sj.Engine(model, lora=list(sets), slots=B, decode_steps=(16,),
                   max_seq=max(256, 1 << (F.prompt + F.new).bit_length()))
   rng = np.random.default_rng(0)

@@ -645,11 +645,11 @@ class Engine:
           # every `state_every` blocks and at the prompt's last full block (chunks end there).
           blks = [b for b in range(pos // self.block_size, end // self.block_size)
                   if b < len(hashes) and (b + 1) * self.block_size > pos]
-          last = blks[-1] if blks else None
-          with_state = last is not None and (last + 1) * self.block_size == end and (
-              (last + 1) % self.state_every == 0 or last == len(hashes) - 1)
           if blks:
-            self._snapshot(slot, hashes, blks, last if with_state else None, bucket)
+            last_blk = blks[-1]
+            with_state = (last_blk + 1) * self.block_size == end and (
+                (last_blk + 1) % self.state_every == 0 or last_blk == len(hashes) - 1)
+            self._snapshot(slot, hashes, blks, last_blk if with_state else None, bucket)
       last = logits_parts[-1][n - 1] if req.return_logits else out
       if self._shared and not req.return_logits:
         last = self._host(last)      # every process samples from the same logits
@@ -717,6 +717,7 @@ class Engine:
     blks = [b for b in blks if not have(b)]
     if not blks:
       return
+    state_blk = state_blk if state_blk in blks else None
     bs = self.block_size
     length = min(bucket, self.max_seq)
     start = min(blks[0] * bs, self.max_seq - length)   # the slice must lie inside the cache
@@ -725,13 +726,12 @@ class Engine:
       k, v = distributed.call_on_stage(steps.read_kv, st.device, state, jnp.int32(slot),
                                        jnp.int32(start), length=length)
       entry = {"k": k, "v": v}
-      if state_blk in blks:
+      if state_blk is not None:
         conv, ssm = distributed.call_on_stage(steps.read_recurrent, st.device, state,
                                               jnp.int32(slot))
         entry.update(conv=conv, ssm=ssm)
       payload.append(entry)
-    self._snaps.append(_Snap(hashes, blks, start, state_blk if state_blk in blks else None,
-                             payload))
+    self._snaps.append(_Snap(hashes, blks, start, state_blk, payload))
     # Waiting snapshots past the cache's capacity: the oldest go, as the LRU would evict
     # them on insertion anyway (and they hold device memory until stored).
     held = [_snap_bytes(x) for x in self._copying + self._snaps]
