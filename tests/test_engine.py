@@ -113,7 +113,8 @@ def test_waiting_snapshots_past_the_cache_capacity_are_dropped_oldest_first(mode
   eng = sj.Engine(model, slots=3, max_seq=256, block_size=BS,
                   prefix_cache_bytes=per_prompt + per_prompt // 2)
   prompts = [list(rng.integers(0, TINY.vocab_size, 2 * BS + 1)) for _ in range(3)]
-  eng._start_snapshot_copies = lambda: None   # every snapshot waits until the engine is idle
+  start = eng._start_snapshot_copies   # every snapshot waits until the engine is idle
+  eng._start_snapshot_copies = lambda limit=1: start(limit) if limit is None else None
   held, snapshot = [], eng._snapshot
 
   def watched(*a, **kw):
@@ -127,6 +128,26 @@ def test_waiting_snapshots_past_the_cache_capacity_are_dropped_oldest_first(mode
   hashes = [sj.block_hashes(p, BS) for p in prompts]
   assert hashes[2][1] in eng.prefix_cache and hashes[0][0] not in eng.prefix_cache
   assert eng.prefix_cache.stats["bytes"] <= per_prompt + per_prompt // 2
+
+
+def test_snapshot_copies_go_to_pinned_host_memory_and_the_cache_holds_owned_equal_arrays(model):
+  """A snapshot's host copy is a DMA into page-locked memory where the device has it (the
+  CPU does, as the H200 does); the cache then holds plain numpy copies of the same values."""
+  prompt = list(np.random.default_rng(5).integers(0, TINY.vocab_size, 2 * BS + 1))
+  eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
+  started, start = [], eng._start_snapshot_copies
+
+  def watched(limit=1):
+    start(limit)
+    started.extend(a for item in eng._copying for e in item.payload for a in e.values())
+  eng._start_snapshot_copies = watched
+  eng.run([Request(tokens=prompt, max_tokens=2)])
+  assert started and all(a.sharding.memory_kind == "pinned_host" for a in started)
+  hashes = sj.block_hashes(prompt, BS)
+  entry = eng.prefix_cache.peek(hashes[1])[0]   # the first (only) stage's arrays
+  state = eng.states[0]
+  assert isinstance(entry["ssm"], np.ndarray) and entry["ssm"].flags.owndata
+  assert np.array_equal(entry["k"], np.asarray(state.k)[:, 0, BS:2 * BS])
 
 
 def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_block(

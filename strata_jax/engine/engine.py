@@ -739,17 +739,16 @@ class Engine:
       self._snaps.pop(0)
       held.pop(len(self._copying))
 
-  def _start_snapshot_copies(self):
-    """Start the device-to-host copies of the oldest waiting snapshots, SNAPSHOT_COPY_BYTES
-    at most (at least one snapshot)."""
+  def _start_snapshot_copies(self, limit: int | None = SNAPSHOT_COPY_BYTES):
+    """Start the device-to-host copies (into pinned host memory where the device has it) of
+    the oldest waiting snapshots, `limit` bytes at most (at least one snapshot; None: all)."""
     if self._shared:
       return
     n = 0
-    while self._snaps and (n == 0 or n < SNAPSHOT_COPY_BYTES):
+    while self._snaps and (n == 0 or limit is None or n < limit):
       item = self._snaps.pop(0)
-      for entry in item.payload:
-        for a in entry.values():
-          a.copy_to_host_async()
+      item.payload = [{k: distributed.start_host_copy(a) for k, a in entry.items()}
+                      for entry in item.payload]
       self._copying.append(item)
       n += _snap_bytes(item)
 
@@ -766,8 +765,8 @@ class Engine:
         payload = []
         for e in host:
           entry = {"k": np.array(e["k"][:, lo:lo + bs]), "v": np.array(e["v"][:, lo:lo + bs])}
-          if blk == item.state_blk:
-            entry.update(conv=e["conv"], ssm=e["ssm"])
+          if blk == item.state_blk:   # owned copies: the cache must not hold pinned buffers
+            entry.update(conv=np.array(e["conv"]), ssm=np.array(e["ssm"]))
           payload.append(entry)
         payload, h, cache = tuple(payload), item.hashes, self.prefix_cache
         if h[blk] not in cache:
@@ -776,7 +775,8 @@ class Engine:
           cache.replace(h[blk], payload)   # the block, now with its state
 
   def _flush_snapshots(self):
-    """Store every waiting snapshot now."""
+    """Store every waiting snapshot now (their copies all started first, so they overlap)."""
+    self._start_snapshot_copies(limit=None)
     self._copying, self._snaps = self._copying + self._snaps, []
     self._store_copied()
 
