@@ -17,6 +17,10 @@ from strata_jax.engine.engine import Request
 V = 16
 LOGITS = np.linspace(-3.0, 3.0, V).astype(np.float32)[np.random.default_rng(0).permutation(V)]
 N = 40_000          # draws per configuration
+# draws per configuration of the frequency test: enough that a 5 % temperature error is
+# rejected with near certainty (chi-square noncentrality >= 80 for every case; at 40,000 the
+# nucleus cases sat near 24, against a critical value of 23.5)
+N_FREQ = 160_000
 ALPHA = 1e-4        # chi-square false-alarm rate
 
 
@@ -49,7 +53,7 @@ def _want(T, top_k=0, top_p=1.0, min_p=0.0, logits=LOGITS):
   order = np.argsort(-z, kind="stable")
   p = np.exp(z - z.max())
   p /= p.sum()
-  keep = np.zeros(V, bool)
+  keep = np.zeros(z.size, bool)
   if top_k:
     keep[order[:top_k]] = True
   else:
@@ -80,15 +84,15 @@ CASES = [  # (plan path, parameters)
     ("full", dict(temperature=0.8)),
     ("full", dict(temperature=1.3, min_p=0.05)),
     ("cap", dict(temperature=0.8, top_k=6)),
-    ("sort", dict(temperature=0.8, top_p=0.9)),
-    ("sort", dict(temperature=1.0, top_k=0, top_p=0.85, min_p=0.05)),
+    ("nucleus", dict(temperature=0.8, top_p=0.9)),
+    ("nucleus", dict(temperature=1.0, top_k=0, top_p=0.85, min_p=0.05)),
 ]
 
 
 @pytest.mark.parametrize("path,kw", CASES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CASES)])
 def test_frequencies_follow_filtered_softmax(path, kw):
   plan = smp.Plan(**{path: True})
-  counts = np.bincount(_draw(_params(N, **kw), plan), minlength=V)
+  counts = np.bincount(_draw(_params(N_FREQ, **kw), plan), minlength=V)
   want = _want(kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("min_p", 0.0))
   stat, crit = _chi2(counts, want)
   assert stat < crit, (stat, crit)
@@ -96,6 +100,65 @@ def test_frequencies_follow_filtered_softmax(path, kw):
   wrong = _want(kw["temperature"] * 1.05, kw.get("top_k", 0), kw.get("top_p", 1.0),
                 kw.get("min_p", 0.0))
   assert _chi2(counts, wrong)[0] > crit
+
+
+# Ties at the boundaries: 10 levels of 10 equal logits, ids shuffled. Top-k 65 keeps the 6 top
+# levels and the 5 lowest ids of the 7th; top-p 0.5 ends inside a level, keeping its lowest ids
+# (a stable descending sort's order); each dropped tie drawn even once fails the test.
+TIES = np.repeat(np.linspace(2.0, -2.5, 10), 10).astype(np.float32)[
+    np.random.default_rng(1).permutation(100)]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=65),
+                                dict(temperature=1.0, top_p=0.5),
+                                dict(temperature=0.9, top_k=80, top_p=0.9, min_p=0.02)],
+                         ids=["top_k_65", "top_p_0.5", "top_k_80_p_0.9_min_p"])
+def test_nucleus_ties_break_by_lower_id_and_frequencies_follow(kw):
+  plan = smp.Plan(nucleus=True)
+  counts = np.bincount(_draw(_params(N, **kw), plan, logits=TIES), minlength=TIES.size)
+  want = _want(kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0),
+               kw.get("min_p", 0.0), logits=TIES)
+  assert 0 < np.count_nonzero(want) < TIES.size
+  stat, crit = _chi2(counts, want)
+  assert stat < crit, (stat, crit)
+
+
+def test_nucleus_mask_equals_a_stable_sorts_prefix():
+  """The bisected nucleus is exactly the prefix of a stable descending sort whose mass
+  before each kept entry is below top_p, on random rows and on rows with many ties."""
+  rng = np.random.default_rng(7)
+  rows = np.concatenate([rng.standard_normal((6, 500)) * 2,
+                         np.round(rng.standard_normal((6, 500))),          # heavy ties
+                         np.zeros((1, 500))]).astype(np.float32)          # all tied
+  top_p = np.array([0.1, 0.5, 0.9, 0.95, 0.99, 0.3] * 2 + [0.371], np.float32)
+  z = jnp.asarray(rows)
+  p = jax.nn.softmax(z, axis=-1)
+  got = np.asarray(jax.jit(smp._nucleus_mask)(p, jnp.asarray(top_p)))
+  p = np.asarray(p)
+  for r in range(len(rows)):
+    order = np.argsort(-p[r], kind="stable")
+    before = np.cumsum(p[r][order].astype(np.float64)) - p[r][order]
+    want = np.zeros(p.shape[1], bool)
+    want[order[(before < top_p[r]) | (np.arange(p.shape[1]) == 0)]] = True
+    # float32 sums against float64 ones may differ for an entry whose mass-before is within
+    # rounding of top_p; none of these rows has one (checked by the margin)
+    assert np.min(np.abs(before - top_p[r])) > 1e-5
+    np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}")
+
+
+def test_top_k_mask_equals_lax_top_k():
+  rng = np.random.default_rng(8)
+  z = np.concatenate([rng.standard_normal((4, 300)),
+                      np.round(rng.standard_normal((4, 300)) * 2),
+                      -np.abs(rng.standard_normal((1, 300)))]).astype(np.float32)
+  z[0, :10] = -np.inf
+  k = np.array([1, 65, 150, 299, 70, 100, 3, 200, 120], np.int32)
+  got = np.asarray(jax.jit(smp._top_k_mask)(jnp.asarray(z), jnp.asarray(k)))
+  for r in range(len(z)):
+    _, ids = jax.lax.top_k(jnp.asarray(z[r]), int(k[r]))
+    want = np.zeros(z.shape[1], bool)
+    want[np.asarray(ids)] = True
+    np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}")
 
 
 def test_five_percent_temperature_error_fails():
@@ -112,7 +175,7 @@ def test_greedy_rows_are_argmax():
   sp = _params(64, temperature=0.0)
   # below MIN_TEMPERATURE (1e-5) is greedy too: logits / T would overflow
   sp = sp.replace(temperature=jnp.where(jnp.arange(64) % 2 == 0, 0.0, 1e-9))
-  everything = smp.Plan(penalties=True, cap=True, full=True, sort=True, n_top=20, logprobs=True)
+  everything = smp.Plan(penalties=True, cap=True, full=True, nucleus=True, n_top=20, logprobs=True)
   for plan in (smp.Plan(), everything):
     tok = np.asarray(_choose(jnp.asarray(logits), jnp.full((64, smp.RECENT), -1, jnp.int32), sp,
                              jnp.zeros(64, jnp.int32), plan)[0])
@@ -124,7 +187,7 @@ def test_a_rows_draw_ignores_its_neighbours_and_batch_size():
   batch that computes every path, at another row index."""
   rng = np.random.default_rng(2)
   logits = rng.standard_normal((1, 300)).astype(np.float32) * 3
-  everything = smp.Plan(penalties=True, cap=True, full=True, sort=True, n_top=20, logprobs=True)
+  everything = smp.Plan(penalties=True, cap=True, full=True, nucleus=True, n_top=20, logprobs=True)
   configs = [dict(temperature=0.7), dict(temperature=0.9, top_k=20),
              dict(temperature=1.1, top_p=0.8), dict(temperature=0.9, top_k=100, top_p=0.95),
              dict(temperature=0.0)]
@@ -196,7 +259,7 @@ def test_logprobs_equal_log_softmax():
   logits = (rng.standard_normal((8, 500)) * 4).astype(np.float32)
   sp = _params(8, temperature=0.9, top_p=0.9, repeat=1.2)
   recent = jnp.asarray(rng.integers(0, 500, (8, smp.RECENT)), jnp.int32)
-  plan = smp.Plan(penalties=True, sort=True, n_top=20, logprobs=True)
+  plan = smp.Plan(penalties=True, nucleus=True, n_top=20, logprobs=True)
   tok, lp, ti, tl = map(np.asarray, _choose(jnp.asarray(logits), recent, sp,
                                             jnp.zeros(8, jnp.int32), plan))
   z = logits.astype(np.float64)
