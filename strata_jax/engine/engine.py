@@ -125,6 +125,7 @@ class _Running:
   proposed: int = 0
   accepted: int = 0
   rng: np.random.Generator | None = None   # the rejection rule's draws (sampled spec rows)
+  first: tuple | None = None   # (sampler outputs, plan, logits or None): not yet read
 
 
 @dataclasses.dataclass
@@ -430,19 +431,22 @@ class Engine:
     """One scheduling round: free slots take queued requests (prefill and first token), the
     next decode chunk is dispatched, then the previous chunk's tokens are read (the device
     runs the new chunk meanwhile). A finished slot takes the next request next round."""
-    while self._pending and len(self._running) < self.n_slots:
-      h = self._pending.popleft()
-      if h.cancelled:
-        self._release(h.req)
-        continue
-      slot = self._pick_slot(h.req, exclude=self._running.keys())
-      run = self._start(slot, h.req)
-      run.t0 = h.t_submit   # time to first token counts the wait for a slot too
-      if self._finished(slot, run):
-        h.result = self._finish(slot, run)
-      else:
-        self._running[slot] = (h, run)
-        self._row_dev = None
+    admitted = []   # (slot, handle, run) prefilled, first token not read yet
+    try:
+      while self._pending and len(self._running) + len(admitted) < self.n_slots:
+        h = self._pending.popleft()
+        if h.cancelled:
+          self._release(h.req)
+          continue
+        slot = self._pick_slot(h.req, exclude=set(self._running) | {a[0] for a in admitted})
+        run = self._start(slot, h.req)
+        run.t0 = h.t_submit   # time to first token counts the wait for a slot too
+        admitted.append((slot, h, run))
+        # first tokens already computed go out now, the rest after the loop: the host queues
+        # the next prompt's prefill while the device runs this one (no read in between)
+        admitted = self._take_first_tokens(admitted, wait=False)
+    finally:
+      self._take_first_tokens(admitted, wait=True)
     cancel = [s for s, (h, run) in self._running.items() if h.cancelled and run.cancel_at is None]
     if cancel:
       for s in cancel:
@@ -471,6 +475,25 @@ class Engine:
     if not self.busy:
       self._flush_snapshots()
 
+  def _take_first_tokens(self, admitted: list, wait: bool) -> list:
+    """Read the first token of each admitted request whose sampler has run (all of them with
+    `wait`), hand it on, and start the request's decoding (or finish it); returns the rest."""
+    rest = []
+    for slot, h, run in admitted:
+      out1, plan, last = run.first
+      if not (wait or self._shared or out1[0].is_ready()):
+        rest.append((slot, h, run))
+        continue
+      run.first = None
+      self._emit_chunk(slot, run, self._read(out1, plan), 1,
+                       self._host(last) if last is not None else None)
+      if self._finished(slot, run):
+        h.result = self._finish(slot, run)
+      else:
+        self._running[slot] = (h, run)
+        self._row_dev = None
+    return rest
+
   def warmup(self, prompt_lengths: Sequence[int] | None = None,
              plans: Sequence[smp.Plan] = (smp.Plan(),)):
     """Compile (and run once, on no rows) the prefill buckets that prompts of these lengths
@@ -492,8 +515,8 @@ class Engine:
       self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False)
       if self.prefix_cache.max_bytes > 0:   # the chunk's K/V slice for the prefix cache
         for st, state in zip(self.stages, self.states):
-          distributed.call_on_stage(steps.read_kv, st.device, state, jnp.int32(0),
-                                    jnp.int32(0), length=min(b, self.max_seq))
+          distributed.call_on_stage(steps.read_kv, st.device, state, np.int32(0),
+                                    np.int32(0), length=min(b, self.max_seq))
     for plan in plans:
       one = self._put(host_sampling.empty_rows(1))
       self._on_last(steps.sample_step, self._put(jnp.zeros((1, self.model.cfg.vocab_size))),
@@ -668,11 +691,13 @@ class Engine:
     out1, rows1 = self._on_last(
         steps.sample_step, self._put(last), rows1, self._put(self.row_params.params([slot])),
         self._put(self.row_params.stops([slot])), plan=plan)
-    self.rows = self._on_last(steps.put_rows, self.rows, rows1, jnp.int32(slot))
+    self.rows = self._on_last(steps.put_rows, self.rows, rows1, np.int32(slot))
     run.remaining = min(req.max_tokens, self.max_seq - len(toks))
     want_logits = req.return_logits or req.return_step_logits
-    self._emit_chunk(slot, run, self._read(out1, plan), 1,
-                     self._host(last) if want_logits else None)
+    if not self._shared:
+      out1[0].copy_to_host_async()
+    # read by `_take_first_tokens`, once the host has queued what else this round admits
+    run.first = (out1, plan, last if want_logits else None)
     run.spec = self._spec_n(req)
     if run.spec:    # speculative rounds from now on, off the device sampler's rows
       run.rng = np.random.default_rng(req.seed)
@@ -682,18 +707,18 @@ class Engine:
     return run
 
   def _prefill_chunk(self, slot, chunk, n, switch, all_logits):
-    x = jnp.asarray(chunk)
+    x = chunk   # numpy: jit takes it in the call (no separate eager transfer op)
     for i, st in enumerate(self.stages):
       if st.device is not None:
         x = jax.device_put(x, st.device)
       x, self.states[i] = distributed.call_on_stage(
           steps.prefill, st.device, st.cfg, st.params, st.lora, self.states[i],
-          jnp.int32(slot), x, jnp.int32(n), jnp.int32(switch), all_logits=all_logits,
+          np.int32(slot), x, np.int32(n), np.int32(switch), all_logits=all_logits,
           cvec=st.cvec)
     return x
 
   def _reset(self, slot: int):
-    rows = jnp.asarray(np.arange(self.n_slots) == slot, jnp.int32)
+    rows = (np.arange(self.n_slots) == slot).astype(np.int32)
     for i, st in enumerate(self.stages):
       r = jax.device_put(rows, st.device) if st.device is not None else rows
       self.states[i] = distributed.call_on_stage(steps.reset_rows, st.device, self.states[i], r)
@@ -723,12 +748,12 @@ class Engine:
     start = min(blks[0] * bs, self.max_seq - length)   # the slice must lie inside the cache
     payload = []
     for st, state in zip(self.stages, self.states):
-      k, v = distributed.call_on_stage(steps.read_kv, st.device, state, jnp.int32(slot),
-                                       jnp.int32(start), length=length)
+      k, v = distributed.call_on_stage(steps.read_kv, st.device, state, np.int32(slot),
+                                       np.int32(start), length=length)
       entry = {"k": k, "v": v}
       if state_blk is not None:
         conv, ssm = distributed.call_on_stage(steps.read_recurrent, st.device, state,
-                                              jnp.int32(slot))
+                                              np.int32(slot))
         entry.update(conv=conv, ssm=ssm)
       payload.append(entry)
     self._snaps.append(_Snap(hashes, blks, start, state_blk, payload))
@@ -801,11 +826,10 @@ class Engine:
                                           st.device)
       for b, entry in enumerate(entries):
         e = entry[i]
-        state = write_kv(state, jnp.int32(slot), jnp.int32(b * self.block_size),
-                         jnp.asarray(e["k"]), jnp.asarray(e["v"]))
-      last = entries[-1][i]
-      state = write_recurrent(state, jnp.int32(slot), jnp.asarray(last["conv"]),
-                              jnp.asarray(last["ssm"]), jnp.int32(n), jnp.int32(switch))
+        state = write_kv(state, np.int32(slot), np.int32(b * self.block_size), e["k"], e["v"])
+      last = entries[-1][i]   # host arrays go in the jitted call itself, to the stage's device
+      state = write_recurrent(state, np.int32(slot), last["conv"], last["ssm"], np.int32(n),
+                              np.int32(switch))
       self.states[i] = state
     return n
 
@@ -1081,8 +1105,8 @@ class Engine:
     n = len(toks)
     stages = []
     for state in self.states:
-      k, v = steps.read_kv(state, jnp.int32(slot), jnp.int32(0), length=self.max_seq)
-      conv, ssm = steps.read_recurrent(state, jnp.int32(slot))
+      k, v = steps.read_kv(state, np.int32(slot), np.int32(0), length=self.max_seq)
+      conv, ssm = steps.read_recurrent(state, np.int32(slot))
       stages.append({"k": np.asarray(k)[:, :n], "v": np.asarray(v)[:, :n],
                      "conv": np.asarray(conv), "ssm": np.asarray(ssm)})
     flags = sess.FLAG_LORA_ON if self.slot_key[slot][0] else 0
@@ -1111,10 +1135,10 @@ class Engine:
       pad = lambda a: np.concatenate(
           [a, np.zeros((La, self.max_seq - n) + a.shape[2:], a.dtype)], axis=1)
       put = (lambda a: jax.device_put(a, st.device)) if st.device is not None else jnp.asarray
-      state = steps.write_kv(state, jnp.int32(slot), jnp.int32(0), put(pad(arrays["k"])),
+      state = steps.write_kv(state, np.int32(slot), np.int32(0), put(pad(arrays["k"])),
                              put(pad(arrays["v"])))
-      self.states[i] = steps.write_recurrent(state, jnp.int32(slot), put(arrays["conv"]),
-                                             put(arrays["ssm"]), jnp.int32(n), jnp.int32(switch))
+      self.states[i] = steps.write_recurrent(state, np.int32(slot), put(arrays["conv"]),
+                                             put(arrays["ssm"]), np.int32(n), np.int32(switch))
     self.slot_tokens[slot] = [int(t) for t in tokens]
     self.slot_key[slot] = (switch, choice.identity if switch else 0, self.control_vector_id)
     self.slot_choice[slot] = choice
