@@ -150,6 +150,30 @@ def test_snapshot_copies_go_to_pinned_host_memory_and_the_cache_holds_owned_equa
   assert np.array_equal(entry["k"], np.asarray(state.k)[:, 0, BS:2 * BS])
 
 
+def test_a_failed_snapshot_copy_caches_nothing_and_the_engine_serves_on(model, monkeypatch, caplog):
+  """If a snapshot's host copy fails (pinned host memory ran out), its blocks are not cached,
+  the failure is logged, and the requests' tokens are what they are without the cache."""
+  import jax
+
+  from strata_jax.parallel import distributed
+
+  class FailedCopy:
+    def __init__(self, a):
+      self.nbytes = a.nbytes
+
+    def __array__(self, *a, **kw):
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: pinned host memory")
+  monkeypatch.setattr(distributed, "start_host_copy", FailedCopy)
+  prompt = list(np.random.default_rng(6).integers(0, TINY.vocab_size, 2 * BS + 1))
+  eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
+  with caplog.at_level("WARNING", logger="strata_jax"):
+    got = eng.run([Request(tokens=prompt, max_tokens=3)])[0]
+  assert "copy to the host failed" in caplog.text
+  assert eng.prefix_cache.stats["entries"] == 0 and not eng._snaps and not eng._copying
+  cold = sj.Engine(model, slots=1, max_seq=256, block_size=BS, prefix_cache_bytes=0)
+  assert got.tokens == cold.run([Request(tokens=prompt, max_tokens=3)])[0].tokens
+
+
 def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_block(
     model, monkeypatch):
   """TTFT: the K/V of every block a prefill chunk completes is read from the device in one

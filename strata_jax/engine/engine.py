@@ -784,7 +784,13 @@ class Engine:
     items, self._copying = self._copying, []
     bs = self.block_size
     for item in items:
-      host = [{k: self._host(a) for k, a in e.items()} for e in item.payload]
+      try:
+        host = [{k: self._host(a) for k, a in e.items()} for e in item.payload]
+      except jax.errors.JaxRuntimeError as e:   # e.g. pinned host memory ran out
+        # the cache is only a cache: these blocks are computed again when next asked for
+        log.warning("prefix cache: a snapshot's copy to the host failed (%s); its %d blocks "
+                    "are not cached", e, len(item.blocks))
+        continue
       for blk in item.blocks:
         lo = blk * bs - item.start
         payload = []

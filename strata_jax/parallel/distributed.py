@@ -64,7 +64,11 @@ def start_host_copy(x: jax.Array) -> jax.Array:
   (device,) = x.sharding.device_set
   if x.sharding.memory_kind != "pinned_host" and any(
       m.kind == "pinned_host" for m in device.addressable_memories()):
-    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
+    try:
+      return jax.device_put(x, jax.sharding.SingleDeviceSharding(device,
+                                                                 memory_kind="pinned_host"))
+    except jax.errors.JaxRuntimeError:   # no pinned memory to be had: the pageable copy
+      pass
   x.copy_to_host_async()
   return x
 
