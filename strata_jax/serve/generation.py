@@ -304,7 +304,8 @@ def reply(body: dict, o: Outcome) -> JSONResponse:
   return JSONResponse(body, headers={"X-Slot-Id": str(o.slot)})
 
 
-def _server(request: HttpRequest) -> Server:
+async def _server(request: HttpRequest) -> Server:
+  # async: FastAPI runs a plain-def dependency in its thread pool, a hop per request
   return request.app.state.server
 
 
