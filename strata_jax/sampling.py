@@ -85,6 +85,7 @@ class Plan:
   cap: bool = False
   full: bool = False
   nucleus: bool = False
+  nucleus_top_k: bool = False   # a nucleus row has top_k > TOP_K_CAP: its bisection runs
   n_top: int = 0          # 0 or MAX_LOGPROBS: top logprobs per step
   logprobs: bool = False  # the chosen token's logprob
 
@@ -169,7 +170,7 @@ def sample(z, sp: SamplingParams, step, plan: Plan):
   if plan.nucleus:
     mine = path == NUCLEUS    # the other rows' filters stay off here (no pass runs for them)
     i = pick_nucleus(zt, jnp.where(mine, sp.top_k, 0), jnp.where(mine, sp.top_p, 1.0),
-                     sp.min_p, u)
+                     sp.min_p, u, with_top_k=plan.nucleus_top_k)
     tok = jnp.where(mine, i, tok)
   return tok
 
@@ -224,21 +225,21 @@ def _nucleus_mask(p, top_p):
   return above | (ties & (before[:, None] + j * t_val[:, None] < top_p[:, None]))
 
 
-def pick_nucleus(zt, top_k, top_p, min_p, u):
+def pick_nucleus(zt, top_k, top_p, min_p, u, *, with_top_k: bool = True):
   """Id drawn from tempered logits zt [B, V] with uniforms u [B] after top-k (top_k [B], 0 or
   >= V: off), top-p (top_p [B], >= 1: off) and min-p, with no sort: see the module's
-  `nucleus` path. Each filter's passes run only when some row uses it."""
+  `nucleus` path. `with_top_k` (static) False skips the top-k passes (no row uses top-k):
+  static rather than a `lax.cond`, whose predicate the GPU would read on the host every step."""
   V = zt.shape[-1]
-  use_k = (top_k > 0) & (top_k < V)
-  keep = lax.cond(jnp.any(use_k), lambda: _top_k_mask(zt, jnp.where(use_k, top_k, V)),
-                  lambda: jnp.ones(zt.shape, bool))
+  keep = jnp.ones(zt.shape, bool)
+  if with_top_k:
+    use_k = (top_k > 0) & (top_k < V)
+    keep = _top_k_mask(zt, jnp.where(use_k, top_k, V))
   z = jnp.where(keep, zt, -jnp.inf)
   p = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
   p = p / jnp.sum(p, axis=-1, keepdims=True)
   use_p = top_p < 1.0
-  keep &= lax.cond(jnp.any(use_p),
-                   lambda: _nucleus_mask(p, jnp.where(use_p, top_p, 1.0)) | ~use_p[:, None],
-                   lambda: jnp.ones(zt.shape, bool))
+  keep &= _nucleus_mask(p, jnp.where(use_p, top_p, 1.0)) | ~use_p[:, None]
   keep &= p >= min_p[:, None] * jnp.max(p, axis=-1, keepdims=True)
   q = jnp.where(keep, p, 0.0)
   cdf = jnp.cumsum(q, axis=-1)

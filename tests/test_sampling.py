@@ -114,7 +114,8 @@ TIES = np.repeat(np.linspace(2.0, -2.5, 10), 10).astype(np.float32)[
                                 dict(temperature=0.9, top_k=80, top_p=0.9, min_p=0.02)],
                          ids=["top_k_65", "top_p_0.5", "top_k_80_p_0.9_min_p"])
 def test_nucleus_ties_break_by_lower_id_and_frequencies_follow(kw):
-  plan = smp.Plan(nucleus=True)
+  plan = host_sampling.plan_for([Request(tokens=[0], **kw)])   # the engine's own plan
+  assert plan.nucleus and plan.nucleus_top_k == ("top_k" in kw)
   counts = np.bincount(_draw(_params(N, **kw), plan, logits=TIES), minlength=TIES.size)
   want = _want(kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0),
                kw.get("min_p", 0.0), logits=TIES)
@@ -175,7 +176,8 @@ def test_greedy_rows_are_argmax():
   sp = _params(64, temperature=0.0)
   # below MIN_TEMPERATURE (1e-5) is greedy too: logits / T would overflow
   sp = sp.replace(temperature=jnp.where(jnp.arange(64) % 2 == 0, 0.0, 1e-9))
-  everything = smp.Plan(penalties=True, cap=True, full=True, nucleus=True, n_top=20, logprobs=True)
+  everything = smp.Plan(penalties=True, cap=True, full=True, nucleus=True, nucleus_top_k=True,
+                        n_top=20, logprobs=True)
   for plan in (smp.Plan(), everything):
     tok = np.asarray(_choose(jnp.asarray(logits), jnp.full((64, smp.RECENT), -1, jnp.int32), sp,
                              jnp.zeros(64, jnp.int32), plan)[0])
@@ -187,7 +189,8 @@ def test_a_rows_draw_ignores_its_neighbours_and_batch_size():
   batch that computes every path, at another row index."""
   rng = np.random.default_rng(2)
   logits = rng.standard_normal((1, 300)).astype(np.float32) * 3
-  everything = smp.Plan(penalties=True, cap=True, full=True, nucleus=True, n_top=20, logprobs=True)
+  everything = smp.Plan(penalties=True, cap=True, full=True, nucleus=True, nucleus_top_k=True,
+                        n_top=20, logprobs=True)
   configs = [dict(temperature=0.7), dict(temperature=0.9, top_k=20),
              dict(temperature=1.1, top_p=0.8), dict(temperature=0.9, top_k=100, top_p=0.95),
              dict(temperature=0.0)]

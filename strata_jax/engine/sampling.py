@@ -75,6 +75,7 @@ def plan_for(reqs, with_top: bool | None = None) -> dev.Plan:
   top = any((r.logprobs or 0) > 0 for r in reqs) if with_top is None else with_top
   return dev.Plan(penalties=any(penalised(r) for r in reqs), cap=dev.CAP in paths,
                   full=dev.FULL in paths, nucleus=dev.NUCLEUS in paths,
+                  nucleus_top_k=any(path(r) == dev.NUCLEUS and r.top_k > 0 for r in reqs),
                   n_top=dev.MAX_LOGPROBS if top else 0,
                   logprobs=any(r.logprobs is not None for r in reqs))
 
