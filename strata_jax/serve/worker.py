@@ -4,7 +4,10 @@ HTTP handlers (on the asyncio loop) hand work to the thread through a queue; the
 events back through each job's asyncio queue with `loop.call_soon_threadsafe`. The loop:
 
   drain the queue -> engine.submit each request; engine.step() while busy; else block on the
-  queue.
+  queue. When a request wakes an idle engine, the thread waits a moment for the rest of a
+  burst (ARRIVAL_GRACE_S after each arrival, ARRIVAL_WINDOW_S in all) so that requests sent
+  together are prefilled in one round: otherwise the first one alone starts a multi-step
+  decode chunk, and the others' prefills queue behind it on the device.
 
 Calls that touch a slot (session save / restore / erase) act as barriers: the thread stops
 admitting requests, finishes the running ones, runs the call on the idle engine, then goes on.
@@ -18,6 +21,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +59,8 @@ class _Call:
 
 
 _STOP = object()
+ARRIVAL_GRACE_S = 0.005    # after an arrival that woke an idle engine: wait this for the next
+ARRIVAL_WINDOW_S = 0.05    # ... and no longer than this for the whole burst
 
 
 def _put_all(events: asyncio.Queue, items: list):
@@ -199,10 +205,18 @@ class EngineWorker:
     try:
       while True:
         # Take work: block only when the engine has nothing to do.
+        burst_end = None   # set when an arrival woke an idle engine: its burst's deadline
         while barrier is None and not stop:
           idle = not self.engine.busy
+          wait = burst_end - time.monotonic() if burst_end is not None else 0.0
           try:
-            item = self._q.get(block=idle)
+            if idle:
+              item = self._q.get()
+              burst_end = time.monotonic() + ARRIVAL_WINDOW_S
+            elif wait > 0:
+              item = self._q.get(timeout=min(ARRIVAL_GRACE_S, wait))
+            else:
+              item = self._q.get_nowait()
           except queue.Empty:
             break
           if item is _STOP:
@@ -213,7 +227,7 @@ class EngineWorker:
             barrier = item
           else:
             self._admit(item, running)
-          if self.engine.busy and self._q.empty():
+          if self.engine.busy and self._q.empty() and burst_end is None:
             break
         if self.engine.busy:
           self.engine.step()
