@@ -47,7 +47,7 @@ from flax import struct
 from jax import lax
 
 RECENT = 64            # penalty window (llama.cpp repeat_last_n default)
-TOP_K_CAP = 64         # top_k up to this never sorts the vocabulary
+TOP_K_CAP = 64         # top_k up to this: drawn from lax.top_k's 64 entries (`cap`)
 MAX_LOGPROBS = 20      # OpenAI's top_logprobs bound
 MIN_TEMPERATURE = 1e-5
 
@@ -168,7 +168,7 @@ def sample(z, sp: SamplingParams, step, plan: Plan):
     i = pick(cv, sp.top_k, sp.top_p, sp.min_p, u, ordered=True)
     tok = jnp.where(path == CAP, jnp.take_along_axis(ci, i[:, None], 1)[:, 0], tok)
   if plan.nucleus:
-    mine = path == NUCLEUS    # the other rows' filters stay off here (no pass runs for them)
+    mine = path == NUCLEUS    # other rows' filters off here (their draws here are unused)
     i = pick_nucleus(zt, jnp.where(mine, sp.top_k, 0), jnp.where(mine, sp.top_p, 1.0),
                      sp.min_p, u, with_top_k=plan.nucleus_top_k)
     tok = jnp.where(mine, i, tok)
