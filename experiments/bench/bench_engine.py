@@ -283,6 +283,39 @@ def client_main(url, n, prompt_len, new, vocab, seed):
   print(json.dumps(out))
 
 
+def _trace_engine(eng):
+  """Record the worker thread's engine rounds and admissions: [(kind, start, end, running)]
+  with perf_counter times (CLOCK_MONOTONIC on Linux: comparable with the client process's)."""
+  trace = []
+  step, start = eng.step, eng._start
+
+  def traced_step():
+    t = time.perf_counter()
+    step()
+    trace.append(("step", t, time.perf_counter(), len(eng._running)))
+
+  def traced_start(slot, req):
+    t = time.perf_counter()
+    run = start(slot, req)
+    trace.append(("start", t, time.perf_counter(), None))
+    return run
+  eng.step, eng._start = traced_step, traced_start
+  return trace
+
+
+def _timeline(trace, t0, t1):
+  """One server run's engine rounds, times from its first client's request (s): how many
+  prompts each round admitted, when the first and last were admitted, how long rounds took."""
+  steps = [x for x in trace if x[0] == "step" and t0 <= x[1] <= t1]
+  starts = [x for x in trace if x[0] == "start" and t0 <= x[1] <= t1]
+  per_round = [sum(1 for s in starts if st[1] <= s[1] <= st[2]) for st in steps]
+  return dict(rounds=len(steps), admitted_per_round=[n for n in per_round if n],
+              first_admit_s=starts[0][1] - t0 if starts else None,
+              last_admit_s=starts[-1][2] - t0 if starts else None,
+              start_ms_mean=1e3 * statistics.mean(s[2] - s[1] for s in starts) if starts else None,
+              round_ms=[round(1e3 * (st[2] - st[1]), 2) for st in steps][:40])
+
+
 def server_rate(eng, args, seed):
   """Aggregate tokens/s of n streaming clients against create_app(eng) (median of reps)."""
   import socket
@@ -290,6 +323,7 @@ def server_rate(eng, args, seed):
   import uvicorn
 
   from strata_jax.serve import create_app
+  trace = _trace_engine(eng)
   app = create_app(eng, model_name="bench-a3b")
   sock = socket.socket()
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -312,14 +346,17 @@ def server_rate(eng, args, seed):
       cl = json.loads(p.stdout.strip().splitlines()[-1])
       if r:
         tokens = sum(c["tokens"] for c in cl)
-        wall = max(c["done"] for c in cl) - min(c["t0"] for c in cl)
+        t0 = min(c["t0"] for c in cl)
+        wall = max(c["done"] for c in cl) - t0
         runs.append(dict(tok_s=tokens / wall, tokens=tokens, wall_s=wall,
                          chunks=sum(c["chunks"] for c in cl),
-                         ttft_median_s=statistics.median(c["first"] - c["t0"] for c in cl)))
+                         ttft_median_s=statistics.median(c["first"] - c["t0"] for c in cl),
+                         timeline=_timeline(trace, t0, t0 + wall)))
   finally:
     server.should_exit = True
     th.join(60)
     sock.close()
+    del eng.step, eng._start   # the engine's own methods again
   return statistics.median(r["tok_s"] for r in runs), runs
 
 
