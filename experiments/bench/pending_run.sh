@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On the device, one call (~7 min): the H200 figures owed after 2026-12-01's second session.
 # Results in $OUT.
-#  bench_engine.py --reps 3 --profile at batch 32, 8 and 1 (issue 16): what three changes
+#  bench_engine.py --reps 3 --profile at batch 32, 8 and 1 (issue 16): what four changes
 #     made since run 6 do to the engine/program ratios: prefix-cache snapshots copied into
 #     pinned host memory (run 6: a ~45 ms GPU gap at each decode-chunk boundary at batch 32),
 #     top-p by threshold bisection instead of a [B, V] sort (run 6: +2.6 ms a step sampled at
-#     batch 32), and a round's prefills queued back to back (first tokens read once computed).
+#     batch 32), a round's prefills queued back to back (first tokens read once computed),
+#     and the server's arrival grace (its runs now record the worker's admission rounds).
 # The GPU test set runs as two calls of its own (gpu_tests.sh, GPU_SET=kernels CAP=560, then
 # GPU_SET=model).
 set -uo pipefail
