@@ -240,12 +240,9 @@ def pick_nucleus(zt, top_k, top_p, min_p, u, *, with_top_k: bool = True):
   p = p / jnp.sum(p, axis=-1, keepdims=True)
   use_p = top_p < 1.0
   keep &= _nucleus_mask(p, jnp.where(use_p, top_p, 1.0)) | ~use_p[:, None]
-  keep &= p >= min_p[:, None] * jnp.max(p, axis=-1, keepdims=True)
-  q = jnp.where(keep, p, 0.0)
-  cdf = jnp.cumsum(q, axis=-1)
-  idx = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
-  last_kept = jnp.max(jnp.where(q > 0, jnp.arange(V, dtype=jnp.int32)[None, :], 0), axis=-1)
-  return jnp.minimum(idx, last_kept)
+  # min-p and the draw in id order over what is kept: `pick`'s (min-p is relative to the top
+  # probability, so renormalising over the kept ids leaves it as it was)
+  return pick(jnp.where(keep, zt, -jnp.inf), top_k, top_p, min_p, u, ordered=False)
 
 
 def choose(logits, recent, sp: SamplingParams, step, plan: Plan):
