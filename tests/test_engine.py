@@ -130,24 +130,61 @@ def test_waiting_snapshots_past_the_cache_capacity_are_dropped_oldest_first(mode
   assert eng.prefix_cache.stats["bytes"] <= per_prompt + per_prompt // 2
 
 
-def test_snapshot_copies_go_to_pinned_host_memory_and_the_cache_holds_owned_equal_arrays(model):
+def test_snapshot_copies_go_to_pinned_host_memory_and_the_cache_holds_owned_equal_arrays(
+    model, monkeypatch):
   """A snapshot's host copy is a DMA into page-locked memory where the device has it (the
-  CPU does, as the H200 does); the cache then holds plain numpy copies of the same values."""
+  CPU does, as the H200 does), started off the scheduling thread; the cache then holds plain
+  numpy copies of the same values."""
+  import threading
+
+  from strata_jax.parallel import distributed
+  started, start = [], distributed.start_host_copy
+
+  def watched(a):
+    out = start(a)
+    started.append((out, threading.current_thread()))
+    return out
+  monkeypatch.setattr(distributed, "start_host_copy", watched)
   prompt = list(np.random.default_rng(5).integers(0, TINY.vocab_size, 2 * BS + 1))
   eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
-  started, start = [], eng._start_snapshot_copies
-
-  def watched(limit=1):
-    start(limit)
-    started.extend(a for item in eng._copying for e in item.payload for a in e.values())
-  eng._start_snapshot_copies = watched
   eng.run([Request(tokens=prompt, max_tokens=2)])
-  assert started and all(a.sharding.memory_kind == "pinned_host" for a in started)
+  assert started and all(a.sharding.memory_kind == "pinned_host" for a, _ in started)
+  assert all(t is not threading.main_thread() for _, t in started)
   hashes = sj.block_hashes(prompt, BS)
   entry = eng.prefix_cache.peek(hashes[1])[0]   # the first (only) stage's arrays
   state = eng.states[0]
   assert isinstance(entry["ssm"], np.ndarray) and entry["ssm"].flags.owndata
   assert np.array_equal(entry["k"], np.asarray(state.k)[:, 0, BS:2 * BS])
+
+
+def test_a_slow_snapshot_copy_holds_up_no_decode_round_and_is_stored_when_done(
+    model, monkeypatch):
+  """The scheduling thread never waits for a snapshot's host copy: while the copy is held
+  back, rounds go on decoding; the blocks are stored once it lands (here: when the engine
+  goes idle and flushes), and the tokens are those of an engine with no cache."""
+  import threading
+
+  from strata_jax.parallel import distributed
+  gate, start = threading.Event(), distributed.start_host_copy
+
+  def held_back(a):
+    assert gate.wait(timeout=60), "the copy was never released"
+    return start(a)
+  monkeypatch.setattr(distributed, "start_host_copy", held_back)
+  prompt = list(np.random.default_rng(9).integers(0, TINY.vocab_size, 2 * BS + 1))
+  eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS, decode_steps=(1,))
+  h = eng.submit(Request(tokens=prompt, max_tokens=6))
+  rounds = 0
+  while eng.busy:
+    eng.step()
+    rounds += 1
+    if rounds == 3:   # decoding went on with the copy held back, and nothing is stored yet
+      assert eng.busy and eng._copying and eng.prefix_cache.stats["entries"] == 0
+      gate.set()
+  assert rounds > 3 and not eng._snaps and not eng._copying
+  assert sj.block_hashes(prompt, BS)[1] in eng.prefix_cache
+  cold = sj.Engine(model, slots=1, max_seq=256, block_size=BS, prefix_cache_bytes=0)
+  assert h.result.tokens == cold.run([Request(tokens=prompt, max_tokens=6)])[0].tokens
 
 
 def test_a_failed_snapshot_copy_caches_nothing_and_the_engine_serves_on(model, monkeypatch, caplog):

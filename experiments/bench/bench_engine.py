@@ -126,6 +126,35 @@ def engine_run(eng, prompts, new, kw, loras=None):
   return n_dec / (last[0] - start), n_all / (t1 - t0), res
 
 
+def _host_phases(eng, run):
+  """`run()`'s result, with the scheduling thread's time in each phase of the engine's rounds
+  recorded in `eng.host_phases` ({phase: [calls, total ms, longest ms]}): where the host is
+  when the profile shows the GPU idle between chunks."""
+  names = ("step", "_start", "_dispatch", "_collect", "_store_copied", "_start_snapshot_copies",
+           "_flush_snapshots", "_take_first_tokens")
+  phases = {n: [0, 0.0, 0.0] for n in names}
+  saved = {n: getattr(eng, n) for n in names}
+
+  def timed(n, fn):
+    def call(*a, **kw):
+      t = time.perf_counter()
+      try:
+        return fn(*a, **kw)
+      finally:
+        ms = 1e3 * (time.perf_counter() - t)
+        p = phases[n]
+        p[0], p[1], p[2] = p[0] + 1, p[1] + ms, max(p[2], ms)
+    return call
+  for n in names:
+    setattr(eng, n, timed(n, saved[n]))
+  try:
+    return run()
+  finally:
+    for n in names:
+      delattr(eng, n)   # the instance attributes go; the class's methods are back
+    eng.host_phases = {n: [c, round(t, 2), round(m, 2)] for n, (c, t, m) in phases.items()}
+
+
 def _windowed(run, B, new, window):
   """engine_run's result; stores its decode window (µs: the time its decode rate divides by)."""
   rate = run[0]
@@ -257,12 +286,16 @@ def client_main(url, n, prompt_len, new, vocab, seed):
   go = threading.Barrier(n)
 
   def one(i):
+    # each client's connection pool is made before the start line: making an httpx client
+    # (SSL context and all) took tens of ms, and 32 of them spread the "concurrent" requests
+    # over ~0.4 s of client time that runs <= 7 counted against the server
+    client = httpx.Client(timeout=600)
     go.wait()
     t0 = time.perf_counter()
     first, chunks, usage = None, 0, None
     body = {"prompt": prompts[i], "max_tokens": new, "temperature": 0, "stream": True,
             "lora": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    with client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
       for line in r.iter_lines():
         if not line.startswith("data: {"):
           continue
@@ -540,11 +573,12 @@ def main(argv=None):
         window = [None]   # the engine run's decode window (µs), the profile's last stretch
         steps_run = calls * args.decode_steps
         details.setdefault("profile", {})[str(B)] = dict(
-            engine=common.profile_call(lambda: _windowed(engine_run(
-                e, _prompts(rng, B, args.prompt, V), args.new, {}), B, args.new, window),
+            engine=common.profile_call(lambda: _host_phases(e, lambda: _windowed(engine_run(
+                e, _prompts(rng, B, args.prompt, V), args.new, {}), B, args.new, window)),
                 steps_run, top=25, window_us=lambda: window[0]),
             program=common.profile_call(lambda: program_rate(
                 e, B, args.decode_steps, calls, args.prompt, 0)[1], steps_run, top=25))
+        details["profile"][str(B)]["engine_host_phases_ms"] = e.host_phases
       print("decode", B, {k: v for k, v in d.items() if not k.endswith("runs")}, flush=True)
       common_write(out_path, details, command)
 
@@ -562,6 +596,14 @@ def main(argv=None):
                            chunks=[b for _, _, b in e._schedule(
                                0, args.ttft_tokens, args.ttft_tokens // e.block_size, True)])
     details["ttft"]["ratio"] = details["ttft"]["engine_s"] / prog_s
+    if args.profile:   # the GPU's busy time and gaps from submit to first token, by kernel
+      import common
+      long_prompt = _prompts(rng, 1, args.ttft_tokens, V)[0]
+      details["ttft"]["profile"] = common.profile_call(lambda: _host_phases(
+          e, lambda: e.generate(tokens=long_prompt, max_tokens=1, lora=True).tokens), 1, top=20)
+      details["ttft"]["profile"]["engine_host_phases_ms"] = e.host_phases
+      details["ttft"]["profile"]["program"] = common.profile_call(
+          lambda: prefill_time(e, args.ttft_tokens, 0)[1], 1, top=20)
     print("ttft", details["ttft"], flush=True)
     common_write(out_path, details, command)
 

@@ -120,6 +120,9 @@ def main():
   ap.add_argument("--gdn_op", type=int, default=0, help="also time the chunked ops at this T")
   ap.add_argument("--gguf", default="", help="a model file (make_gguf.py) instead of bench-a3b's "
                   "random bf16 weights; its quantised weights stay quantised (--weights keep)")
+  ap.add_argument("--dump-hlo", dest="dump_hlo", default="",
+                  help="a folder: each variant's optimised HLO goes there (gzipped text), to "
+                       "find what a profile's fusion names compute")
   ap.add_argument("--out", default=os.path.join(common.TMP, "decode_probe.json"))
   args = ap.parse_args()
 
@@ -166,6 +169,12 @@ def main():
         compiled = lowered.compile()
         t_compile = time.perf_counter() - t
         counts = common.hlo_counts(compiled.as_text())
+        if args.dump_hlo:
+          import gzip
+          os.makedirs(args.dump_hlo, exist_ok=True)
+          with gzip.open(os.path.join(args.dump_hlo, f"decode_{variant}_b{B}.hlo.txt.gz"),
+                         "wt") as f:
+            f.write(compiled.as_text())
         out, state = compiled(params, lp, state, toks, sw, act)
         out.block_until_ready()
         times = []

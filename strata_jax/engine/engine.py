@@ -4,6 +4,7 @@ goes through `strata_jax.steps`."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -138,6 +139,8 @@ class _Snap:
   start: int
   state_blk: int | None
   payload: list            # per stage: {"k", "v"[, "conv", "ssm"]} device arrays
+  host: concurrent.futures.Future | None = None   # the copier's (blk, payload) pairs
+
 
 
 @dataclasses.dataclass
@@ -156,6 +159,34 @@ SNAPSHOT_COPY_BYTES = 64 << 20
 
 def _snap_bytes(item: _Snap) -> int:
   return sum(a.nbytes for entry in item.payload for a in entry.values())
+
+
+def _cut_blocks(item: _Snap, host: list, block_size: int) -> list:
+  """(blk, per-stage payload) for each block of a snapshot read to the host: the block's K/V
+  rows cut from its chunk's slice (copied, so a cached block does not keep the whole chunk
+  alive), and the GDN state with the block that carries it."""
+  out = []
+  for blk in item.blocks:
+    lo = blk * block_size - item.start
+    payload = []
+    for e in host:
+      entry = {"k": np.array(e["k"][:, lo:lo + block_size]),
+               "v": np.array(e["v"][:, lo:lo + block_size])}
+      if blk == item.state_blk:   # owned copies: the cache must not hold pinned buffers
+        entry.update(conv=np.array(e["conv"]), ssm=np.array(e["ssm"]))
+      payload.append(entry)
+    out.append((blk, tuple(payload)))
+  return out
+
+
+def _copy_snapshot(item: _Snap, block_size: int) -> list:
+  """The copier thread's job: every array's device-to-host copy started (so they overlap),
+  then read and cut into blocks. Off the scheduling thread, which would otherwise leave the
+  device idle while it waits and copies (H200, bench-a3b, run 7: 22-33 ms per 75 MB GDN state,
+  once per state, at every batch size)."""
+  started = [{k: distributed.start_host_copy(a) for k, a in e.items()} for e in item.payload]
+  return _cut_blocks(item, [{k: np.asarray(a) for k, a in e.items()} for e in started],
+                     block_size)
 
 
 class Engine:
@@ -297,6 +328,7 @@ class Engine:
     self._idx_dev: dict = {}      # device copies of the bucket row lists, by rows
     self._snaps: list = []        # prefix-cache snapshots waiting for their host copy
     self._copying: list = []      # ... and those whose copies have started
+    self._copier = None           # the thread that copies them (started on first use)
     has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
@@ -458,8 +490,8 @@ class Engine:
     if self._inflight is not None:
       self._collect(self._inflight)
     self._inflight = chunk
-    # prefix-cache snapshots reach the host a slice a round, behind the decode chunk just
-    # queued, so they never hold up a first token or the next dispatch
+    # prefix-cache snapshots go to the copier thread a slice a round, behind the decode chunk
+    # just queued, and are stored once on the host: they never hold up a token or a dispatch
     self._store_copied()
     self._start_snapshot_copies()
     spec_rows = {s: hr for s, hr in self._running.items()
@@ -727,9 +759,9 @@ class Engine:
   def _snapshot(self, slot: int, hashes: list[bytes], blks: list[int], state_blk, bucket: int):
     """Read the K/V of blocks `blks` (consecutive) in one slice per stage, and the GDN state
     after block `state_blk` (None: none), on the device now; they reach the host cache later:
-    up to SNAPSHOT_COPY_BYTES a round behind that round's decode dispatch
-    (`_start_snapshot_copies`, stored a round later by `_store_copied`), and all at once when
-    the engine goes idle or a new prompt shares its blocks (`_flush_snapshots`).
+    up to SNAPSHOT_COPY_BYTES a round go to the copier thread behind that round's decode
+    dispatch (`_start_snapshot_copies`), stored once there (`_store_copied`), and all at once
+    when the engine goes idle or a new prompt shares its blocks (`_flush_snapshots`).
     H200, bench-a3b: a GDN state is 75 MB and reached the host at ~1-2 GB/s. Copied at the
     prompt's first token it queued ahead of that token's own copy (TTFT); copied all at once
     behind the decode it stalled the dispatch loop (batch 32: 2.4 GB, engine/program 0.37).
@@ -765,41 +797,41 @@ class Engine:
       held.pop(len(self._copying))
 
   def _start_snapshot_copies(self, limit: int | None = SNAPSHOT_COPY_BYTES):
-    """Start the device-to-host copies (into pinned host memory where the device has it) of
-    the oldest waiting snapshots, `limit` bytes at most (at least one snapshot; None: all)."""
-    if self._shared:
+    """Hand the oldest waiting snapshots, `limit` bytes at most (at least one snapshot; None:
+    all), to the copier thread (`_copy_snapshot`: into pinned host memory where the device has
+    it, then cut into blocks)."""
+    if self._shared:   # each host read is a broadcast, in the same order on every process
       return
+    if self._copier is None:
+      self._copier = concurrent.futures.ThreadPoolExecutor(
+          max_workers=1, thread_name_prefix="strata-prefix-copy")
     n = 0
     while self._snaps and (n == 0 or limit is None or n < limit):
       item = self._snaps.pop(0)
-      item.payload = [{k: distributed.start_host_copy(a) for k, a in entry.items()}
-                      for entry in item.payload]
+      item.host = self._copier.submit(_copy_snapshot, item, self.block_size)
       self._copying.append(item)
       n += _snap_bytes(item)
 
-  def _store_copied(self):
-    """Store the snapshots whose copies were started (a round ago: done or nearly): each
-    block's rows cut from its chunk's slice on the host (copied, so a cached block does not
-    keep its whole chunk alive)."""
-    items, self._copying = self._copying, []
-    bs = self.block_size
-    for item in items:
+  def _store_copied(self, wait: bool = False):
+    """Store the snapshots whose blocks have reached the host, oldest first (the cache's LRU
+    order), stopping at the first still copying unless `wait`. A snapshot with no copier job
+    (an engine over several processes) is read here."""
+    while self._copying:
+      item = self._copying[0]
+      if item.host is not None and not (wait or item.host.done()):
+        return
+      self._copying.pop(0)
       try:
-        host = [{k: self._host(a) for k, a in e.items()} for e in item.payload]
+        blocks = item.host.result() if item.host is not None else _cut_blocks(
+            item, [{k: self._host(a) for k, a in e.items()} for e in item.payload],
+            self.block_size)
       except jax.errors.JaxRuntimeError as e:   # e.g. pinned host memory ran out
         # the cache is only a cache: these blocks are computed again when next asked for
         log.warning("prefix cache: a snapshot's copy to the host failed (%s); its %d blocks "
                     "are not cached", e, len(item.blocks))
         continue
-      for blk in item.blocks:
-        lo = blk * bs - item.start
-        payload = []
-        for e in host:
-          entry = {"k": np.array(e["k"][:, lo:lo + bs]), "v": np.array(e["v"][:, lo:lo + bs])}
-          if blk == item.state_blk:   # owned copies: the cache must not hold pinned buffers
-            entry.update(conv=np.array(e["conv"]), ssm=np.array(e["ssm"]))
-          payload.append(entry)
-        payload, h, cache = tuple(payload), item.hashes, self.prefix_cache
+      h, cache = item.hashes, self.prefix_cache
+      for blk, payload in blocks:
         if h[blk] not in cache:
           cache.insert(h[blk], payload, h[blk - 1] if blk else None)
         elif blk == item.state_blk and "ssm" not in cache.peek(h[blk])[0]:
@@ -809,7 +841,7 @@ class Engine:
     """Store every waiting snapshot now (their copies all started first, so they overlap)."""
     self._start_snapshot_copies(limit=None)
     self._copying, self._snaps = self._copying + self._snaps, []
-    self._store_copied()
+    self._store_copied(wait=True)
 
   def _restore_prefix(self, slot: int, toks: list[int], hashes: list[bytes], switch: int) -> int:
     """Load the longest cached block prefix (leaving >= 1 token to compute); returns its length."""
