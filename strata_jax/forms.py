@@ -65,6 +65,12 @@ CHOICES: dict[str, tuple] = {
     # fp32 matmuls: "auto" = "highest" (full fp32) for a float32 compute dtype, the dtype's own
     # for bfloat16; "tf32" is the GPU's faster reduced fp32, only ever chosen by name.
     "matmul_precision": ("auto", "highest", "tf32", "default"),
+    # the layers' dense projection matrices (GDN qkv / gate / ba / out, attention q / k / v /
+    # out, the router and the shared expert): "scan" = sliced per block as the layer scan's
+    # xs; "in_place" = passed whole, each layer's matrix taken at its traced layer index in the
+    # scan body (the H200's decode program copied the scanned qkv slices, 12 copies and ~600 us
+    # a bench-a3b step: experiments/results/device/hlo/). Same numbers either way.
+    "dense_weights": ("scan", "in_place"),
 }
 
 
@@ -81,6 +87,7 @@ class Forms:
   quant_impl: str = "auto"
   quant_groups: str = "auto"
   matmul_precision: str = "auto"
+  dense_weights: str = "scan"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_fixtures import TINY, tiny_model
+from model_fixtures import TINY, random_lora, tiny_model
 
 import strata_jax as sj
 from strata_jax import steps
@@ -81,3 +81,33 @@ def test_float32_programs_ask_for_full_fp32_dots_unless_tf32_is_named():
   assert full and all("HIGHEST" in line for line in full), "every fp32 dot at HIGHEST"
   tf32 = _dot_precisions(Forms(matmul_precision="tf32"))
   assert any("HIGHEST" not in line for line in tf32), "tf32 leaves the model's dots reduced"
+
+
+def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_matrix():
+  """`dense_weights="in_place"`: the projection matrices are not the layer scan's xs (no
+  per-block slice of them to copy) but taken at each layer's index in the body; the prompt
+  and decode logits, with the adapter on and off, are bit for bit the scanned form's."""
+  model = tiny_model()
+  lora = random_lora()
+  prompt = list(range(3, 70))
+  outs = {}
+  for form in ("scan", "in_place"):
+    eng = sj.Engine(model, lora=lora, slots=1, max_seq=128, block_size=32,
+                    forms=Forms(dense_weights=form))
+    outs[form] = [eng.generate(tokens=prompt, max_tokens=4, return_logits=True,
+                               return_step_logits=True, lora=on) for on in (False, True)]
+  for a, b in zip(outs["scan"], outs["in_place"]):
+    assert np.array_equal(a.prompt_logits, b.prompt_logits)
+    assert a.step_logits.shape[0] == 4 and a.tokens == b.tokens
+    assert np.array_equal(a.step_logits, b.step_logits)
+  assert not np.array_equal(outs["scan"][0].prompt_logits, outs["scan"][1].prompt_logits)
+
+  def decode_jaxpr(form):
+    cfg = dataclasses.replace(TINY, forms=Forms(dense_weights=form).resolve(
+        jax.default_backend(), jnp.float32))
+    return str(jax.make_jaxpr(lambda p, s: steps.decode(
+        cfg, p, empty_lora(cfg), s, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+        jnp.ones(1, jnp.int32)))(model.params, init_state(cfg, 1, 64)))
+  qkv = model.params.layers.gdn.qkv                 # [6, C, D]: 2 blocks of 3 GDN layers
+  blocked = "f32[2,3,{},{}]".format(*qkv.shape[1:])
+  assert blocked in decode_jaxpr("scan") and blocked not in decode_jaxpr("in_place")

@@ -13,6 +13,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             (`step_raw`'s "auto")
   qpred     a mixed-type quantised stack (--gguf Q4_K_M) by one gated launch per type and a
             select, instead of an XLA conditional (Forms.quant_groups="predicated")
+  inplace   the projection matrices kept whole, each layer's taken at its index in the scan
+            body, not sliced per block as the scan's xs (Forms.dense_weights="in_place")
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
             the Pallas kernels that dequantise in place (Forms.quant_impl)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
@@ -58,6 +60,7 @@ FORM_VARIANTS = {
     "qxla": {"quant_impl": "xla"},
     "qpallas": {"quant_impl": "pallas"},
     "qpred": {"quant_groups": "predicated"},
+    "inplace": {"dense_weights": "in_place"},
 }
 
 

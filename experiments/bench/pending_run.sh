@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# On the device, one call (~8 min): the H200 figures owed after 2026-12-01's third session.
-# Results in $OUT.
-#  bench_engine.py --reps 3 --profile at batch 32, 8 and 1 (issue 16), run 8: prefix-cache
-#     snapshots now copied and cut into blocks by a copier thread (run 7: the GPU idled
-#     22-33 ms per 75 MB GDN state while the scheduling thread did it), the server's clients
-#     make their connections before the start line, and the profile records the scheduling
-#     thread's time per phase and the time-to-first-token request's own profile.
-#  decode_probe.py base at batch 1 with --dump-hlo (issue 17): the optimised decode program,
-#     to find what the 12 per-step loop_slice_fusion copies (~600 us a step) are.
+# On the device, one call (~6 min): what 2026-12-01's fourth session owes the H200. Results in $OUT.
+#  1. decode_probe.py (issue 17): bench-a3b decode with the projection matrices scanned (base)
+#     or kept whole and taken at each layer's index (inplace, Forms.dense_weights), adapter
+#     off / on, batch 1, 8, 32; then batch 1 again with XLA's dynamic-slice fusion, and the
+#     in-place program's optimised HLO (run 8's dump showed the scanned qkv slices copied).
+#  2. The GPU model test set (gpu_tests.sh GPU_SET=model): parity with transformers, the switch
+#     and forms checks (the new in-place form among them) after this session's changes.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
-timeout ${CAP:-470} python3 experiments/bench/bench_engine.py --reps 3 --profile \
-  --batches 32,8,1 --merge-summary --out $OUT/bench_engine.json 2>&1 \
-  | grep -e "^decode" -e "^ttft" -e "^server" -e Error | cut -c1-600
-cp experiments/results/summary.json $OUT/summary_after.json
-timeout ${PROBE_CAP:-100} python3 experiments/bench/decode_probe.py --variants base --batches 1 \
-  --n_steps 16 --reps 2 --dump-hlo $OUT/hlo --out $OUT/decode_probe_hlo.json 2>&1 | tail -3 | cut -c1-400
+V=base,inplace,base@on,inplace@on
+timeout ${PROBE_CAP:-150} python3 experiments/bench/decode_probe.py --variants $V --batches 1,8,32 \
+  --dump-hlo $OUT/hlo --out $OUT/decode_probe_inplace.json 2>&1 | grep -e '^{' -e Error | cut -c1-260
+XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true timeout ${PROBE_CAP:-150} python3 \
+  experiments/bench/decode_probe.py --variants base,inplace --batches 1 --tag dsf \
+  --out $OUT/decode_probe_inplace_dsf.json 2>&1 | grep -e '^{' -e Error | cut -c1-260
+echo "probes done $(( $(date +%s) - t0 )) s"
+CAP=${TEST_CAP:-240} WORKERS=12 GPU_SET=model OUT=$OUT bash experiments/bench/gpu_tests.sh 2>&1 | tail -4
 echo "all done $(( $(date +%s) - t0 )) s"

@@ -42,13 +42,35 @@ def _split_quant(tree):
   return dense, quant
 
 
-def _layer(cfg, dense, quant, i, index):
-  """One layer's params: slot `i` of the scanned (dense) block, and `QRef(stack, index)` for
-  each quantised stack, which the quantised matmul reads in place at the traced `index`."""
+# The dense matrices `Forms.dense_weights="in_place"` keeps whole (not scanned), by params class.
+IN_PLACE_FIELDS = {"GDNParams": ("qkv", "gate", "ba", "out"),
+                   "AttnParams": ("q", "k", "v", "out"),
+                   "MoEParams": ("router", "shared_gate", "shared_up", "shared_down")}
+
+
+def _split_whole(cfg, tree):
+  """(tree with the whole-kept matrices set to None, tree with only those), under
+  `Forms.dense_weights="in_place"`; else (tree, None)."""
+  if cfg.forms.dense_weights != "in_place":
+    return tree, None
+  names = IN_PLACE_FIELDS[type(tree).__name__]
+  keep = {f.name: None for f in dataclasses.fields(tree)}
+  whole = tree.replace(**{n: v for n, v in keep.items() if n not in names})
+  return tree.replace(**{n: None for n in names}), whole
+
+
+def _layer(cfg, dense, quant, i, index, whole=None):
+  """One layer's params: slot `i` of the scanned (dense) block, `QRef(stack, index)` for each
+  quantised stack, which the quantised matmul reads in place at the traced `index`, and
+  matrix `index` of each stack in `whole` (dense matrices kept out of the scan)."""
   p = jax.tree.map(lambda a: a[i], dense)
   impl, groups = cfg.forms.quant_impl, cfg.forms.quant_groups
   fields = {f.name: QRef(getattr(quant, f.name), index, impl, groups)
             for f in dataclasses.fields(quant) if _is_q(getattr(quant, f.name))}
+  if whole is not None:
+    fields.update({f.name: lax.dynamic_index_in_dim(getattr(whole, f.name), index, 0, False)
+                   for f in dataclasses.fields(whole)
+                   if getattr(whole, f.name) is not None and f.name not in fields})
   return p.replace(**fields) if fields else p
 
 
@@ -134,6 +156,9 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   moe_d, moe_q = _split_quant(layers.moe)
   gdn_d, gdn_q = _split_quant(layers.gdn)
   attn_d, attn_q = _split_quant(layers.attn)
+  moe_d, moe_w = _split_whole(cfg, moe_d)
+  gdn_d, gdn_w = _split_whole(cfg, gdn_d)
+  attn_d, attn_w = _split_whole(cfg, attn_d)
   norms_and_moe = _blocks((layers.attn_norm, layers.post_norm, moe_d), n_blocks)
   gdn_p = _blocks(gdn_d, n_blocks)
   attn_p = _blocks(attn_d, n_blocks)
@@ -163,13 +188,13 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
     for li, kind in enumerate(block_types):
       h = rms_norm(x, attn_norm[li], cfg.rms_eps)
       if kind == ATTN:
-        p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai)
+        p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai, attn_w)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
         y, kc, vc = attn_mixer(cfg, p, h, kc, vc, pos, n_new, *la_i, switch,
                                row_scale=row_scale, layer=blk * n_a + ai)
         ai += 1
       else:
-        p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi)
+        p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi, gdn_w)
         lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
         if ssm_in_carry:
           y, conv, ssm_all = gdn_mixer(cfg, p, h, conv_in[gi], ssm_all, n_new, *lg_i, switch,
@@ -182,7 +207,7 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
         gi += 1
       x = x + y
       h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
-      x = x + moe(cfg, _layer(cfg, moe_p, moe_q, li, blk * period + li), h, stacks,
+      x = x + moe(cfg, _layer(cfg, moe_p, moe_q, li, blk * period + li, moe_w), h, stacks,
                   blk * period + li, real=real,
                   form_tokens=B if keep_steps else None).reshape(B, T, D)
       if cv is not None:
