@@ -37,6 +37,34 @@ def _set_row(a, row, slot):
   return lax.dynamic_update_slice_in_dim(a, row.astype(a.dtype), slot, axis=1)
 
 
+def _prefill(cfg, params, lora, state, slot, tokens, n_new, switch, all_logits, cvec,
+             cut=None, cut_window=0):
+  pos = state.pos[slot][None]
+  nv = jnp.reshape(n_new, (1,)).astype(jnp.int32)
+  sw = jnp.reshape(switch, (1,)).astype(jnp.int32)
+  kv = (_row(state.k, slot), _row(state.v, slot))
+  gdn = (_row(state.conv, slot), _row(state.ssm, slot))
+  cuts = None if cut is None else jnp.reshape(cut, (1,)).astype(jnp.int32)
+  with _precision(cfg, state):
+    x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
+    x, kv, gdn, *at_cut = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw,
+                                             cvec, cut=cuts, cut_window=cut_window)
+    if params.lm_head is None:     # not the last stage of a layer split: hand the hidden on
+      logits = x[0]
+    elif all_logits:
+      logits = forward.logits_from_hidden(cfg, params, x[0])
+    else:
+      logits = forward.logits_from_hidden(cfg, params, x[0, n_new - 1])
+  state = state.replace(
+      k=_set_row(state.k, kv[0], slot), v=_set_row(state.v, kv[1], slot),
+      conv=_set_row(state.conv, gdn[0], slot), ssm=_set_row(state.ssm, gdn[1], slot),
+      pos=state.pos.at[slot].add(n_new), switch=state.switch.at[slot].set(sw[0]))
+  if cut is None:
+    return logits, state
+  conv_cut, ssm_cut = at_cut[0]
+  return logits, state, (conv_cut[:, 0].astype(state.conv.dtype), ssm_cut[:, 0])
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("state",))
 def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_new, switch,
             *, all_logits: bool = False, cvec=None):
@@ -52,25 +80,21 @@ def prefill(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_n
   Returns:
     (logits, state): float32 [T, V] (all_logits) or [V] (after the last valid token).
   """
-  pos = state.pos[slot][None]
-  nv = jnp.reshape(n_new, (1,)).astype(jnp.int32)
-  sw = jnp.reshape(switch, (1,)).astype(jnp.int32)
-  kv = (_row(state.k, slot), _row(state.v, slot))
-  gdn = (_row(state.conv, slot), _row(state.ssm, slot))
-  with _precision(cfg, state):
-    x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
-    x, kv, gdn = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw, cvec)
-    if params.lm_head is None:     # not the last stage of a layer split: hand the hidden on
-      logits = x[0]
-    elif all_logits:
-      logits = forward.logits_from_hidden(cfg, params, x[0])
-    else:
-      logits = forward.logits_from_hidden(cfg, params, x[0, n_new - 1])
-  state = state.replace(
-      k=_set_row(state.k, kv[0], slot), v=_set_row(state.v, kv[1], slot),
-      conv=_set_row(state.conv, gdn[0], slot), ssm=_set_row(state.ssm, gdn[1], slot),
-      pos=state.pos.at[slot].add(n_new), switch=state.switch.at[slot].set(sw[0]))
-  return logits, state
+  return _prefill(cfg, params, lora, state, slot, tokens, n_new, switch, all_logits, cvec)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "all_logits", "cut_window"),
+                   donate_argnames=("state",))
+def prefill_cut(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens, n_new, switch,
+                cut, *, cut_window: int, all_logits: bool = False, cvec=None):
+  """`prefill` of a chunk that also hands back the row's GDN state after its first `cut`
+  tokens (int32 [], traced): a prompt's last full block ending inside the chunk, its valid
+  tokens ending before cut + cut_window <= T (`model.gdn.gdn_mixer`). One pass over the
+  weights for what would otherwise be a chunk ending at the cut and a small one after it.
+  Returns (logits, state, (conv [Lg, K-1, C], ssm [Lg, Hv, Dv, Dk])) as `read_recurrent` reads
+  them."""
+  return _prefill(cfg, params, lora, state, slot, tokens, n_new, switch, all_logits, cvec,
+                  cut, cut_window)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))

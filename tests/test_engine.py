@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 from model_fixtures import TINY, random_lora, tiny_model
+from tolerances import CHUNK_SHAPE_REL_FP32, assert_close
 
 import strata_jax as sj
 from strata_jax.engine.engine import Request, _snap_bytes
@@ -231,13 +232,16 @@ def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_
   payloads = [eng.prefix_cache.peek(h)[0] for h in hashes]
   assert all(p["k"].shape[1] == BS and p["k"].base is None for p in payloads)
   assert ["ssm" in p for p in payloads] == [False] * 4 + [True]
-  # a prompt sharing those blocks restores them and computes what a cold engine computes
+  # a prompt sharing those blocks restores them and computes what a cold engine computes: the
+  # same tokens, the logits to the rounding of other shapes (the hit runs its 4 new tokens as
+  # a chunk of their own, the cold prompt in the chunk holding its 5 blocks: `prefill_cut`)
   follow = prompt + [7]
   eng.generate(tokens=[1, 2, 3], max_tokens=1)   # the slot's conversation no longer matches
   hit = eng.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
   cold = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0)
   ref = cold.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
-  assert hit.cached_tokens == 5 * BS and np.array_equal(hit.step_logits, ref.step_logits)
+  assert hit.cached_tokens == 5 * BS and hit.tokens == ref.tokens
+  assert_close(hit.step_logits, ref.step_logits, rel=CHUNK_SHAPE_REL_FP32, what="step logits")
 
 
 def test_time_to_first_token_counts_the_wait_for_a_slot(model):
@@ -329,3 +333,49 @@ def test_cancel_and_erase_slot(model):
   eng.erase_slot(0)
   assert eng.slot_info(0)["n_tokens"] == 0
   assert eng.generate(tokens=[1, 2, 3, 4], max_tokens=2).cached_tokens == 0
+
+
+def _unmerged(schedule):
+  """An engine's `_schedule` with each chunk that hands back a state from inside split back
+  into a chunk ending at the cut and one after it (the schedule before `prefill_cut`)."""
+  def split(*a):
+    out = []
+    for pos, n, bucket, cut in schedule(*a):
+      if cut is None:
+        out.append((pos, n, bucket, None))
+      else:
+        out += [(pos, cut, bucket, None), (pos + cut, n - cut, BS, None)]
+    return out
+  return split
+
+
+@pytest.mark.parametrize("lora_on", [False, True])
+def test_a_chunk_holding_the_last_full_block_and_the_tail_computes_what_two_chunks_do(
+    model, lora_on):
+  """A prompt of 3 full blocks and 4 tokens is one 128-token chunk that hands back the GDN
+  state at its last full block (`steps.prefill_cut`), instead of a chunk ending there and a
+  4-token chunk: the cached state of that block is bit for bit the two-chunk schedule's, the
+  prompt's logits agree to fp32 rounding, the tokens are the same, and a prompt extending it
+  resumes from that block."""
+  lora = random_lora()
+  prompt = list(np.random.default_rng(11).integers(0, TINY.vocab_size, 3 * BS + 4))
+  got = {}
+  for merged in (True, False):
+    eng = sj.Engine(model, lora=lora, slots=1, max_seq=256, block_size=BS)
+    assert eng._schedule(0, len(prompt), 3, True) == [(0, 3 * BS + 4, 128, 3 * BS)]
+    if not merged:
+      eng._schedule = _unmerged(eng._schedule)
+    res = eng.generate(tokens=prompt, max_tokens=6, return_logits=True, lora=lora_on)
+    eng._flush_snapshots()
+    hashes = sj.block_hashes(prompt, BS, eng.adapters.resolve(lora_on).identity)
+    entry = eng.prefix_cache.peek(hashes[2])[0]
+    follow = eng.generate(tokens=prompt + res.tokens + [7], max_tokens=3, lora=lora_on)
+    got[merged] = res, entry, follow
+  (a, ea, fa), (b, eb, fb) = got[True], got[False]
+  assert "ssm" in ea and np.array_equal(ea["ssm"], eb["ssm"])
+  assert np.array_equal(ea["conv"], eb["conv"]) and np.array_equal(ea["k"], eb["k"])
+  # the rows before the cut are the same chunk's; the tail's rows are rounded by other shapes
+  assert np.array_equal(a.prompt_logits[:3 * BS], b.prompt_logits[:3 * BS])
+  assert_close(a.prompt_logits, b.prompt_logits, rel=CHUNK_SHAPE_REL_FP32, what="prompt logits")
+  assert a.tokens == b.tokens and fa.tokens == fb.tokens
+  assert fa.cached_tokens == fb.cached_tokens >= 3 * BS

@@ -102,14 +102,17 @@ def test_stop_id_ends_the_row_on_the_device(model):
 
 
 def test_warmup_compiles_the_buckets_used(model):
-  eng = sj.Engine(model, slots=1, warmup=[100], **KW)
-  sizes = (steps.prefill._cache_size(), steps.decode_sample._cache_size(),
-           steps.read_kv._cache_size())
+  eng = sj.Engine(model, slots=1, warmup=[100, 64], **KW)
+  programs = lambda: (steps.prefill._cache_size(), steps.prefill_cut._cache_size(),
+                      steps.decode_sample._cache_size(), steps.read_kv._cache_size())
+  sizes = programs()
   eng.generate(tokens=_prompt(4, 100), max_tokens=5)
-  assert (steps.prefill._cache_size(), steps.decode_sample._cache_size(),
-          steps.read_kv._cache_size()) == sizes   # the prefix cache's K/V slices too
-  # 100 tokens: one 96-token chunk (to the last full block, bucket 128), then 4 (bucket 32)
-  assert [b for _, _, b in eng._schedule(0, 100, 3, True)] == [128, 32]
+  eng.generate(tokens=_prompt(5, 64), max_tokens=5)
+  assert programs() == sizes   # the prefix cache's K/V slices too
+  # 100 tokens: the 96 to the last full block and the 4 after it in one 128-token chunk that
+  # hands back the state at 96; 64 (two full blocks): one chunk ending at the last block
+  assert eng._schedule(0, 100, 3, True) == [(0, 100, 128, 96)]
+  assert eng._schedule(0, 64, 2, True) == [(0, 64, 64, None)]
 
 
 def test_decode_buckets_match_the_full_batch(model, monkeypatch):

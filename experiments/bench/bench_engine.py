@@ -593,7 +593,7 @@ def main(argv=None):
     prog_s, prog_runs = prefill_time(e, args.ttft_tokens, args.reps)
     details["ttft"] = dict(engine_s=statistics.median(ttft), engine_runs_s=ttft,
                            program_s=prog_s, program_runs_s=prog_runs,
-                           chunks=[b for _, _, b in e._schedule(
+                           chunks=[(b, cut) for _, _, b, cut in e._schedule(
                                0, args.ttft_tokens, args.ttft_tokens // e.block_size, True)])
     details["ttft"]["ratio"] = details["ttft"]["engine_s"] / prog_s
     if args.profile:   # the GPU's busy time and gaps from submit to first token, by kernel

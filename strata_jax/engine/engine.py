@@ -532,19 +532,21 @@ class Engine:
     use (None: every bucket), the first-token choice and the decode programs of `plans`."""
     if self.busy:
       raise RequestError("warmup() needs an idle engine")
-    buckets = set()
+    buckets = set()   # (bucket, whether a chunk of it hands back a state from inside)
     if prompt_lengths is None:
       b = self.block_size
       while b <= self.max_chunk:
-        buckets.add(b)
+        buckets.update({(b, False), (b, True)} if b > self.block_size else {(b, False)})
         b *= 2
     else:
       for n in prompt_lengths:
         n_blocks = n // self.block_size
-        buckets.update(bk for _, _, bk in self._schedule(0, int(n), n_blocks, True))
-    for b in sorted(buckets):
+        buckets.update((bk, cut is not None)
+                       for _, _, bk, cut in self._schedule(0, int(n), n_blocks, True))
+    for b, with_cut in sorted(buckets):
       # n_new 0: every layer leaves the row as it is
-      self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False)
+      self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False,
+                          cut=b - self.block_size if with_cut else None)
       if self.prefix_cache.max_bytes > 0:   # the chunk's K/V slice for the prefix cache
         for st, state in zip(self.stages, self.states):
           distributed.call_on_stage(steps.read_kv, st.device, state, np.int32(0),
@@ -639,11 +641,17 @@ class Engine:
 
   # ----- prefill --------------------------------------------------------------------------
   def _schedule(self, start: int, total: int, n_hashes: int, aligned: bool):
-    """Prefill chunks [(pos, n, bucket)] for tokens [start, total): as long as max_chunk
+    """Prefill chunks [(pos, n, bucket, cut)] for tokens [start, total): as long as max_chunk
     allows, ending where a block's recurrent state is kept (every `state_every` blocks and
     the prompt's last full block) so it can be snapshotted; padded to power-of-two buckets
-    (multiples of the block size). The schedule depends on the prompt alone (not on the
-    cache's size), so a prompt computes the same numbers with the cache on or off."""
+    (multiples of the block size). A last chunk shorter than a block joins the chunk before
+    it when that chunk's bucket has room: the state at the last full block then comes from
+    inside the chunk (`cut`, its offset there; else None; `steps.prefill_cut`), and the
+    prompt makes one pass over the weights fewer (H200, bench-a3b: a chunk costs ~14 ms
+    beyond its tokens, results/bench_model.json). The schedule depends on the prompt alone
+    (not on the cache's size), so a prompt computes the same numbers with the cache on or
+    off; a cache hit resumes at a block and runs the rest in chunks of its own, the same
+    tokens to the rounding of other shapes."""
     bs = self.block_size
     cuts = set()
     if aligned:
@@ -657,8 +665,12 @@ class Engine:
       bucket = bs
       while bucket < n:
         bucket *= 2
-      out.append((pos, n, bucket))
+      out.append((pos, n, bucket, None))
       pos = end
+    if len(out) > 1 and out[-1][1] < bs and out[-1][0] in cuts:
+      (p, n, bucket, _), (_, tail, _, _) = out[-2:]
+      if n + tail <= bucket:
+        out[-2:] = [(p, n + tail, bucket, n)]
     return out
 
   def _start(self, slot: int, req: Request) -> _Running:
@@ -688,23 +700,26 @@ class Engine:
       last = self._decode_rows({slot: (toks[-1], switch)})
       last = (self._host(last) if self._shared else last)[slot]
     else:
-      for pos, n, bucket in self._schedule(start, len(toks), len(hashes), aligned):
+      for pos, n, bucket, cut in self._schedule(start, len(toks), len(hashes), aligned):
         chunk = np.zeros(bucket, np.int32)
         chunk[:n] = toks[pos:pos + n]
-        out = self._prefill_chunk(slot, chunk, n, switch, all_logits=req.return_logits)
+        out, at_cut = self._prefill_chunk(slot, chunk, n, switch,
+                                          all_logits=req.return_logits, cut=cut)
         if req.return_logits:
           logits_parts.append(self._host(out)[:n])
-        end = pos + n
+        end = pos + n if cut is None else pos + cut   # where the chunk's kept state is
         if aligned:
           # K/V for every block the chunk completed (one read); the (much larger) GDN state
-          # every `state_every` blocks and at the prompt's last full block (chunks end there).
-          blks = [b for b in range(pos // self.block_size, end // self.block_size)
+          # every `state_every` blocks and at the prompt's last full block (chunks end there,
+          # or hand it back from inside: `cut`).
+          blks = [b for b in range(pos // self.block_size, (pos + n) // self.block_size)
                   if b < len(hashes) and (b + 1) * self.block_size > pos]
           if blks:
             last_blk = blks[-1]
             with_state = (last_blk + 1) * self.block_size == end and (
                 (last_blk + 1) % self.state_every == 0 or last_blk == len(hashes) - 1)
-            self._snapshot(slot, hashes, blks, last_blk if with_state else None, bucket)
+            self._snapshot(slot, hashes, blks, last_blk if with_state else None, bucket,
+                           at_cut)
       last = logits_parts[-1][n - 1] if req.return_logits else out
       if self._shared and not req.return_logits:
         last = self._host(last)      # every process samples from the same logits
@@ -738,16 +753,24 @@ class Engine:
       self.rows = self._on_last(steps.deactivate_rows, self.rows, mask)
     return run
 
-  def _prefill_chunk(self, slot, chunk, n, switch, all_logits):
-    x = chunk   # numpy: jit takes it in the call (no separate eager transfer op)
+  def _prefill_chunk(self, slot, chunk, n, switch, all_logits, cut=None):
+    """One prefill chunk through every stage: (logits, None), or with `cut` (logits, the GDN
+    state after the chunk's first `cut` tokens per stage, as `read_recurrent` reads it)."""
+    x, at_cut = chunk, []   # numpy: jit takes it in the call (no separate eager transfer op)
     for i, st in enumerate(self.stages):
       if st.device is not None:
         x = jax.device_put(x, st.device)
-      x, self.states[i] = distributed.call_on_stage(
-          steps.prefill, st.device, st.cfg, st.params, st.lora, self.states[i],
-          np.int32(slot), x, np.int32(n), np.int32(switch), all_logits=all_logits,
-          cvec=st.cvec)
-    return x
+      args = (st.cfg, st.params, st.lora, self.states[i], np.int32(slot), x, np.int32(n),
+              np.int32(switch))
+      if cut is None:
+        x, self.states[i] = distributed.call_on_stage(
+            steps.prefill, st.device, *args, all_logits=all_logits, cvec=st.cvec)
+      else:
+        x, self.states[i], gdn = distributed.call_on_stage(
+            steps.prefill_cut, st.device, *args, np.int32(cut), cut_window=self.block_size,
+            all_logits=all_logits, cvec=st.cvec)
+        at_cut.append(gdn)
+    return x, (at_cut if cut is not None else None)
 
   def _reset(self, slot: int):
     rows = (np.arange(self.n_slots) == slot).astype(np.int32)
@@ -756,7 +779,8 @@ class Engine:
       self.states[i] = distributed.call_on_stage(steps.reset_rows, st.device, self.states[i], r)
     self.slot_tokens[slot] = []
 
-  def _snapshot(self, slot: int, hashes: list[bytes], blks: list[int], state_blk, bucket: int):
+  def _snapshot(self, slot: int, hashes: list[bytes], blks: list[int], state_blk, bucket: int,
+                at_cut=None):
     """Read the K/V of blocks `blks` (consecutive) in one slice per stage, and the GDN state
     after block `state_blk` (None: none), on the device now; they reach the host cache later:
     up to SNAPSHOT_COPY_BYTES a round go to the copier thread behind that round's decode
@@ -766,7 +790,9 @@ class Engine:
     prompt's first token it queued ahead of that token's own copy (TTFT); copied all at once
     behind the decode it stalled the dispatch loop (batch 32: 2.4 GB, engine/program 0.37).
     The K/V slice is the chunk's bucket long (a length the prefill already compiles for), so
-    a 2,500-token prompt reads 3 slices instead of 39 one-block reads."""
+    a 2,500-token prompt reads 3 slices instead of 39 one-block reads. `at_cut`: the GDN state
+    per stage the chunk handed back from inside (`steps.prefill_cut`), read instead of the
+    row's state after the chunk."""
     if self.prefix_cache.max_bytes <= 0:
       return
     cache = self.prefix_cache
@@ -784,8 +810,8 @@ class Engine:
                                        np.int32(start), length=length)
       entry = {"k": k, "v": v}
       if state_blk is not None:
-        conv, ssm = distributed.call_on_stage(steps.read_recurrent, st.device, state,
-                                              np.int32(slot))
+        conv, ssm = at_cut[len(payload)] if at_cut is not None else distributed.call_on_stage(
+            steps.read_recurrent, st.device, state, np.int32(slot))
         entry.update(conv=conv, ssm=ssm)
       payload.append(entry)
     self._snaps.append(_Snap(hashes, blks, start, state_blk, payload))

@@ -79,7 +79,7 @@ def _unblocks(tree):
 
 
 def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, switch,
-               cvec=None, keep_steps: bool = False):
+               cvec=None, keep_steps: bool = False, cut=None, cut_window: int = 0):
   """`layers_scan` with the adapter; under `cfg.forms.lora_branch` "cond", one of three
   branches ("select": one scan, the delta computed for every row and a select keeping the base
   rows).
@@ -97,25 +97,30 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, swi
 
   keep_steps: the GDN state of every step comes back instead of the last (`layers_scan`); the
   mixed case then runs both passes from the same GDN state and keeps each row's own pass.
+  cut, cut_window: the GDN state after each row's first `cut` tokens comes back too, as a
+  fourth result (`layers_scan`).
   """
   if lora is None or cfg.forms.lora_branch == "select":
     return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_new, switch, cvec,
-                       keep_steps)
+                       keep_steps, cut, cut_window)
   switch = jnp.broadcast_to(switch, n_new.shape)
   on = (switch != 0) & (n_new > 0)
   off = (switch == 0) & (n_new > 0)
   scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch, cvec,
-                                            keep_steps)
+                                            keep_steps, cut, cut_window)
 
   def mixed():
-    x_off, kv1, gs1 = scan(None, kv, gdn_state, jnp.where(off, n_new, 0))
-    x_on, kv2, gs2 = scan(lora, kv1, gdn_state if keep_steps else gs1,
-                          jnp.where(on, n_new, 0))
+    x_off, kv1, gs1, *cut1 = scan(None, kv, gdn_state, jnp.where(off, n_new, 0))
+    x_on, kv2, gs2, *cut2 = scan(lora, kv1, gdn_state if keep_steps else gs1,
+                                 jnp.where(on, n_new, 0))
     rows = on.reshape((-1,) + (1,) * (x.ndim - 1))
-    if keep_steps:   # [Lg, B, ...]: each row from its own pass
-      pick = lambda a, b: jnp.where(on.reshape((1, -1) + (1,) * (a.ndim - 2)), a, b)
+    # [Lg, B, ...]: each row from its own pass
+    pick = lambda a, b: jnp.where(on.reshape((1, -1) + (1,) * (a.ndim - 2)), a, b)
+    if keep_steps:
       gs2 = jax.tree.map(pick, gs2, gs1)
-    return jnp.where(rows, x_on, x_off), kv2, gs2
+    # a cut state: an on row's from the on pass (which it entered with its state untouched)
+    return (jnp.where(rows, x_on, x_off), kv2, gs2) + tuple(
+        jax.tree.map(pick, c2, c1) for c2, c1 in zip(cut2, cut1))
 
   which = jnp.where(jnp.any(on), jnp.where(jnp.any(off), 2, 1), 0)
   return lax.switch(which, [lambda: scan(None, kv, gdn_state, n_new),
@@ -123,7 +128,7 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, swi
 
 
 def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, switch,
-                cvec=None, keep_steps: bool = False):
+                cvec=None, keep_steps: bool = False, cut=None, cut_window: int = 0):
   """Apply every layer of `cfg.layer_types`.
 
   layers: LayerParams; lora: LoraParams or None; kv: (k, v) [La, B, S, G, Hd];
@@ -147,6 +152,8 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   state from xs: a jnp read of a carried stack is fused into several consumers, some of them
   after the layer's in-place update, and XLA then copies the whole stack at every layer.
   keep_steps returns every step's state, not a stack.
+  cut [B] (prefill; static cut_window): a fourth result, (conv [Lg, B, K-1, C], ssm [Lg, B, Hv,
+  Dv, Dk]) the GDN state after each row's first `cut` tokens (`gdn_mixer`).
   """
   period = pattern_period(cfg.layer_types)
   n_blocks = cfg.n_layers // period
@@ -183,7 +190,7 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   def body(carry, xs):
     x, (kc, vc), ssm_all = carry   # ssm_all: the whole ssm stack, or None (then ssm_in)
     blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, conv_in, ssm_in, cv = xs
-    conv_out, ssm_out = [], []
+    conv_out, ssm_out, cut_out = [], [], []
     gi = ai = 0
     for li, kind in enumerate(block_types):
       h = rms_norm(x, attn_norm[li], cfg.rms_eps)
@@ -200,9 +207,11 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
           y, conv, ssm_all = gdn_mixer(cfg, p, h, conv_in[gi], ssm_all, n_new, *lg_i, switch,
                                        row_scale=row_scale, layer=blk * n_g + gi)
         else:
-          y, conv, ssm = gdn_mixer(cfg, p, h, conv_in[gi], ssm_in[gi], n_new, *lg_i, switch,
-                                   keep_steps, row_scale=row_scale)
+          y, conv, ssm, *at_cut = gdn_mixer(cfg, p, h, conv_in[gi], ssm_in[gi], n_new, *lg_i,
+                                            switch, keep_steps, row_scale=row_scale, cut=cut,
+                                            cut_window=cut_window)
           ssm_out.append(ssm)
+          cut_out += at_cut
         conv_out.append(conv)
         gi += 1
       x = x + y
@@ -213,13 +222,17 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
       if cv is not None:
         x = x + cv[li].astype(x.dtype)
     restack = lambda new, old: jnp.stack(new) if new else old   # a kind may be absent
-    return (x, (kc, vc), ssm_all), (restack(conv_out, conv_in), restack(ssm_out, ssm_in))
+    at_cut = None
+    if cut is not None:   # (conv, ssm) per GDN layer of the block, stacked like the states
+      at_cut = (restack([c for c, _ in cut_out], conv_in), restack([s for _, s in cut_out], ssm_in))
+    return (x, (kc, vc), ssm_all), (restack(conv_out, conv_in), restack(ssm_out, ssm_in), at_cut)
 
   carry = (x, tuple(kv), gdn_state[1] if ssm_in_carry else None)
-  (x, kv, ssm_all), (conv_b, ssm_b) = lax.scan(
+  (x, kv, ssm_all), (conv_b, ssm_b, cut_b) = lax.scan(
       body, carry, (jnp.arange(n_blocks, dtype=jnp.int32), norms_and_moe, gdn_p, attn_p,
                     lora_g, lora_a, conv_b, ssm_b, cvec_b))
-  return x, kv, (_unblocks(conv_b), ssm_all if ssm_in_carry else _unblocks(ssm_b))
+  out = (x, kv, (_unblocks(conv_b), ssm_all if ssm_in_carry else _unblocks(ssm_b)))
+  return out if cut is None else out + (_unblocks(cut_b),)
 
 
 def embed(params, tokens):

@@ -31,7 +31,8 @@ def causal_conv(x, conv_state, w, n_new):
 
 
 def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, switch,
-              keep_steps: bool = False, *, row_scale=None, layer=None):
+              keep_steps: bool = False, *, row_scale=None, layer=None, cut=None,
+              cut_window: int = 0):
   """x [B, T, D]; p one layer's GDNParams; conv_state [B, K-1, C]; ssm [B, Hv, Dv, Dk] f32;
   n_new [B] tokens of the T each row adds (the rest is padding and leaves state unchanged;
   0: the row sits this call out).
@@ -52,10 +53,21 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   alive past the update (`forward.layers_scan` passes them one layer's state instead).
 
   At T == 1 a row with n_new == 0 keeps its conv and recurrent state bit for bit (the fused
-  kernel does not store it; the other forms select it)."""
+  kernel does not store it; the other forms select it).
+
+  cut [B] int32 (prefill, T > 1; with the static `cut_window` W): each row's state is also
+  wanted after its first `cut` tokens, and its valid tokens end before cut + W <= T. The
+  chunked op then runs twice: over the chunk with the gates masked from the cut on (its
+  outputs before the cut are final, its state is the state at the cut), and over the W tokens
+  from the cut, from that state. These are the very calls of a chunk ending at the cut and a
+  W-token chunk after it, so the states and outputs are theirs, while every other layer makes
+  one pass over the weights for both. Returns (y, conv_state, ssm, (conv_cut, ssm_cut))."""
   if keep_steps and layer is not None:
     raise ValueError("gdn_mixer: keep_steps returns per-step states, not a stack: no `layer`")
   B, T, _ = x.shape
+  if cut is not None and (T == 1 or keep_steps or layer is not None or cut_window < 1):
+    raise ValueError("gdn_mixer: a cut is for a prefill chunk (T > 1, one layer's state, "
+                     "cut_window >= 1)")
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
   qkv = linear(x, p.qkv)                                                     # [B, T, C]
@@ -104,6 +116,12 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     if T > 1:
       return new
     return jnp.where((n_new > 0).reshape((B,) + (1,) * (old.ndim - 1)), new, old)
+  conv_cut = None
+  if cut is not None:   # the last K-1 raw rows before the cut, as causal_conv keeps them
+    K = p.conv.shape[1]
+    ext = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)       # [B, K-1+T, C]
+    conv_cut = jax.vmap(lambda e, c: lax.dynamic_slice_in_dim(e, c, K - 1, axis=0))(
+        ext, cut).astype(conv_state.dtype)
   qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new)
   conv_state = idle(conv_new, conv_state)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
@@ -136,10 +154,22 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     k = jnp.repeat(l2_norm(k_raw), r, axis=2)
     chunked = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
                                 pallas_chunk=cfg.forms.gdn_pallas_chunk)
-    o, s = jax.vmap(chunked)(q, k, v, g, beta, s_in)
+    if cut is None:
+      o, s = jax.vmap(chunked)(q, k, v, g, beta, s_in)
+    else:
+      before = (jnp.arange(T)[None, :] < cut[:, None])[..., None]           # [B, T, 1]
+      o, s_cut = jax.vmap(chunked)(q, k, v, jnp.where(before, g, 0.0),
+                                   jnp.where(before, beta, 0.0), s_in)
+      win = lambda a: jax.vmap(lambda r, c: lax.dynamic_slice_in_dim(r, c, cut_window, 0))(
+          a, cut)
+      o_w, s = jax.vmap(chunked)(win(q), win(k), win(v), win(g), win(beta), s_cut)
+      o = jax.vmap(lambda r, w, c: lax.dynamic_update_slice_in_dim(r, w, c, 0))(o, o_w, cut)
   s = idle(s, s_in)
   ssm = s if layer is None else lax.dynamic_update_index_in_dim(ssm, s, layer, 0)
-  return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), conv_state, ssm
+  y = _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale)
+  if cut is not None:
+    return y, conv_state, ssm, (conv_cut, s_cut)
+  return y, conv_state, ssm
 
 
 def _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale=None):
