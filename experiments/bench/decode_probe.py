@@ -175,7 +175,8 @@ def main():
         if args.dump_hlo:
           import gzip
           os.makedirs(args.dump_hlo, exist_ok=True)
-          with gzip.open(os.path.join(args.dump_hlo, f"decode_{variant}_b{B}.hlo.txt.gz"),
+          safe = variant.replace("@", "_at_").replace("+", "_and_")   # $OUT takes plain names
+          with gzip.open(os.path.join(args.dump_hlo, f"decode_{safe}_b{B}.hlo.txt.gz"),
                          "wt") as f:
             f.write(compiled.as_text())
         out, state = compiled(params, lp, state, toks, sw, act)
