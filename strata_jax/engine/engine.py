@@ -142,7 +142,6 @@ class _Snap:
   host: concurrent.futures.Future | None = None   # the copier's (blk, payload) pairs
 
 
-
 @dataclasses.dataclass
 class _Chunk:
   out: tuple               # device outputs of decode_sample (or of one sample_step)

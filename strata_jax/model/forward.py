@@ -54,8 +54,7 @@ def _split_whole(cfg, tree):
   if cfg.forms.dense_weights != "in_place":
     return tree, None
   names = IN_PLACE_FIELDS[type(tree).__name__]
-  keep = {f.name: None for f in dataclasses.fields(tree)}
-  whole = tree.replace(**{n: v for n, v in keep.items() if n not in names})
+  whole = tree.replace(**{f.name: None for f in dataclasses.fields(tree) if f.name not in names})
   return tree.replace(**{n: None for n in names}), whole
 
 
