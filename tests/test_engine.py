@@ -134,8 +134,9 @@ def test_waiting_snapshots_past_the_cache_capacity_are_dropped_oldest_first(mode
 def test_snapshot_copies_go_to_pinned_host_memory_and_the_cache_holds_owned_equal_arrays(
     model, monkeypatch):
   """A snapshot's host copy is a DMA into page-locked memory where the device has it (the
-  CPU does, as the H200 does), started off the scheduling thread; the cache then holds plain
-  numpy copies of the same values."""
+  CPU does, as the H200 does), started off the scheduling thread with `snapshot_thread`
+  (inline on it by default on CPU); the cache then holds plain numpy copies of the same
+  values, the same either way."""
   import threading
 
   from strata_jax.parallel import distributed
@@ -147,10 +148,17 @@ def test_snapshot_copies_go_to_pinned_host_memory_and_the_cache_holds_owned_equa
     return out
   monkeypatch.setattr(distributed, "start_host_copy", watched)
   prompt = list(np.random.default_rng(5).integers(0, TINY.vocab_size, 2 * BS + 1))
-  eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
+  eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS, snapshot_thread=True)
   eng.run([Request(tokens=prompt, max_tokens=2)])
   assert started and all(a.sharding.memory_kind == "pinned_host" for a, _ in started)
   assert all(t is not threading.main_thread() for _, t in started)
+  started.clear()
+  inline = sj.Engine(model, slots=1, max_seq=256, block_size=BS)   # the CPU's default
+  inline.run([Request(tokens=prompt, max_tokens=2)])
+  assert started and all(t is threading.main_thread() for _, t in started)
+  for h in sj.block_hashes(prompt, BS):
+    got, want = inline.prefix_cache.peek(h)[0], eng.prefix_cache.peek(h)[0]
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
   hashes = sj.block_hashes(prompt, BS)
   entry = eng.prefix_cache.peek(hashes[1])[0]   # the first (only) stage's arrays
   state = eng.states[0]
@@ -173,7 +181,8 @@ def test_a_slow_snapshot_copy_holds_up_no_decode_round_and_is_stored_when_done(
     return start(a)
   monkeypatch.setattr(distributed, "start_host_copy", held_back)
   prompt = list(np.random.default_rng(9).integers(0, TINY.vocab_size, 2 * BS + 1))
-  eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS, decode_steps=(1,))
+  eng = sj.Engine(model, slots=1, max_seq=256, block_size=BS, decode_steps=(1,),
+                  snapshot_thread=True)
   h = eng.submit(Request(tokens=prompt, max_tokens=6))
   rounds = 0
   while eng.busy:

@@ -227,6 +227,12 @@ class Engine:
       batch's but logits may differ in the last bits, and a resumed session is bit-identical
       to the uninterrupted run only under the same buckets. Off (default): every step runs
       all slots, and a row's numbers never depend on its neighbours. Single device only.
+    snapshot_thread: copy prefix-cache snapshots to the host on a thread of their own, so the
+      scheduling thread never waits on them (H200, bench-a3b: the GPU idled 22-33 ms per 75 MB
+      GDN state otherwise, bench_engine runs 7 and 8). None (default): where the device is
+      not the host's CPU. On the CPU backend the copies run inline: the device's work runs on
+      the host's own threads there, and a second thread issuing transfers stalled a CPU
+      process serving two engines (tests/test_server.py, 2026-12-01).
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
@@ -237,7 +243,8 @@ class Engine:
                max_prefill_chunk: int = 4096, decode_steps: Sequence[int] = (1, 4, 16),
                warmup: bool | Sequence[int] = False, forms: Forms | None = None,
                control_vector=None, lora_rank: int | None = None, spec: int = 0,
-               draft: str | None = None, decode_buckets: bool = False):
+               draft: str | None = None, decode_buckets: bool = False,
+               snapshot_thread: bool | None = None):
     self.model, self.n_slots = model, int(slots)
     # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
     pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
@@ -328,6 +335,8 @@ class Engine:
     self._snaps: list = []        # prefix-cache snapshots waiting for their host copy
     self._copying: list = []      # ... and those whose copies have started
     self._copier = None           # the thread that copies them (started on first use)
+    self._snapshot_thread = (jax.default_backend() != "cpu" if snapshot_thread is None
+                             else bool(snapshot_thread))
     has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
@@ -827,6 +836,15 @@ class Engine:
     it, then cut into blocks)."""
     if self._shared:   # each host read is a broadcast, in the same order on every process
       return
+    if not self._snapshot_thread:   # started here, read by `_store_copied` a round later
+      n = 0
+      while self._snaps and (n == 0 or limit is None or n < limit):
+        item = self._snaps.pop(0)
+        item.payload = [{k: distributed.start_host_copy(a) for k, a in e.items()}
+                        for e in item.payload]
+        self._copying.append(item)
+        n += _snap_bytes(item)
+      return
     if self._copier is None:
       self._copier = concurrent.futures.ThreadPoolExecutor(
           max_workers=1, thread_name_prefix="strata-prefix-copy")
@@ -840,7 +858,7 @@ class Engine:
   def _store_copied(self, wait: bool = False):
     """Store the snapshots whose blocks have reached the host, oldest first (the cache's LRU
     order), stopping at the first still copying unless `wait`. A snapshot with no copier job
-    (an engine over several processes) is read here."""
+    (no snapshot thread, or an engine over several processes) is read here."""
     while self._copying:
       item = self._copying[0]
       if item.host is not None and not (wait or item.host.done()):
