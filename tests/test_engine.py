@@ -241,16 +241,20 @@ def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_
   payloads = [eng.prefix_cache.peek(h)[0] for h in hashes]
   assert all(p["k"].shape[1] == BS and p["k"].base is None for p in payloads)
   assert ["ssm" in p for p in payloads] == [False] * 4 + [True]
-  # a prompt sharing those blocks restores them and computes what a cold engine computes: the
-  # same tokens, the logits to the rounding of other shapes (the hit runs its 4 new tokens as
-  # a chunk of their own, the cold prompt in the chunk holding its 5 blocks: `prefill_cut`)
+  # a prompt sharing those blocks restores them and computes what a cold engine computes
   follow = prompt + [7]
   eng.generate(tokens=[1, 2, 3], max_tokens=1)   # the slot's conversation no longer matches
   hit = eng.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
   cold = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0)
   ref = cold.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
-  assert hit.cached_tokens == 5 * BS and hit.tokens == ref.tokens
-  assert_close(hit.step_logits, ref.step_logits, rel=CHUNK_SHAPE_REL_FP32, what="step logits")
+  assert hit.cached_tokens == 5 * BS and np.array_equal(hit.step_logits, ref.step_logits)
+  # with merge_tail the cold prompt's 4 new tokens share the chunk holding its 5 blocks
+  # (`prefill_cut`) while the hit runs them alone: the same tokens, the logits to rounding
+  merged = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0,
+                     merge_tail=True)
+  got = merged.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
+  assert got.tokens == ref.tokens
+  assert_close(got.step_logits, ref.step_logits, rel=CHUNK_SHAPE_REL_FP32, what="step logits")
 
 
 def test_time_to_first_token_counts_the_wait_for_a_slot(model):
@@ -370,7 +374,7 @@ def test_a_chunk_holding_the_last_full_block_and_the_tail_computes_what_two_chun
   prompt = list(np.random.default_rng(11).integers(0, TINY.vocab_size, 3 * BS + 4))
   got = {}
   for merged in (True, False):
-    eng = sj.Engine(model, lora=lora, slots=1, max_seq=256, block_size=BS)
+    eng = sj.Engine(model, lora=lora, slots=1, max_seq=256, block_size=BS, merge_tail=True)
     assert eng._schedule(0, len(prompt), 3, True) == [(0, 3 * BS + 4, 128, 3 * BS)]
     if not merged:
       eng._schedule = _unmerged(eng._schedule)

@@ -102,7 +102,7 @@ def test_stop_id_ends_the_row_on_the_device(model):
 
 
 def test_warmup_compiles_the_buckets_used(model):
-  eng = sj.Engine(model, slots=1, warmup=[100, 64], **KW)
+  eng = sj.Engine(model, slots=1, warmup=[100, 64], merge_tail=True, **KW)
   programs = lambda: (steps.prefill._cache_size(), steps.prefill_cut._cache_size(),
                       steps.decode_sample._cache_size(), steps.read_kv._cache_size())
   sizes = programs()

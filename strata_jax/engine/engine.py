@@ -233,6 +233,12 @@ class Engine:
       not the host's CPU. On the CPU backend the copies run inline: the device's work runs on
       the host's own threads there, and a second thread issuing transfers stalled a CPU
       process serving two engines (tests/test_server.py, 2026-12-01).
+    merge_tail: opt-in, not yet measured on the GPU: a prompt's tokens after its last full
+      block join the chunk before them when its bucket has room, and that chunk hands back
+      the GDN state at the block from inside (`steps.prefill_cut`): one pass over the
+      weights fewer (`_schedule`). A cache hit then matches a cold run to rounding, not bit
+      for bit. Off by default: with it on, two full CPU test runs of 2026-12-01 hung in
+      tests/test_server.py (every engine thread waiting inside JAX), cause not found.
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
@@ -244,7 +250,7 @@ class Engine:
                warmup: bool | Sequence[int] = False, forms: Forms | None = None,
                control_vector=None, lora_rank: int | None = None, spec: int = 0,
                draft: str | None = None, decode_buckets: bool = False,
-               snapshot_thread: bool | None = None):
+               snapshot_thread: bool | None = None, merge_tail: bool = False):
     self.model, self.n_slots = model, int(slots)
     # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
     pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
@@ -337,6 +343,7 @@ class Engine:
     self._copier = None           # the thread that copies them (started on first use)
     self._snapshot_thread = (jax.default_backend() != "cpu" if snapshot_thread is None
                              else bool(snapshot_thread))
+    self.merge_tail = bool(merge_tail)
     has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
@@ -544,7 +551,8 @@ class Engine:
     if prompt_lengths is None:
       b = self.block_size
       while b <= self.max_chunk:
-        buckets.update({(b, False), (b, True)} if b > self.block_size else {(b, False)})
+        buckets.update({(b, False), (b, True)} if b > self.block_size and self.merge_tail
+                       else {(b, False)})
         b *= 2
     else:
       for n in prompt_lengths:
@@ -652,8 +660,8 @@ class Engine:
     """Prefill chunks [(pos, n, bucket, cut)] for tokens [start, total): as long as max_chunk
     allows, ending where a block's recurrent state is kept (every `state_every` blocks and
     the prompt's last full block) so it can be snapshotted; padded to power-of-two buckets
-    (multiples of the block size). A last chunk shorter than a block joins the chunk before
-    it when that chunk's bucket has room: the state at the last full block then comes from
+    (multiples of the block size). With `merge_tail`, a last chunk shorter than a block joins
+    the chunk before it when that chunk's bucket has room: the state at the last full block then comes from
     inside the chunk (`cut`, its offset there; else None; `steps.prefill_cut`), and the
     prompt makes one pass over the weights fewer (H200, bench-a3b: a chunk costs ~14 ms
     beyond its tokens, results/bench_model.json). The schedule depends on the prompt alone
@@ -675,7 +683,7 @@ class Engine:
         bucket *= 2
       out.append((pos, n, bucket, None))
       pos = end
-    if len(out) > 1 and out[-1][1] < bs and out[-1][0] in cuts:
+    if self.merge_tail and len(out) > 1 and out[-1][1] < bs and out[-1][0] in cuts:
       (p, n, bucket, _), (_, tail, _, _) = out[-2:]
       if n + tail <= bucket:
         out[-2:] = [(p, n + tail, bucket, n)]
