@@ -844,22 +844,17 @@ class Engine:
     it, then cut into blocks)."""
     if self._shared:   # each host read is a broadcast, in the same order on every process
       return
-    if not self._snapshot_thread:   # started here, read by `_store_copied` a round later
-      n = 0
-      while self._snaps and (n == 0 or limit is None or n < limit):
-        item = self._snaps.pop(0)
-        item.payload = [{k: distributed.start_host_copy(a) for k, a in e.items()}
-                        for e in item.payload]
-        self._copying.append(item)
-        n += _snap_bytes(item)
-      return
-    if self._copier is None:
+    if self._snapshot_thread and self._copier is None:
       self._copier = concurrent.futures.ThreadPoolExecutor(
           max_workers=1, thread_name_prefix="strata-prefix-copy")
     n = 0
     while self._snaps and (n == 0 or limit is None or n < limit):
       item = self._snaps.pop(0)
-      item.host = self._copier.submit(_copy_snapshot, item, self.block_size)
+      if self._snapshot_thread:
+        item.host = self._copier.submit(_copy_snapshot, item, self.block_size)
+      else:   # started here, read by `_store_copied` a round later
+        item.payload = [{k: distributed.start_host_copy(a) for k, a in e.items()}
+                        for e in item.payload]
       self._copying.append(item)
       n += _snap_bytes(item)
 
