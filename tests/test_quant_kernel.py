@@ -64,19 +64,24 @@ def bits(arr):
 
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
-@pytest.mark.parametrize("n,dtype", [(17, F32), (1, BF16)], ids=["N17-f32", "N1-bf16"])
-def test_qmatmul_matches_float64_on_stacked_weight(impl, qtype, n, dtype):
+@pytest.mark.parametrize("n,dtype,form", [(17, F32, None), (1, BF16, "rows"),
+                                          (1, BF16, "blocks"), (3, F32, "blocks")],
+                         ids=["N17-f32-dot", "N1-bf16-rows", "N1-bf16-blocks", "N3-f32-blocks"])
+def test_qmatmul_matches_float64_on_stacked_weight(impl, qtype, n, dtype, form):
   """out = 40 over 16-row tiles (ragged); N = 17 over 16-row tiles (ragged; the "dot" form)
-  or N = 1 (the "rows" form)."""
+  or N = 1 / 3 (the GEMV forms: "rows", one sub-block a load, and "blocks", whole blocks)."""
+  if impl == "xla" and form == "blocks" and n == 1:
+    pytest.skip("xla has no forms: N1-bf16-rows covers it")
   qt, w64 = _weight(qtype)
   x = _x(n, qt.shape[-1], dtype)
-  tiles = SMALL_TILES if impl != "xla" else None
+  tiles = dict(SMALL_TILES, form=form) if impl != "xla" else None
   w = jax.device_put(qt)
   got = qmatmul(jnp.asarray(x), w, index=jnp.int32(1), implementation=impl, tiles=tiles)
   assert got.shape == (n, OUT) and got.dtype == x.dtype
-  assert_close(got, _want(x, w64[1]), rel=_tol(dtype), what=f"{impl} {qtype} N{n}")
+  assert_close(got, _want(x, w64[1]), rel=_tol(dtype), what=f"{impl} {qtype} N{n} {form}")
   if impl != "xla" and dtype == BF16:
-    # Same numerics as "xla" (weights rounded to bf16, fp32 sums): only the order differs.
+    # "rows" has "xla"'s numerics (weights rounded to bf16, fp32 sums), "blocks" keeps the
+    # weights exact: within the bf16 tolerance of each other either way.
     want = qmatmul(jnp.asarray(x), w, index=jnp.int32(1), implementation="xla")
     assert_close(got, want, rel=_tol(dtype), what=f"{qtype} kernel vs xla")
 
@@ -129,6 +134,10 @@ LORA_CASES = [("pallas_interpret", "q5_k", "h", F32, "mixed", 18),
               ("pallas_interpret", "q8_0", "h", F32, "all", 18),
               ("pallas_interpret", "q4_k", "h", BF16, "mixed", 3),
               ("pallas_interpret", "q8_0", "a", F32, "mixed", 3),
+              # the default for a few rows: the "blocks" plain call's fp32 sum, then the
+              # delta and the select in XLA (k_split 0: the form's own default)
+              ("pallas_interpret", "q5_k", "h", BF16, "mixed", 3, 0),
+              ("pallas_interpret", "q6_k", "h", F32, "all", 1, 0),
               ("xla", "q5_k", "h", BF16, "mixed", 18), ("xla", "q5_k", "h", F32, "mixed", 18),
               # a base split along `in` (the GPU's default for a few rows and few output tiles):
               # the plain call's fp32 sum, then the delta and the select
@@ -151,8 +160,10 @@ def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_
   a, b, on = _lora(n, qt.shape[-1], OUT, rank, dtype, on_kind)
   tiles = None
   if impl != "xla":  # "rows" form: one row per program; "dot": 16-row tiles, ragged
-    tiles = dict(SMALL_TILES, block_rows=1) if n <= ROWS_MAX else SMALL_TILES
-  if k_split > 1:
+    tiles = dict(SMALL_TILES, block_rows=1, form="rows") if n <= ROWS_MAX else SMALL_TILES
+  if k_split == 0:
+    tiles = dict(SMALL_TILES, form="blocks")
+  elif k_split > 1:
     tiles = dict(tiles, block_in=256, k_split=k_split)
   kw = dict(index=jnp.int32(1), implementation=impl, tiles=tiles)
   got = np.asarray(qmatmul_lora(jnp.asarray(x), w, jnp.asarray(a), jnp.asarray(b),
@@ -194,7 +205,8 @@ def test_lora_rank_scale_table(impl):
                  rank_scale=jnp.asarray(rs), lora_down="a", **kw)
 
 
-@pytest.mark.parametrize("form,n", [("rows", 1), ("rows", 3), ("dot", 17)])
+@pytest.mark.parametrize("form,n", [("rows", 1), ("rows", 3), ("dot", 17), ("blocks", 1),
+                                    ("blocks", 3)])
 @pytest.mark.parametrize("qtype,dtype", [("q4_k", F32), ("q6_k", BF16), ("q8_0", BF16)])
 def test_k_split_partial_sums_match_float64_and_the_unsplit_kernel(qtype, dtype, form, n):
   """k_split programs per output tile each sum a share of `in`: the same result as float64
@@ -272,6 +284,15 @@ def test_experts_sorted_by_expert_equal_the_pairs_in_token_order():
   assert np.array_equal(bits(sorted_), bits(experts(*args, **kw)))   # n * k > E: sorted
 
 
+def test_blocks_form_refuses_a_fused_lora_epilogue():
+  qt, _ = _weight("q4_k")
+  with pytest.raises(ValueError, match="'blocks' form has no LoRA epilogue"):
+    qmatmul_pallas(jnp.ones((1, 2, qt.shape[-1]), F32), flat(jax.device_put(qt)),
+                   jnp.zeros((1,), jnp.int32), qtype="q4_k", d_out=OUT, lora="h",
+                   on=jnp.ones((2,), jnp.int32), h=jnp.ones((2, 8), F32),
+                   b=jnp.ones((OUT, 8), F32), form="blocks", interpret=True)
+
+
 def test_k_split_is_refused_with_the_lora_epilogue():
   qt, _ = _weight("q4_k")
   planes = flat(jax.device_put(qt))
@@ -324,9 +345,13 @@ def test_kernel_rejects_bad_planes_and_tiles():
                    block_out=24, interpret=True)
 
 
-@pytest.mark.parametrize("form", ["rows", "dot"])
-@pytest.mark.parametrize("qtype,dtype,lora", [(q, BF16, "a") for q in QUANT_TYPES]
-                         + [("q4_k", F32, "h"), ("q6_k", BF16, "none")])
+LOWER_CASES = [(q, BF16, "a", f) for q in QUANT_TYPES for f in ("rows", "dot")] + [
+    ("q4_k", F32, "h", "rows"), ("q4_k", F32, "h", "dot"), ("q6_k", BF16, "none", "rows"),
+    ("q6_k", BF16, "none", "dot")] + [(q, dt, "none", "blocks") for q in QUANT_TYPES
+                                      for dt in (BF16, F32)]
+
+
+@pytest.mark.parametrize("qtype,dtype,lora,form", LOWER_CASES)
 def test_kernel_lowers_to_triton_for_the_gpu(qtype, dtype, lora, form):
   """Cross-lowering on CPU: every construct of the kernel has a Pallas Triton lowering rule
   (what the interpreter cannot tell); compiling the Triton IR needs the device."""
@@ -344,8 +369,8 @@ def test_kernel_lowers_to_triton_for_the_gpu(qtype, dtype, lora, form):
 
   if lora == "none":   # the split-K programs and the "active" flag lower too
     f = functools.partial(lambda x, p, i, f0: f0(x, p, i), f0=lambda x, p, i: qmatmul_pallas(
-        x, p, i, qtype=qtype, d_out=OUT, form=form, block_in=256, k_split=2,
-        active=i[0] + 1))
+        x, p, i, qtype=qtype, d_out=OUT, form=form, block_in=256,
+        k_split=1 if qtype == "q8_0" else 2, active=i[0] + 1))  # Q8_0: 3 steps
 
   low = jax.jit(f).trace(jnp.ones((1, 3, d_in), dtype), planes,
                          jnp.zeros((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
@@ -355,6 +380,7 @@ def test_kernel_lowers_to_triton_for_the_gpu(qtype, dtype, lora, form):
 # Compiled on the device: the same contract, larger shapes and both tilings.
 GPU_CASES = [(qt, n, dt, form) for qt in QUANT_TYPES
              for n, dt, form in ((1, BF16, "rows"), (1, BF16, "dot"), (3, BF16, "rows"),
+                                 (1, BF16, "blocks"), (3, BF16, "blocks"), (2, F32, "blocks"),
                                  (8, BF16, "rows"), (8, BF16, "dot"), (32, BF16, "dot"),
                                  (300, BF16, "dot"), (2, F32, "rows"), (5, F32, "dot"))]
 
@@ -374,7 +400,8 @@ def test_gpu_parity(qtype, n, dtype, form):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("qtype", [q for q in QUANT_TYPES if q != "q8_0"])  # 8 steps each
-@pytest.mark.parametrize("n,dtype,form", [(1, BF16, "rows"), (2, F32, "rows"), (5, F32, "dot")])
+@pytest.mark.parametrize("n,dtype,form", [(1, BF16, "rows"), (2, F32, "rows"), (5, F32, "dot"),
+                                          (1, BF16, "blocks"), (2, F32, "blocks")])
 def test_gpu_k_split_parity(qtype, n, dtype, form):
   qt, w64 = _weight(qtype, lead=(3,), out=328, blocks=8, seed=13)
   x = _x(n, qt.shape[-1], dtype)
@@ -393,7 +420,8 @@ def test_gpu_k_split_parity(qtype, n, dtype, form):
                                              (32, BF16, "mixed"), (200, BF16, "mixed"),
                                              (2, F32, "mixed"), (7, F32, "mixed")])
 def test_gpu_lora_off_rows_bit_identical(down, n, dtype, on_kind):
-  """Both forms ("rows" for N <= 4, "dot" above), both LoRA down forms, on the device."""
+  """Every form (N <= 4: "blocks" with the delta in XLA, "dot" above), both LoRA down
+  forms, on the device."""
   qt, w64 = _weight("q4_k", lead=(2,), out=264, blocks=4, seed=12)
   w = jax.device_put(qt)
   x = _x(n, qt.shape[-1], dtype)
@@ -453,3 +481,26 @@ def test_rows_form_expert_tiles_shrink_until_the_grid_has_enough_programs():
   _, bo, _ = tiling_defaults(1, 512, form="rows", groups=10)
   assert bo == 4 and 512 // bo * 10 >= ROWS_MIN_PROGRAMS
   assert tiling_defaults(1, 512, form="rows", interpret=True)[1] == 128  # CPU: big tiles
+
+
+def test_blocks_form_is_the_few_row_default_and_splits_until_the_grid_is_full():
+  """Few rows without a fused epilogue run "blocks"; the LoRA epilogue keeps "rows"; more
+  rows "dot". Compiled "blocks" splits `in` (a power of 2 dividing the steps, at most 8)
+  until the grid has BLOCKS_MIN_PROGRAMS programs."""
+  from pallas_kernels.quant.kernel import (
+      BLOCKS_MIN_PROGRAMS,
+      blocks_defaults,
+      default_form,
+      epilogue_outside,
+  )
+  assert default_form(1) == default_form(ROWS_MAX) == "blocks"
+  assert default_form(2, lora="h") == "rows" and default_form(ROWS_MAX + 1) == "dot"
+  assert epilogue_outside(1, 2048, 4096, "q4_k") and not epilogue_outside(
+      3, 64, 256, "q4_k", form="rows", interpret=True)
+  assert blocks_defaults(2048, 4096, "q4_k") == (16, 512, 4)        # ssm_out: 8 steps
+  assert blocks_defaults(151936, 2048, "q6_k") == (16, 512, 1)      # many tiles
+  assert blocks_defaults(512, 2048, "q4_k", groups=10) == (16, 512, 2)
+  bo, _, ks = blocks_defaults(512, 2048, "q4_k")
+  assert 512 // bo * ks <= BLOCKS_MIN_PROGRAMS and ks == 4         # 4 steps: at most 4
+  assert blocks_defaults(64, 96, "q8_0")[2] == 1                     # 3 blocks: no split
+  assert blocks_defaults(512, 2048, "q4_k", interpret=True) == (128, 2048, 1)

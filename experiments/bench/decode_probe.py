@@ -15,6 +15,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             select, instead of an XLA conditional (Forms.quant_groups="predicated")
   inplace   the projection matrices kept whole, each layer's taken at its index in the scan
             body, not sliced per block as the scan's xs (Forms.dense_weights="in_place")
+  qrows     the quantised GEMVs (a few rows) by the "rows" form, one sub-block a load, as
+            before the "blocks" form (pallas_kernels/quant/gemv.py) became their default
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
             the Pallas kernels that dequantise in place (Forms.quant_impl)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
@@ -102,6 +104,10 @@ def patch(variant: str):
           return getattr(lax, name)
         scan = staticmethod(functools.partial(lax.scan, unroll=True))
       setattr_undo(forward, "lax", _Lax())
+    elif part == "qrows":
+      from pallas_kernels.quant import kernel as qk
+      setattr_undo(qk, "default_form",
+                   lambda m, lora="none": "rows" if m <= qk.ROWS_MAX else "dot")
     elif part in FORM_VARIANTS:
       continue   # variant_cfg
     else:

@@ -10,6 +10,10 @@ call = program time / iters, median of --reps. Shapes run in order of their shar
 
   python experiments/bench/gemv_sweep.py --out experiments/results/device/gemv_sweep.json
   python experiments/bench/gemv_sweep.py --smoke --out /tmp/gemv_sweep.json   # CPU check
+
+--set blocks times the "blocks" form (kernel.py's gemv.py: whole quant blocks a load) at its
+tilings against the "rows" form's defaults and XLA; --rows M runs M activation rows a call
+(decode batch M; the experts keep one row per pair).
 """
 from __future__ import annotations
 
@@ -53,6 +57,19 @@ VARIANTS = [
     {"num_warps": 2, "k_split": 2},
     "xla",
 ]
+BLOCKS_VARIANTS = [
+    {"form": "rows"},
+    {"form": "blocks"},
+    {"form": "blocks", "block_out": 8},
+    {"form": "blocks", "block_out": 32},
+    {"form": "blocks", "block_in": 1024},
+    {"form": "blocks", "block_in": 256},
+    {"form": "blocks", "num_warps": 2},
+    {"form": "blocks", "num_warps": 8},
+    {"form": "blocks", "k_split": 1},
+    {"form": "dot"},
+    "xla",
+]
 
 
 def program(call, n_mats, groups, iters):
@@ -77,6 +94,9 @@ def main(argv=None):
   ap.add_argument("--budget-s", type=float, default=200.0)
   ap.add_argument("--shapes", default="", help="comma-separated names (default: all)")
   ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, toy sizes")
+  ap.add_argument("--set", choices=("rows", "blocks"), default="rows",
+                  help="the variants: the \"rows\" form's tilings, or the \"blocks\" form's")
+  ap.add_argument("--rows", type=int, default=1, help="activation rows a call (not experts)")
   args = ap.parse_args(argv)
   import jax
   import jax.numpy as jnp
@@ -91,14 +111,16 @@ def main(argv=None):
     shapes = [(n, q, min(o, 64), min(i, 512), g) for n, q, o, i, g in shapes[:3]]
     args.iters, args.reps = 2, 1
   res = dict(device=str(jax.devices()[0]), jax=jax.__version__, iters=args.iters,
-             reps=args.reps, results=[])
+             reps=args.reps, set=args.set, rows=args.rows, results=[])
+  variants = BLOCKS_VARIANTS if args.set == "blocks" else VARIANTS
   for name, qtype, d_out, d_in, groups in shapes:
     one = common.random_qtensor(jax.random.key(0), qtype, (1,), d_out, d_in).nbytes
     n_mats = 2 if args.smoke else max(args.iters * groups, -(-256 * 2**20 // one))
     w = common.random_qtensor(jax.random.key(1), qtype, (n_mats,), d_out, d_in)
-    x = jax.random.normal(jax.random.key(2), (groups, 1, d_in), jnp.bfloat16)
+    m = 1 if groups > 1 else args.rows
+    x = jax.random.normal(jax.random.key(2), (groups, m, d_in), jnp.bfloat16)
     planes = flat(w)
-    for v in VARIANTS:
+    for v in variants:
       if time.perf_counter() - t_start > args.budget_s:
         res["out_of_time"] = f"stopped after {args.budget_s} s"
         break
@@ -111,7 +133,9 @@ def main(argv=None):
         call = lambda x, p, idx, v=v: qmatmul_pallas(x, p, idx, qtype=qtype, d_out=d_out,
                                                      **v, **impl_kw)
         wt = planes
-      rec = dict(shape=name, qtype=qtype, out=d_out, d_in=d_in, groups=groups,
+      if isinstance(v, dict) and v.get("form") == "dot" and m < 2:
+        continue
+      rec = dict(shape=name, qtype=qtype, out=d_out, d_in=d_in, groups=groups, rows=m,
                  variant=v if v == "xla" else json.dumps(v, sort_keys=True))
       try:
         prog = program(call, n_mats, groups, args.iters)
@@ -136,10 +160,11 @@ def main(argv=None):
   res["wall_s"] = time.perf_counter() - t_start
   common.write_json(os.path.abspath(args.out), res)
   for k, r in best.items():
-    base = next((x for x in res["results"] if x["shape"] == k and x["variant"] == "{}"
+    base_v = json.dumps(variants[0], sort_keys=True)
+    base = next((x for x in res["results"] if x["shape"] == k and x["variant"] == base_v
                  and "us" in x), None)
     print(f"best {k}: {r['variant']} {r['us']:.1f} us ({r['TBps']:.2f} TB/s)"
-          + (f", default {base['us']:.1f} us" if base else ""))
+          + (f", {base_v} {base['us']:.1f} us" if base else ""))
   return 0
 
 

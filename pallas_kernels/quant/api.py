@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.lora.kernel import dot_policy
-from pallas_kernels.quant.kernel import default_split, qmatmul_pallas
+from pallas_kernels.quant.kernel import epilogue_outside, qmatmul_pallas
 from pallas_kernels.quant.layout import QTensor, flat
 from pallas_kernels.quant.reference import dequantize, select_matrix
 
@@ -162,9 +162,9 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
   if impl == "xla":
     return with_delta(_xla_acc(x, w, index, precision))
   tk = dict(tiles or {})
-  if default_split(n, d_out, d_in, w.qtype, form=tk.get("form"), interpret=impl != "pallas",
-                   block_in=tk.get("block_in"), k_split=tk.get("k_split"))[1] > 1:
-    # The plain call splits `in` here (kernel.split_defaults): the base is that same call's
+  if epilogue_outside(n, d_out, d_in, w.qtype, form=tk.get("form"), interpret=impl != "pallas",
+                      block_in=tk.get("block_in"), k_split=tk.get("k_split")):
+    # The plain call runs the "blocks" form or splits `in` here: the base is that same call's
     # fp32 sum, and the delta and the select follow in XLA, so an off row is `qmatmul`'s.
     return with_delta(qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype,
                                      d_out=d_out, precision=precision, out_dtype=_F32,

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import compensated_add
 from pallas_kernels.lora.kernel import dot_policy, up_product
+from pallas_kernels.quant import gemv
 from pallas_kernels.quant.layout import BLOCK, PLANES
 
 try:  # Deprecated in JAX 0.11 but the Pallas GPU path the other kernels use (lora README).
@@ -363,7 +364,38 @@ def _pow2_at_least(v, lo=_MIN_TILE):
   return max(lo, pl.next_power_of_2(int(v)))
 
 
-ROWS_MAX = 4  # "auto" form: the GEMV ("rows") form up to this many rows per group
+ROWS_MAX = 4  # "auto" form: a GEMV form ("blocks", or "rows" with the LoRA epilogue) up to here
+FORMS = ("dot", "rows", "blocks")
+
+
+def default_form(m, lora="none"):
+  """The form a call without `form=` runs: "blocks" for a few rows (the LoRA epilogue, which
+  "blocks" does not fuse, keeps "rows"), "dot" above ROWS_MAX."""
+  if m > ROWS_MAX:
+    return "dot"
+  return "blocks" if lora == "none" else "rows"
+
+
+BLOCKS_MIN_PROGRAMS = 512  # "blocks": split `in` until the grid has this many programs
+
+
+def blocks_defaults(d_out, d_in, qtype, *, groups=1, interpret=False):
+  """(block_out, block_in, k_split) of the "blocks" form when not given.
+
+  Compiled: 16-row tiles, 512 columns (two K-quant super-blocks, 16 Q8_0 blocks) a loop
+  step, and `in` split (a power of 2 up to 8 dividing the steps) until the grid has
+  BLOCKS_MIN_PROGRAMS programs. Interpret (CPU): big tiles, whole rows a step.
+  """
+  units = d_in // BLOCK[qtype]
+  if interpret:
+    return min(128, _pow2_at_least(d_out)), min(d_in, 2048), 1
+  bo, bk = 16, 512
+  steps = units // _unroll(qtype, d_in, bk)
+  tiles = -(-d_out // bo) * groups
+  ks = 1
+  while ks < 8 and tiles * ks < BLOCKS_MIN_PROGRAMS and steps % (2 * ks) == 0:
+    ks *= 2
+  return bo, bk, ks
 
 
 def tiling_defaults(m, d_out, *, form="dot", interpret=False, groups=1):
@@ -429,12 +461,26 @@ def split_defaults(d_out, d_in, qtype, *, groups=1):
 def default_split(m, d_out, d_in, qtype, *, groups=1, form=None, interpret=False,
                   lora="none", block_in=None, k_split=None):
   """(block_in, k_split) a call with these arguments runs with (None block_in: the tiling's)."""
-  form = form or ("rows" if m <= ROWS_MAX else "dot")
+  form = form or default_form(m, lora)
   if k_split is not None:
     return block_in, int(k_split)
+  if form == "blocks":
+    _, bk, ks = blocks_defaults(d_out, d_in, qtype, groups=groups, interpret=interpret)
+    return block_in or bk, ks
   if form == "rows" and not interpret and lora == "none" and block_in is None:
     return split_defaults(d_out, d_in, qtype, groups=groups)
   return block_in, 1
+
+
+def epilogue_outside(m, d_out, d_in, qtype, *, form=None, interpret=False, block_in=None,
+                     k_split=None):
+  """Whether `qmatmul_lora` adds the LoRA delta in XLA to the plain call's fp32 sum: when
+  that call runs the "blocks" form (no fused epilogue) or splits `in` (the epilogue needs
+  the whole sum). Either way an off row is the plain call's value."""
+  if (form or default_form(m)) == "blocks":
+    return True
+  return default_split(m, d_out, d_in, qtype, form=form, interpret=interpret,
+                       block_in=block_in, k_split=k_split)[1] > 1
 
 
 def _triton_params(num_warps, num_stages):
@@ -482,7 +528,9 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     lora: "none", "a" (x @ A^T inside the kernel) or "h" (h passed in).
     scale: static factor on the LoRA delta.
     form: "dot" (rows padded to tiles >= 16, tl.dot on the tensor cores), "rows" (each of
-      a few rows a GEMV on the CUDA cores, no padding) or None: "rows" for M <= ROWS_MAX.
+      a few rows a GEMV on the CUDA cores, no padding, one sub-block a load), "blocks"
+      (gemv.py: a few rows over whole quant blocks a load, scales outside the inner sums;
+      no LoRA epilogue) or None: `default_form`.
     block_rows: "dot": a power of 2 >= 16; "rows": rows per program (rounded down to a
       divisor of M). block_out: a power of 2 >= 16 (>= 4 in the "rows" form). None:
       `tiling_defaults`.
@@ -512,21 +560,28 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   n_mats = check_planes(planes, qtype, d_out, d_in)
   if idx.shape != (groups,):
     raise ValueError(f"quant kernel: idx {idx.shape} must be [G] = [{groups}]")
-  form = form or ("rows" if m <= ROWS_MAX else "dot")
-  if form not in ("dot", "rows"):
-    raise ValueError(f"quant kernel: form={form!r} is not 'dot' or 'rows'")
+  form = form or default_form(m, lora)
+  if form not in FORMS:
+    raise ValueError(f"quant kernel: form={form!r} is not one of {FORMS}")
+  if form == "blocks" and lora != "none":
+    raise ValueError("quant kernel: the 'blocks' form has no LoRA epilogue "
+                     "(qmatmul_lora adds the delta to its fp32 sum)")
   tiles = [("block_out", block_out), ("block_in", block_in)]
   if form == "dot":
     tiles.append(("block_rows", block_rows))
   elif block_rows is not None and block_rows < 1:
     raise ValueError(f"quant kernel: block_rows={block_rows} must be >= 1")
   for name, v in tiles:
-    lo = _MIN_ROWS_OUT if (form, name) == ("rows", "block_out") else _MIN_TILE
+    lo = _MIN_ROWS_OUT if form != "dot" and name == "block_out" else _MIN_TILE
     if v is not None and (v < lo or v & (v - 1)):
       raise ValueError(f"quant kernel: {name}={v} must be a power of 2 >= {lo}")
   if not interpret and pltriton is None:
     raise RuntimeError("quant kernel: this JAX has no Pallas Triton backend; use 'xla'")
-  bn0, bo0, bk0 = tiling_defaults(m, d_out, form=form, interpret=interpret, groups=groups)
+  if form == "blocks":
+    bo0, bk0, _ = blocks_defaults(d_out, d_in, qtype, groups=groups, interpret=interpret)
+    bn0 = m
+  else:
+    bn0, bo0, bk0 = tiling_defaults(m, d_out, form=form, interpret=interpret, groups=groups)
   bk_split, k_split = default_split(m, d_out, d_in, qtype, groups=groups, form=form,
                                     interpret=interpret, lora=lora, block_in=block_in,
                                     k_split=k_split)
@@ -573,6 +628,13 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   if groups == 0 or m == 0 or d_out == 0:
     return jnp.zeros((groups, m, d_out), od)
   params = None if interpret else _triton_params(num_warps or 4, num_stages or 3)
+  if form == "blocks":
+    y = gemv.blocks_call(x, planes, idx, qtype=qtype, d_out=d_out, block_out=bo,
+                         unroll=unroll, k_split=k_split, cd=cd, out_dtype=od, active=active,
+                         interpret=interpret, compiler_params=params)
+    if k_split > 1:
+      y = jnp.sum(y.reshape(k_split, groups, m, d_out), axis=0).astype(od)
+    return y
   if active is not None:
     t = t._replace(gated=True)
     args = [jnp.reshape(jnp.asarray(active, jnp.int32), (1,)), *args]

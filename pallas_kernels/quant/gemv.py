@@ -1,0 +1,209 @@
+"""Pallas kernel: few-row y = x @ W^T over whole quant blocks (the "blocks" form).
+
+The "rows" form (kernel.py) walks a weight one 32-column sub-block at a time and loads every
+sub-block's scale as its own [bo] vector: ~20 small loads per K-quant super-block and row
+tile, and on the H200 0.05-0.25 TB/s. This form loads, per loop step, U whole units (a Q8_0
+block of 32 weights, a K-quant super-block of 256) of `block_out` rows as one tile per plane,
+shaped by the unit's own structure, and takes the scales out of the inner sum:
+
+    y[o] = sum_units sum_sub (d * s)[o, sub] * (sum_l q[o, sub, l] * x[sub, l])
+                           - (dmin * m)[o, sub] * (sum_l x[sub, l])        (Q4_K / Q5_K)
+
+with q the integer quant value (exact in fp32), x rounded to the compute dtype, the products
+and sums in fp32. The planes are reshaped outside the kernel (free: row-major views) so that
+every load is one N-D tile with no reshapes, slices or shuffles on chip:
+
+    Q8_0  qs [S, out, NB, 32]           d [S, out, NB]
+    Q4_K  qs [S, out, NB, 4, 32]        sc, mn [S, out, NB, 2, 4]   d, dmin [S, out, NB]
+    Q5_K  + qh [S, out, NB, 32]
+    Q6_K  qs [S, out, NB, 4, 2, 16]     qh [S, out, NB, 2, 2, 16]   sc [S, out, NB, 2, 4, 2]
+
+(layout.py: K-quant byte j < 128 holds weight j low, j + 128 high; so "half" h in {0, 1}
+picks the nibble, and x is viewed the same way: [G, M, NB, 2, 4, 32], Q6_K
+[G, M, NB, 2, 4, 2, 16], Q8_0 [G, M, NB, 32].)
+
+Numerics differ from the "rows" form (which rounds each dequantised weight to the compute
+dtype before the product): here the weights stay exact and only the sums round, so a bf16
+result is closer to the float64 product. LoRA is not fused here: `api.qmatmul_lora` adds
+the delta to this kernel's fp32 result with a select, so off rows are `qmatmul`'s.
+
+Grid (out tiles x k_split, G): program (ks * tiles + j, g) reads matrix idx[g] in place (a
+traced layer / expert index; no slice copies) and runs its 1/k_split share of the loop
+steps for all M rows; with k_split > 1 its fp32 partial sum goes to block ks * G + g and the
+caller sums the blocks in a fixed order.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.quant.layout import BLOCK, PLANES
+
+try:  # the Triton lowering, as kernel.py
+  from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+  pltriton = None
+
+_F32 = jnp.float32
+_WHOLE = pl.BlockSpec()
+
+# Trailing shape of each plane per unit, and of x per unit (module docstring).
+UNIT_VIEW = {
+    "q8_0": {"qs": (32,), "d": ()},
+    "q4_k": {"qs": (4, 32), "sc": (2, 4), "mn": (2, 4), "d": (), "dmin": ()},
+    "q5_k": {"qs": (4, 32), "qh": (32,), "sc": (2, 4), "mn": (2, 4), "d": (), "dmin": ()},
+    "q6_k": {"qs": (4, 2, 16), "qh": (2, 2, 16), "sc": (2, 4, 2), "d": ()},
+}
+X_VIEW = {"q8_0": (32,), "q4_k": (2, 4, 32), "q5_k": (2, 4, 32), "q6_k": (2, 4, 2, 16)}
+
+
+class Blocks(NamedTuple):
+  """Static description of one call."""
+  qtype: str
+  groups: int  # G
+  m: int  # rows per group, all in one program
+  units: int  # NB: units per row
+  d_out: int
+  block_out: int  # bo
+  unroll: int  # U: units per loop step
+  k_split: int
+  out_tiles: int
+  cd: object  # x is rounded to this dtype
+  out_dtype: object
+  gated: bool = False
+
+
+def plane_views(planes, qtype, units):
+  """{name: [S, out, cols]} -> the N-D views the kernel indexes (free reshapes)."""
+  return {name: p.reshape(p.shape[0], p.shape[1], units, *UNIT_VIEW[qtype][name])
+          for name, p in planes.items()}
+
+
+def _expand(v, ndim):
+  """[bo] -> [bo, 1, ..., 1] of rank ndim."""
+  return v[(slice(None),) + (None,) * (ndim - 1)]
+
+
+def _sum_to_rows(v):
+  """[bo, ...] -> [bo], one axis at a time (single-axis reductions lower everywhere)."""
+  while v.ndim > 1:
+    v = jnp.sum(v, axis=-1)
+  return v
+
+
+def _kernel(*refs, t: Blocks):
+  pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
+  if t.gated:
+    active_ref, *refs = refs
+    pl.when(active_ref[0] != 0)(lambda: _program(refs, pid, g, t))
+  else:
+    _program(refs, pid, g, t)
+
+
+def _program(refs, pid, g, t: Blocks):
+  names = PLANES[t.qtype]
+  idx_ref, x_ref, *rest = refs
+  planes = dict(zip(names, rest[:len(names)]))
+  o_ref = rest[len(names)]
+  bo, U = t.block_out, t.unroll
+  ks, j = pid // t.out_tiles, pid % t.out_tiles
+  o0 = j * bo
+  o_ok = (o0 + jnp.arange(bo)) < t.d_out if t.d_out % bo else None
+  s = idx_ref[g]
+  n_steps = t.units // U // t.k_split
+
+  # Static indices go in as int32 scalars: the interpreter's load / store discharge rules
+  # reject plain Python ints among the indexers.
+  def load(name, u0, *lead):
+    """[bo, U, *rest] tile of a plane; `lead` fixes the first per-unit dims."""
+    view = planes[name].at[(s, pl.ds(o0, bo), pl.ds(u0, U), *map(jnp.int32, lead))]
+    shape = (bo, U, *UNIT_VIEW[t.qtype][name][len(lead):])
+    if o_ok is None:
+      return view[...]
+    zero = jnp.zeros((), view.dtype)
+    mask = jnp.broadcast_to(_expand(o_ok, len(shape)), shape)
+    if pltriton is None:  # pragma: no cover - interpret-only fallback
+      return jnp.where(mask, view[...], zero)
+    return pltriton.load(view, mask=mask, other=zero)
+
+  def xload(r, u0, *lead):
+    """[U, *rest] of row r of x, rounded to the compute dtype, as fp32."""
+    ix = (g, jnp.int32(r), pl.ds(u0, U), *map(jnp.int32, lead))
+    return x_ref.at[ix][...].astype(t.cd).astype(_F32)
+
+  def body(step, accs):
+    u0 = (ks * n_steps + step) * U
+    accs = list(accs)
+    if t.qtype == "q8_0":
+      q = load("qs", u0).astype(_F32)  # [bo, U, 32]
+      d = load("d", u0).astype(_F32)  # [bo, U]
+      for r in range(t.m):
+        accs[r] = accs[r] + _sum_to_rows(d * jnp.sum(q * xload(r, u0)[None], axis=-1))
+      return tuple(accs)
+    d = load("d", u0).astype(_F32)  # [bo, U]
+    qs = load("qs", u0).astype(jnp.int32)
+    if t.qtype == "q6_k":
+      shifts = (2 * jnp.arange(4, dtype=jnp.int32))[None, None, :, None, None]
+      for h in range(2):
+        v = qs & 15 if h == 0 else qs >> 4  # [bo, U, 4, 2, 16]
+        top = (load("qh", u0, h).astype(jnp.int32)[:, :, None] >> shifts) & 3
+        val = ((v | (top << 4)) - 32).astype(_F32)
+        scale = d[:, :, None, None] * load("sc", u0, h).astype(_F32)  # [bo, U, 4, 2]
+        for r in range(t.m):
+          dot = jnp.sum(val * xload(r, u0, h)[None], axis=-1)
+          accs[r] = accs[r] + _sum_to_rows(scale * dot)
+      return tuple(accs)
+    dmin = load("dmin", u0).astype(_F32)
+    qh = load("qh", u0).astype(jnp.int32)[:, :, None] if t.qtype == "q5_k" else None
+    for half in range(2):
+      v = qs & 15 if half == 0 else qs >> 4  # [bo, U, 4, 32]
+      if qh is not None:  # bit 4 half + k of byte l: the 5th bit of sub-block 4 half + k
+        sh = (4 * half + jnp.arange(4, dtype=jnp.int32))[None, None, :, None]
+        v = v | (((qh >> sh) & 1) << 4)
+      vf = v.astype(_F32)
+      scale = d[:, :, None] * load("sc", u0, half).astype(_F32)  # [bo, U, 4]
+      mins = dmin[:, :, None] * load("mn", u0, half).astype(_F32)
+      for r in range(t.m):
+        xh = xload(r, u0, half)  # [U, 4, 32]
+        dot = jnp.sum(vf * xh[None], axis=-1)  # [bo, U, 4]
+        accs[r] = accs[r] + _sum_to_rows(scale * dot - mins * jnp.sum(xh, axis=-1)[None])
+    return tuple(accs)
+
+  accs = lax.fori_loop(0, n_steps, body, tuple(jnp.zeros((bo,), _F32) for _ in range(t.m)))
+  out = ks * t.groups + g
+  for r in range(t.m):
+    view = o_ref.at[out, jnp.int32(r), pl.ds(o0, bo)]
+    val = accs[r].astype(t.out_dtype)
+    if o_ok is None:
+      view[...] = val
+    elif pltriton is None:  # pragma: no cover
+      view[...] = jnp.where(o_ok, val, view[...])
+    else:
+      pltriton.store(view, val, mask=o_ok)
+
+
+def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd, out_dtype,
+                active=None, interpret=False, compiler_params=None):
+  """[k_split * G, M, out] (fp32 partials when k_split > 1) of the "blocks" form; the caller
+  (kernel.qmatmul_pallas) validates the arguments and sums the partials."""
+  groups, m, d_in = x.shape
+  units = d_in // BLOCK[qtype]
+  n_out = pl.cdiv(d_out, block_out)
+  t = Blocks(qtype=qtype, groups=groups, m=m, units=units, d_out=d_out, block_out=block_out,
+             unroll=unroll, k_split=k_split, out_tiles=n_out, cd=cd,
+             out_dtype=_F32 if k_split > 1 else out_dtype, gated=active is not None)
+  views = plane_views(planes, qtype, units)
+  args = [idx, x.reshape(groups, m, units, *X_VIEW[qtype]), *(views[n] for n in PLANES[qtype])]
+  if active is not None:
+    args = [jnp.reshape(jnp.asarray(active, jnp.int32), (1,)), *args]
+  return pl.pallas_call(
+      functools.partial(_kernel, t=t),
+      grid=(n_out * k_split, groups),
+      out_shape=jax.ShapeDtypeStruct((k_split * groups, m, d_out), t.out_dtype),
+      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
+      interpret=interpret, compiler_params=compiler_params, name=f"qgemv_{qtype}",
+  )(*args)
+
