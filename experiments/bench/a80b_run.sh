@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the device, one call (~9 min): write the 80B-A3B Q4_K_M file, time the device program at
-# batch 1 with the quant groups switched and predicated (decode_probe), then load it through
+# batch 1 with the quant groups switched and predicated (decode_probe; VARIANTS= other variants), then load it through
 # the Engine with the faster form and decode at batch 1 and 8, adapter on and off (load_80b).
 # Results in $OUT.
 set -uo pipefail
@@ -9,7 +9,7 @@ t0=$(date +%s)
 python3 experiments/bench/make_gguf.py --geometry qwen3next-80b-a3b --quant q4_k_m \
   --out /tmp/a80b.gguf --no-progress 2>&1 | tail -2
 echo "gguf written $(( $(date +%s) - t0 )) s"
-timeout 170 python3 experiments/bench/decode_probe.py --gguf /tmp/a80b.gguf --variants base,qpred \
+timeout 170 python3 experiments/bench/decode_probe.py --gguf /tmp/a80b.gguf --variants ${VARIANTS:-base,qpred} \
   --batches 1 --n_steps 8 --reps 3 --out $OUT/decode_probe_a80b.json 2>&1 | grep '"variant"' | cut -c1-300
 echo "probe done $(( $(date +%s) - t0 )) s"
 FORMS=$(python3 - "$OUT/decode_probe_a80b.json" <<'PY'
