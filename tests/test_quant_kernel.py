@@ -134,10 +134,14 @@ LORA_CASES = [("pallas_interpret", "q5_k", "h", F32, "mixed", 18),
               ("pallas_interpret", "q8_0", "h", F32, "all", 18),
               ("pallas_interpret", "q4_k", "h", BF16, "mixed", 3),
               ("pallas_interpret", "q8_0", "a", F32, "mixed", 3),
-              # the default for a few rows: the "blocks" plain call's fp32 sum, then the
-              # delta and the select in XLA (k_split 0: the form's own default)
-              ("pallas_interpret", "q5_k", "h", BF16, "mixed", 3, 0),
-              ("pallas_interpret", "q6_k", "h", F32, "all", 1, 0),
+              # the default for a few rows, "blocks": the delta from h added in the kernel
+              # (to the first share's partial when `in` is split); from A ("a"), the plain
+              # call's fp32 sum and the delta and the select in XLA
+              ("pallas_interpret", "q5_k", "h", BF16, "mixed", 3, 1, "blocks"),
+              ("pallas_interpret", "q6_k", "h", F32, "all", 1, 1, "blocks"),
+              ("pallas_interpret", "q4_k", "h", F32, "mixed", 4, 2, "blocks"),
+              ("pallas_interpret", "q8_0", "h", BF16, "none", 2, 1, "blocks"),
+              ("pallas_interpret", "q4_k", "a", BF16, "mixed", 3, 1, "blocks"),
               ("xla", "q5_k", "h", BF16, "mixed", 18), ("xla", "q5_k", "h", F32, "mixed", 18),
               # a base split along `in` (the GPU's default for a few rows and few output tiles):
               # the plain call's fp32 sum, then the delta and the select
@@ -145,14 +149,14 @@ LORA_CASES = [("pallas_interpret", "q5_k", "h", F32, "mixed", 18),
               ("pallas_interpret", "q6_k", "h", BF16, "mixed", 2, 2)]
 
 
-LORA_CASES = [c if len(c) == 7 else (*c, 1) for c in LORA_CASES]
+LORA_CASES = [(*c, *(1, None)[len(c) - 6:]) for c in LORA_CASES]  # (.., k_split, form)
 
 
-@pytest.mark.parametrize("impl,qtype,down,dtype,on_kind,n,k_split", LORA_CASES,
+@pytest.mark.parametrize("impl,qtype,down,dtype,on_kind,n,k_split,form", LORA_CASES,
                          ids=["-".join(map(str, (*c[:3], np.dtype(c[3]).name, *c[4:])))
                               for c in LORA_CASES])
 def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_kind, n,
-                                                   k_split):
+                                                   k_split, form):
   rank, scale = 12, 0.5
   qt, w64 = _weight(qtype)
   w = jax.device_put(qt)
@@ -161,8 +165,10 @@ def test_lora_off_rows_bit_identical_on_rows_match(impl, qtype, down, dtype, on_
   tiles = None
   if impl != "xla":  # "rows" form: one row per program; "dot": 16-row tiles, ragged
     tiles = dict(SMALL_TILES, block_rows=1, form="rows") if n <= ROWS_MAX else SMALL_TILES
-  if k_split == 0:
-    tiles = dict(SMALL_TILES, form="blocks")
+  if form == "blocks":
+    tiles = dict(SMALL_TILES, form="blocks", k_split=k_split)
+    if k_split > 1:
+      tiles["block_in"] = 256
   elif k_split > 1:
     tiles = dict(tiles, block_in=256, k_split=k_split)
   kw = dict(index=jnp.int32(1), implementation=impl, tiles=tiles)
@@ -284,16 +290,17 @@ def test_experts_sorted_by_expert_equal_the_pairs_in_token_order():
   assert np.array_equal(bits(sorted_), bits(experts(*args, **kw)))   # n * k > E: sorted
 
 
-def test_blocks_form_refuses_a_fused_lora_epilogue():
+def test_blocks_form_refuses_the_lora_epilogue_from_a():
   qt, _ = _weight("q4_k")
-  with pytest.raises(ValueError, match="'blocks' form has no LoRA epilogue"):
+  with pytest.raises(ValueError, match="epilogue takes h"):
     qmatmul_pallas(jnp.ones((1, 2, qt.shape[-1]), F32), flat(jax.device_put(qt)),
-                   jnp.zeros((1,), jnp.int32), qtype="q4_k", d_out=OUT, lora="h",
-                   on=jnp.ones((2,), jnp.int32), h=jnp.ones((2, 8), F32),
+                   jnp.zeros((1,), jnp.int32), qtype="q4_k", d_out=OUT, lora="a",
+                   on=jnp.ones((2,), jnp.int32), a=jnp.ones((8, qt.shape[-1]), F32),
                    b=jnp.ones((OUT, 8), F32), form="blocks", interpret=True)
 
 
-def test_k_split_is_refused_with_the_lora_epilogue():
+def test_k_split_is_refused_with_the_lora_epilogue_of_rows_and_dot():
+  """Their epilogue needs the whole sum ("blocks" adds it to the first share's partial)."""
   qt, _ = _weight("q4_k")
   planes = flat(jax.device_put(qt))
   d_in = qt.shape[-1]
@@ -301,7 +308,7 @@ def test_k_split_is_refused_with_the_lora_epilogue():
     qmatmul_pallas(jnp.ones((1, 2, d_in), F32), planes, jnp.zeros((1,), jnp.int32),
                    qtype="q4_k", d_out=OUT, lora="h", on=jnp.ones((2,), jnp.int32),
                    h=jnp.ones((2, 8), F32), b=jnp.ones((OUT, 8), F32), k_split=2,
-                   block_in=256, interpret=True)
+                   block_in=256, form="rows", interpret=True)
 
 
 @pytest.mark.parametrize("impl", CPU_IMPLS)
@@ -348,7 +355,8 @@ def test_kernel_rejects_bad_planes_and_tiles():
 LOWER_CASES = [(q, BF16, "a", f) for q in QUANT_TYPES for f in ("rows", "dot")] + [
     ("q4_k", F32, "h", "rows"), ("q4_k", F32, "h", "dot"), ("q6_k", BF16, "none", "rows"),
     ("q6_k", BF16, "none", "dot")] + [(q, dt, "none", "blocks") for q in QUANT_TYPES
-                                      for dt in (BF16, F32)]
+                                      for dt in (BF16, F32)] + [("q5_k", BF16, "h", "blocks"),
+                                                                ("q8_0", F32, "h", "blocks")]
 
 
 @pytest.mark.parametrize("qtype,dtype,lora,form", LOWER_CASES)
@@ -484,8 +492,7 @@ def test_rows_form_expert_tiles_shrink_until_the_grid_has_enough_programs():
 
 
 def test_blocks_form_is_the_few_row_default_and_splits_until_the_grid_is_full():
-  """Few rows without a fused epilogue run "blocks"; the LoRA epilogue keeps "rows"; more
-  rows "dot". Compiled "blocks" splits `in` (a power of 2 dividing the steps, at most 8)
+  """Few rows run "blocks" (the LoRA epilogue from A keeps "rows"); more rows "dot". Compiled "blocks" splits `in` (a power of 2 dividing the steps, at most 8)
   until the grid has BLOCKS_MIN_PROGRAMS programs."""
   from pallas_kernels.quant.kernel import (
       BLOCKS_MIN_PROGRAMS,
@@ -493,10 +500,12 @@ def test_blocks_form_is_the_few_row_default_and_splits_until_the_grid_is_full():
       default_form,
       epilogue_outside,
   )
-  assert default_form(1) == default_form(ROWS_MAX) == "blocks"
-  assert default_form(2, lora="h") == "rows" and default_form(ROWS_MAX + 1) == "dot"
-  assert epilogue_outside(1, 2048, 4096, "q4_k") and not epilogue_outside(
-      3, 64, 256, "q4_k", form="rows", interpret=True)
+  assert default_form(1) == default_form(ROWS_MAX, lora="h") == "blocks"
+  assert default_form(2, lora="a") == "rows" and default_form(ROWS_MAX + 1) == "dot"
+  assert not epilogue_outside(1, 2048, 4096, "q4_k")        # split, fused in the ks = 0 share
+  assert epilogue_outside(1, 2048, 4096, "q4_k", lora_down="a")
+  assert epilogue_outside(1, 2048, 4096, "q4_k", form="rows")        # a split "rows" call
+  assert not epilogue_outside(3, 64, 256, "q4_k", form="rows", interpret=True)
   assert blocks_defaults(2048, 4096, "q4_k") == (16, 512, 4)        # ssm_out: 8 steps
   assert blocks_defaults(151936, 2048, "q6_k") == (16, 512, 1)      # many tiles
   assert blocks_defaults(512, 2048, "q4_k", groups=10) == (16, 512, 2)

@@ -163,9 +163,10 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
     return with_delta(_xla_acc(x, w, index, precision))
   tk = dict(tiles or {})
   if epilogue_outside(n, d_out, d_in, w.qtype, form=tk.get("form"), interpret=impl != "pallas",
-                      block_in=tk.get("block_in"), k_split=tk.get("k_split")):
-    # The plain call runs the "blocks" form or splits `in` here: the base is that same call's
-    # fp32 sum, and the delta and the select follow in XLA, so an off row is `qmatmul`'s.
+                      block_in=tk.get("block_in"), k_split=tk.get("k_split"),
+                      lora_down=lora_down):
+    # The plain call's form cannot fuse this epilogue: the base is that same call's fp32
+    # sum, and the delta and the select follow in XLA, so an off row is `qmatmul`'s.
     return with_delta(qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype,
                                      d_out=d_out, precision=precision, out_dtype=_F32,
                                      active=active, **_kernel_kw(impl, tiles))[0])

@@ -24,8 +24,12 @@ picks the nibble, and x is viewed the same way: [G, M, NB, 2, 4, 32], Q6_K
 
 Numerics differ from the "rows" form (which rounds each dequantised weight to the compute
 dtype before the product): here the weights stay exact and only the sums round, so a bf16
-result is closer to the float64 product. LoRA is not fused here: `api.qmatmul_lora` adds
-the delta to this kernel's fp32 result with a select, so off rows are `qmatmul`'s.
+result is closer to the float64 product.
+
+LoRA epilogue (`lora=True`, h = x A^T passed in): the program that sums the first share of
+`in` (ks = 0) adds scale * B h to the rows whose switch is on, a select after the K loop, so
+an off row's partial sums, and the XLA sum over them, are the plain call's bit for bit. A
+program whose rows are all off, or with ks > 0, skips the B loads (`lax.cond`).
 
 Grid (out tiles x k_split, G): program (ks * tiles + j, g) reads matrix idx[g] in place (a
 traced layer / expert index; no slice copies) and runs its 1/k_split share of the loop
@@ -74,6 +78,10 @@ class Blocks(NamedTuple):
   cd: object  # x is rounded to this dtype
   out_dtype: object
   gated: bool = False
+  lora: bool = False
+  rank: int = 0
+  rank_pad: int = 0
+  scale: float = 1.0
 
 
 def plane_views(planes, qtype, units):
@@ -107,7 +115,11 @@ def _program(refs, pid, g, t: Blocks):
   names = PLANES[t.qtype]
   idx_ref, x_ref, *rest = refs
   planes = dict(zip(names, rest[:len(names)]))
-  o_ref = rest[len(names)]
+  rest = rest[len(names):]
+  if t.lora:
+    on_ref, h_ref, b_ref, o_ref = rest
+  else:
+    (o_ref,) = rest
   bo, U = t.block_out, t.unroll
   ks, j = pid // t.out_tiles, pid % t.out_tiles
   o0 = j * bo
@@ -173,6 +185,8 @@ def _program(refs, pid, g, t: Blocks):
     return tuple(accs)
 
   accs = lax.fori_loop(0, n_steps, body, tuple(jnp.zeros((bo,), _F32) for _ in range(t.m)))
+  if t.lora:
+    accs = _lora_epilogue(accs, on_ref, h_ref, b_ref, ks, o0, o_ok, t)
   out = ks * t.groups + g
   for r in range(t.m):
     view = o_ref.at[out, jnp.int32(r), pl.ds(o0, bo)]
@@ -185,18 +199,63 @@ def _program(refs, pid, g, t: Blocks):
       pltriton.store(view, val, mask=o_ok)
 
 
+def _lora_epilogue(accs, on_ref, h_ref, b_ref, ks, o0, o_ok, t: Blocks):
+  """accs[r] + scale * B h[r] where row r's switch is on (in the ks = 0 program only)."""
+  rp = t.rank_pad
+  r_in = (jnp.arange(rp) < t.rank) if t.rank != rp else None
+  ons = [on_ref[jnp.int32(r)] != 0 for r in range(t.m)]
+  any_on = ons[0]
+  for v in ons[1:]:
+    any_on = any_on | v
+
+  def masked(view, mask):
+    if mask is None:
+      return view[...]
+    zero = jnp.zeros((), view.dtype)
+    if pltriton is None:  # pragma: no cover
+      return jnp.where(mask, view[...], zero)
+    return pltriton.load(view, mask=mask, other=zero)
+
+  def with_delta(accs):
+    mask = None
+    if o_ok is not None or r_in is not None:
+      rows = o_ok if o_ok is not None else jnp.ones((t.block_out,), jnp.bool_)
+      cols = r_in if r_in is not None else jnp.ones((rp,), jnp.bool_)
+      mask = rows[:, None] & cols[None, :]
+    bt = masked(b_ref.at[pl.ds(o0, t.block_out), pl.ds(0, rp)], mask).astype(_F32)
+    out = []
+    for r in range(t.m):
+      h = masked(h_ref.at[jnp.int32(r), pl.ds(0, rp)], r_in).astype(_F32)  # [Rp]
+      delta = jnp.sum(bt * h[None, :], axis=1)  # [bo]
+      if t.scale != 1.0:
+        delta = delta * t.scale
+      # A select, never acc + 0 * delta: off rows keep the plain kernel's bits.
+      out.append(jnp.where(ons[r], accs[r] + delta, accs[r]))
+    return tuple(out)
+
+  return lax.cond(any_on & (ks == 0), with_delta, lambda a: tuple(a), tuple(accs))
+
+
 def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd, out_dtype,
-                active=None, interpret=False, compiler_params=None):
+                active=None, interpret=False, compiler_params=None, on=None, h=None, b=None,
+                scale=1.0):
   """[k_split * G, M, out] (fp32 partials when k_split > 1) of the "blocks" form; the caller
-  (kernel.qmatmul_pallas) validates the arguments and sums the partials."""
+  (kernel.qmatmul_pallas) validates the arguments and sums the partials. With `on` [M], `h`
+  [M, R] fp32 and `b` [out, R]: the LoRA epilogue (G must be 1)."""
   groups, m, d_in = x.shape
   units = d_in // BLOCK[qtype]
   n_out = pl.cdiv(d_out, block_out)
   t = Blocks(qtype=qtype, groups=groups, m=m, units=units, d_out=d_out, block_out=block_out,
              unroll=unroll, k_split=k_split, out_tiles=n_out, cd=cd,
              out_dtype=_F32 if k_split > 1 else out_dtype, gated=active is not None)
+  if on is not None:
+    rank = b.shape[1]
+    t = t._replace(lora=True, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
+                   scale=float(scale))
   views = plane_views(planes, qtype, units)
   args = [idx, x.reshape(groups, m, units, *X_VIEW[qtype]), *(views[n] for n in PLANES[qtype])]
+  if on is not None:
+    args += [on.astype(jnp.int32), h.astype(_F32), b]
   if active is not None:
     args = [jnp.reshape(jnp.asarray(active, jnp.int32), (1,)), *args]
   return pl.pallas_call(

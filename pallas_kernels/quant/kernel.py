@@ -369,11 +369,11 @@ FORMS = ("dot", "rows", "blocks")
 
 
 def default_form(m, lora="none"):
-  """The form a call without `form=` runs: "blocks" for a few rows (the LoRA epilogue, which
-  "blocks" does not fuse, keeps "rows"), "dot" above ROWS_MAX."""
+  """The form a call without `form=` runs: "blocks" for a few rows (with the LoRA epilogue
+  from h; x @ A^T inside the K loop, lora="a", keeps "rows"), "dot" above ROWS_MAX."""
   if m > ROWS_MAX:
     return "dot"
-  return "blocks" if lora == "none" else "rows"
+  return "rows" if lora == "a" else "blocks"
 
 
 BLOCKS_MIN_PROGRAMS = 512  # "blocks": split `in` until the grid has this many programs
@@ -473,12 +473,14 @@ def default_split(m, d_out, d_in, qtype, *, groups=1, form=None, interpret=False
 
 
 def epilogue_outside(m, d_out, d_in, qtype, *, form=None, interpret=False, block_in=None,
-                     k_split=None):
+                     k_split=None, lora_down="h"):
   """Whether `qmatmul_lora` adds the LoRA delta in XLA to the plain call's fp32 sum: when
-  that call runs the "blocks" form (no fused epilogue) or splits `in` (the epilogue needs
-  the whole sum). Either way an off row is the plain call's value."""
+  that call runs the "blocks" form and the delta is asked from A (lora_down="a", which only
+  "rows" and "dot" fuse), or another form that splits `in` (their epilogue needs the whole
+  sum; "blocks" adds it to the first share's partial). Either way an off row is the plain
+  call's value."""
   if (form or default_form(m)) == "blocks":
-    return True
+    return lora_down != "h"
   return default_split(m, d_out, d_in, qtype, form=form, interpret=interpret,
                        block_in=block_in, k_split=k_split)[1] > 1
 
@@ -530,7 +532,7 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     form: "dot" (rows padded to tiles >= 16, tl.dot on the tensor cores), "rows" (each of
       a few rows a GEMV on the CUDA cores, no padding, one sub-block a load), "blocks"
       (gemv.py: a few rows over whole quant blocks a load, scales outside the inner sums;
-      no LoRA epilogue) or None: `default_form`.
+      LoRA epilogue from h only) or None: `default_form`.
     block_rows: "dot": a power of 2 >= 16; "rows": rows per program (rounded down to a
       divisor of M). block_out: a power of 2 >= 16 (>= 4 in the "rows" form). None:
       `tiling_defaults`.
@@ -563,9 +565,9 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   form = form or default_form(m, lora)
   if form not in FORMS:
     raise ValueError(f"quant kernel: form={form!r} is not one of {FORMS}")
-  if form == "blocks" and lora != "none":
-    raise ValueError("quant kernel: the 'blocks' form has no LoRA epilogue "
-                     "(qmatmul_lora adds the delta to its fp32 sum)")
+  if form == "blocks" and lora == "a":
+    raise ValueError("quant kernel: the 'blocks' form's LoRA epilogue takes h (lora='h'), "
+                     "not A")
   tiles = [("block_out", block_out), ("block_in", block_in)]
   if form == "dot":
     tiles.append(("block_rows", block_rows))
@@ -600,7 +602,7 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   if k_split < 1 or k_split & (k_split - 1) or (units // unroll) % k_split:
     raise ValueError(f"quant kernel: k_split={k_split} must be a power of 2 dividing the "
                      f"{units // unroll} loop steps")
-  if k_split > 1 and lora != "none":
+  if k_split > 1 and lora != "none" and form != "blocks":
     raise ValueError("quant kernel: k_split needs lora='none' (the epilogue needs the sum)")
   n_out = pl.cdiv(d_out, bo)
   t = Tiling(qtype=qtype, groups=groups, m=m, d_in=d_in, d_out=d_out, block_rows=bn,
@@ -629,9 +631,10 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     return jnp.zeros((groups, m, d_out), od)
   params = None if interpret else _triton_params(num_warps or 4, num_stages or 3)
   if form == "blocks":
+    lora_kw = {} if lora == "none" else dict(on=args[-3], h=args[-2], b=args[-1], scale=scale)
     y = gemv.blocks_call(x, planes, idx, qtype=qtype, d_out=d_out, block_out=bo,
                          unroll=unroll, k_split=k_split, cd=cd, out_dtype=od, active=active,
-                         interpret=interpret, compiler_params=params)
+                         interpret=interpret, compiler_params=params, **lora_kw)
     if k_split > 1:
       y = jnp.sum(y.reshape(k_split, groups, m, d_out), axis=0).astype(od)
     return y
