@@ -70,7 +70,11 @@ CHOICES: dict[str, tuple] = {
     # xs; "in_place" = passed whole, each layer's matrix taken at its traced layer index in the
     # scan body (the H200's decode program copied the scanned qkv slices, 12 copies and ~600 us
     # a bench-a3b step: experiments/results/device/hlo/). Same numbers either way.
-    "dense_weights": ("scan", "in_place"),
+    # "kernel" = passed whole, and a decode step's few rows (<= 4) multiplied by the "blocks"
+    # GEMV kernel reading the layer's matrix in place (`pallas_kernels.quant.dense_matmul`,
+    # by `quant_impl`: the kernel on the GPU, XLA elsewhere); the numbers to summation order.
+    # Not yet timed on the H200.
+    "dense_weights": ("scan", "in_place", "kernel"),
 }
 
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from model_fixtures import TINY, random_lora, tiny_model
+from tolerances import DENSE_GEMV_REL_FP32, assert_close
 
 import strata_jax as sj
 from strata_jax import steps
@@ -83,6 +84,38 @@ def test_float32_programs_ask_for_full_fp32_dots_unless_tf32_is_named():
   assert any("HIGHEST" not in line for line in tf32), "tf32 leaves the model's dots reduced"
 
 
+def _decode_jaxpr(model, forms):
+  cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), jnp.float32))
+  return str(jax.make_jaxpr(lambda p, s: steps.decode(
+      cfg, p, empty_lora(cfg), s, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+      jnp.ones(1, jnp.int32)))(model.params, init_state(cfg, 1, 64)))
+
+
+def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit_identical():
+  """`dense_weights="kernel"` (the GEMV kernel, under the interpreter here, reads each layer's
+  matrix in place at decode): the prompt (too many rows for the kernel: XLA on the indexed
+  matrix) is the scanned form's bit for bit, decode steps within fp32 summation order with
+  the same tokens, and the adapter switched off is the no-adapter engine of the same forms
+  bit for bit."""
+  model = tiny_model()
+  lora = random_lora()
+  prompt = list(range(3, 70))
+  kernel = Forms(dense_weights="kernel", quant_impl="pallas_interpret")
+  assert "qgemv_dense" in _decode_jaxpr(model, kernel)
+  assert "qgemv_dense" not in _decode_jaxpr(model, Forms(dense_weights="in_place"))
+  run = lambda forms, lo, on: sj.Engine(model, lora=lo, slots=1, max_seq=128, block_size=32,
+                                        forms=forms).generate(
+      tokens=prompt, max_tokens=4, return_logits=True, return_step_logits=True, lora=on)
+  for on in (False, True):
+    ref, got = run(Forms(), lora, on), run(kernel, lora, on)
+    assert np.array_equal(got.prompt_logits, ref.prompt_logits)
+    assert got.tokens == ref.tokens
+    assert_close(got.step_logits, ref.step_logits, rel=DENSE_GEMV_REL_FP32,
+                 what=f"kernel decode, adapter {'on' if on else 'off'}")
+  off, bare = run(kernel, lora, False), run(kernel, None, None)
+  assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
+
+
 def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_matrix():
   """`dense_weights="in_place"`: the projection matrices are not the layer scan's xs (no
   per-block slice of them to copy) but taken at each layer's index in the body; the prompt
@@ -102,12 +135,7 @@ def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_ma
     assert np.array_equal(a.step_logits, b.step_logits)
   assert not np.array_equal(outs["scan"][0].prompt_logits, outs["scan"][1].prompt_logits)
 
-  def decode_jaxpr(form):
-    cfg = dataclasses.replace(TINY, forms=Forms(dense_weights=form).resolve(
-        jax.default_backend(), jnp.float32))
-    return str(jax.make_jaxpr(lambda p, s: steps.decode(
-        cfg, p, empty_lora(cfg), s, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
-        jnp.ones(1, jnp.int32)))(model.params, init_state(cfg, 1, 64)))
+  decode_jaxpr = lambda form: _decode_jaxpr(model, Forms(dense_weights=form))
   qkv = model.params.layers.gdn.qkv                 # [6, C, D]: 2 blocks of 3 GDN layers
   blocked = "f32[2,3,{},{}]".format(*qkv.shape[1:])
   assert blocked in decode_jaxpr("scan") and blocked not in decode_jaxpr("in_place")

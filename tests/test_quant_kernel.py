@@ -513,3 +513,59 @@ def test_blocks_form_is_the_few_row_default_and_splits_until_the_grid_is_full():
   assert 512 // bo * ks <= BLOCKS_MIN_PROGRAMS and ks == 4         # 4 steps: at most 4
   assert blocks_defaults(64, 96, "q8_0")[2] == 1                     # 3 blocks: no split
   assert blocks_defaults(512, 2048, "q4_k", interpret=True) == (128, 2048, 1)
+
+
+# The "blocks" GEMV over a plain float weight stack (Forms.dense_weights="kernel").
+@pytest.mark.parametrize("n,dtype,k_split", [(1, F32, 1), (3, BF16, 1), (2, F32, 3),
+                                             (4, BF16, 3)])
+def test_dense_gemv_reads_the_indexed_matrix_and_matches_float64(n, dtype, k_split):
+  """Stack [2, 3, 40, 96]: matrix 1 * 3 + 2 at a traced index, out ragged over 16-row
+  tiles, one 32-column unit a step (k_split shares of 3 steps)."""
+  from pallas_kernels.quant import dense_matmul
+  rng = np.random.default_rng(3)
+  w = np.asarray(jnp.asarray(rng.standard_normal((2, 3, OUT, 96)), dtype))
+  x = _x(n, 96, dtype)
+  f = jax.jit(lambda x, w, i: dense_matmul(x, w, i, implementation="pallas_interpret", tiles=dict(
+      block_out=16, block_in=32, k_split=k_split)))
+  got = f(jnp.asarray(x), jnp.asarray(w), jnp.int32(5))
+  assert got.shape == (n, OUT) and got.dtype == x.dtype
+  assert_close(got, _want(x, np.asarray(w[1, 2], np.float64)), rel=_tol(dtype),
+               what=f"dense gemv N{n} {np.dtype(dtype).name}")
+  assert "qgemv_dense" in str(jax.make_jaxpr(f)(jnp.asarray(x), jnp.asarray(w), jnp.int32(5)))
+  if k_split == 1:
+    with pytest.raises(ValueError, match="k_split=2 does not divide"):
+      dense_matmul(jnp.asarray(x), jnp.asarray(w), jnp.int32(5),
+                   implementation="pallas_interpret", tiles=dict(block_in=32, k_split=2))
+
+
+def test_dense_gemv_leaves_many_rows_and_odd_widths_to_xla():
+  """More than ROWS_MAX rows, or `in` not a multiple of 32: the XLA reference, bit for bit."""
+  from pallas_kernels.quant import dense_matmul, dense_reference
+  rng = np.random.default_rng(4)
+  for n, d_in in ((ROWS_MAX + 1, 64), (2, 48)):
+    w = jnp.asarray(rng.standard_normal((3, 24, d_in)), F32)
+    x = jnp.asarray(rng.standard_normal((n, d_in)), F32)
+    got = dense_matmul(x, w, jnp.int32(2), implementation="pallas_interpret")
+    assert np.array_equal(bits(got), bits(dense_reference(x, w, jnp.int32(2))))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_dense_gemv_lowers_to_triton_for_the_gpu(dtype):
+  from pallas_kernels.quant.gemv import dense_call
+  f = lambda x, w, i: dense_call(x, w, i, k_split=2)
+  low = jax.jit(f).trace(jnp.ones((1, 2, 1024), dtype), jnp.ones((3, OUT, 1024), dtype),
+                         jnp.zeros((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n,dtype", [(1, BF16), (4, BF16), (2, F32)])
+def test_gpu_dense_gemv(n, dtype):
+  from pallas_kernels.quant import dense_matmul
+  rng = np.random.default_rng(5)
+  w = np.asarray(jnp.asarray(rng.standard_normal((4, 328, 2048)), dtype))
+  x = _x(n, 2048, dtype)
+  got = dense_matmul(jnp.asarray(x), jnp.asarray(w), jnp.int32(3), implementation="pallas")
+  assert_close(got, _want(x, np.asarray(w[3], np.float64)), rel=_tol(dtype),
+               what=f"gpu dense gemv N{n}")

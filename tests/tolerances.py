@@ -41,3 +41,6 @@ SPEC_STATE_REL_FP32 = 1e-5
 # another row count round some sums differently (tests/test_engine.py: padding only the last
 # chunk to 128 rows instead of 32 moves the tiny model's logits by up to 6.3e-6).
 CHUNK_SHAPE_REL_FP32 = 1e-5
+# Dense projections by the in-place GEMV kernel (fp32 sums in another order) against XLA's dot,
+# fp32 logits, max abs over max |want| (Forms.dense_weights="kernel"; tests/test_forms.py).
+DENSE_GEMV_REL_FP32 = 1e-5

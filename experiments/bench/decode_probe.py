@@ -15,6 +15,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             select, instead of an XLA conditional (Forms.quant_groups="predicated")
   inplace   the projection matrices kept whole, each layer's taken at its index in the scan
             body, not sliced per block as the scan's xs (Forms.dense_weights="in_place")
+  dgemv     the same, a decode step's few rows multiplied by the "blocks" GEMV kernel
+            reading each layer's matrix in place (Forms.dense_weights="kernel")
   qrows     the quantised GEMVs (a few rows) by the "rows" form, one sub-block a load, as
             before the "blocks" form (pallas_kernels/quant/gemv.py) became their default
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
@@ -63,6 +65,7 @@ FORM_VARIANTS = {
     "qpallas": {"quant_impl": "pallas"},
     "qpred": {"quant_groups": "predicated"},
     "inplace": {"dense_weights": "in_place"},
+    "dgemv": {"dense_weights": "kernel"},
 }
 
 

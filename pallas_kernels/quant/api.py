@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.lora.kernel import dot_policy
-from pallas_kernels.quant.kernel import epilogue_outside, qmatmul_pallas
+from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, triton_params
+from pallas_kernels.quant.kernel import ROWS_MAX, epilogue_outside, qmatmul_pallas
 from pallas_kernels.quant.layout import QTensor, flat
 from pallas_kernels.quant.reference import dequantize, select_matrix
 
@@ -102,6 +103,39 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
   y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=w.shape[-2],
                      precision=precision, active=active, **_kernel_kw(impl, tiles))
   return y[0]
+
+
+def dense_reference(x, stack, index):
+  """x [N, in] @ stack[index]^T, the XLA path of `dense_matmul`: the matrix taken at the
+  (traced) index, one dot returning x's dtype (fp32 accumulation), as the model's `linear`."""
+  w = lax.dynamic_index_in_dim(stack.reshape(-1, *stack.shape[-2:]), index, 0, False)
+  return lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=x.dtype)
+
+
+def dense_matmul(x, stack, index, *, implementation="auto", tiles=None):
+  """y = x @ stack[index]^T for a plain float weight stack [..., out, in] (leading dims
+  flattened; `index` int32, traced OK) and a few rows x [N, in], in x's dtype.
+
+  With the kernels (N <= ROWS_MAX, `in` a multiple of 32) the "blocks" GEMV of gemv.py reads
+  matrix `index` in place (no slice copy); otherwise, and with "xla", `dense_reference`.
+  The kernel's sums are fp32 over products of the weights and x rounded to the compute dtype
+  (x's if 16-bit, else fp32): the reference's numbers to summation order.
+  tiles: optional {block_out, block_in, k_split, num_warps, num_stages}.
+  """
+  impl = resolve(implementation)
+  n, d_in = x.shape
+  if impl == "xla" or n > ROWS_MAX or n == 0 or d_in % DENSE_UNIT:
+    return dense_reference(x, stack, index)
+  tk = dict(tiles or {})
+  params = None
+  if impl == "pallas":
+    params = triton_params(tk.pop("num_warps", None), tk.pop("num_stages", None))
+  else:
+    tk.pop("num_warps", None), tk.pop("num_stages", None)
+  flat_stack = stack.reshape(-1, *stack.shape[-2:])
+  idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
+  return dense_call(x[None], flat_stack, idx, interpret=impl == "pallas_interpret",
+                    compiler_params=params, **tk)[0]
 
 
 def _lora_h(x, a):

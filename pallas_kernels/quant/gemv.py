@@ -35,6 +35,11 @@ Grid (out tiles x k_split, G): program (ks * tiles + j, g) reads matrix idx[g] i
 traced layer / expert index; no slice copies) and runs its 1/k_split share of the loop
 steps for all M rows; with k_split > 1 its fp32 partial sum goes to block ks * G + g and the
 caller sums the blocks in a fixed order.
+
+`dense_call` runs the same program over a plain float weight stack [S, out, in] (viewed as
+[S, out, in / 32, 32]): a few-row GEMV that reads layer `idx[g]` of the stack in place, for
+the dense projections of a decode step (`Forms.dense_weights="kernel"`); no slice of the
+stack is copied, which XLA does for a matrix taken at a traced index inside the layer scan.
 """
 import functools
 from typing import NamedTuple
@@ -62,6 +67,12 @@ UNIT_VIEW = {
     "q6_k": {"qs": (4, 2, 16), "qh": (2, 2, 16), "sc": (2, 4, 2), "d": ()},
 }
 X_VIEW = {"q8_0": (32,), "q4_k": (2, 4, 32), "q5_k": (2, 4, 32), "q6_k": (2, 4, 2, 16)}
+# A plain float weight ("dense"): one plane, units of 32 columns.
+DENSE, DENSE_UNIT = "dense", 32
+UNIT_VIEW[DENSE] = {"w": (DENSE_UNIT,)}
+X_VIEW[DENSE] = (DENSE_UNIT,)
+_PLANES = {**PLANES, DENSE: ("w",)}
+_BLOCK = {**BLOCK, DENSE: DENSE_UNIT}
 
 
 class Blocks(NamedTuple):
@@ -82,6 +93,12 @@ class Blocks(NamedTuple):
   rank: int = 0
   rank_pad: int = 0
   scale: float = 1.0
+
+
+def triton_params(num_warps=None, num_stages=None):
+  """Compiler params selecting the Triton lowering (without them JAX 0.11 picks Mosaic GPU)."""
+  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
+  return cls(num_warps=num_warps or 4, num_stages=num_stages or 3)
 
 
 def plane_views(planes, qtype, units):
@@ -112,7 +129,7 @@ def _kernel(*refs, t: Blocks):
 
 
 def _program(refs, pid, g, t: Blocks):
-  names = PLANES[t.qtype]
+  names = _PLANES[t.qtype]
   idx_ref, x_ref, *rest = refs
   planes = dict(zip(names, rest[:len(names)]))
   rest = rest[len(names):]
@@ -149,6 +166,11 @@ def _program(refs, pid, g, t: Blocks):
   def body(step, accs):
     u0 = (ks * n_steps + step) * U
     accs = list(accs)
+    if t.qtype == DENSE:
+      w = load("w", u0).astype(t.cd).astype(_F32)  # [bo, U, 32]
+      for r in range(t.m):
+        accs[r] = accs[r] + _sum_to_rows(w * xload(r, u0)[None])
+      return tuple(accs)
     if t.qtype == "q8_0":
       q = load("qs", u0).astype(_F32)  # [bo, U, 32]
       d = load("d", u0).astype(_F32)  # [bo, U]
@@ -243,7 +265,7 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
   (kernel.qmatmul_pallas) validates the arguments and sums the partials. With `on` [M], `h`
   [M, R] fp32 and `b` [out, R]: the LoRA epilogue (G must be 1)."""
   groups, m, d_in = x.shape
-  units = d_in // BLOCK[qtype]
+  units = d_in // _BLOCK[qtype]
   n_out = pl.cdiv(d_out, block_out)
   t = Blocks(qtype=qtype, groups=groups, m=m, units=units, d_out=d_out, block_out=block_out,
              unroll=unroll, k_split=k_split, out_tiles=n_out, cd=cd,
@@ -253,7 +275,7 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
     t = t._replace(lora=True, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
                    scale=float(scale))
   views = plane_views(planes, qtype, units)
-  args = [idx, x.reshape(groups, m, units, *X_VIEW[qtype]), *(views[n] for n in PLANES[qtype])]
+  args = [idx, x.reshape(groups, m, units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype])]
   if on is not None:
     args += [on.astype(jnp.int32), h.astype(_F32), b]
   if active is not None:
@@ -266,3 +288,51 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
       interpret=interpret, compiler_params=compiler_params, name=f"qgemv_{qtype}",
   )(*args)
 
+
+
+def dense_defaults(d_out, d_in, *, groups=1, interpret=False):
+  """(block_out, unroll, k_split) of `dense_call`: 16-row tiles, 512 columns a step, `in`
+  split until the grid has 512 programs (as `kernel.blocks_defaults`); interpret: big tiles."""
+  units = d_in // DENSE_UNIT
+  if interpret:
+    bo, want = min(128, max(16, pl.next_power_of_2(d_out))), 2048 // DENSE_UNIT
+  else:
+    bo, want = 16, 512 // DENSE_UNIT
+  unroll = next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and units % u == 0)
+  steps, tiles, ks = units // unroll, -(-d_out // bo) * groups, 1
+  while not interpret and ks < 8 and tiles * ks < 512 and steps % (2 * ks) == 0:
+    ks *= 2
+  return bo, unroll, ks
+
+
+def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
+               interpret=False, compiler_params=None, precision=None):
+  """y[g] = x[g] @ stack[idx[g]]^T for x [G, M, in] and a float stack [S, out, in] (in a
+  multiple of 32), in x's dtype, fp32 sums; the matrix is read in place. The weight and x
+  are rounded to the compute dtype (x's if 16-bit, else fp32: exact IEEE products) first."""
+  del precision  # the products are elementwise fp32 either way
+  groups, m, d_in = x.shape
+  n_mats, d_out, w_in = stack.shape
+  if w_in != d_in or d_in % DENSE_UNIT:
+    raise ValueError(f"dense gemv: x {x.shape} and stack {stack.shape} need a shared `in` "
+                     f"that is a multiple of {DENSE_UNIT}")
+  bo, unroll, ks = dense_defaults(d_out, d_in, groups=groups, interpret=interpret)
+  bo = block_out or bo
+  if block_in is not None:
+    want = max(1, block_in // DENSE_UNIT)
+    unroll = next(u for u in (64, 32, 16, 8, 4, 2, 1)
+                  if u <= want and (d_in // DENSE_UNIT) % u == 0)
+  ks = int(k_split or ks)
+  if (d_in // DENSE_UNIT // unroll) % ks:
+    raise ValueError(f"dense gemv: k_split={ks} does not divide the loop steps")
+  if compiler_params is None and not interpret:
+    compiler_params = triton_params()
+  dt = jnp.dtype(x.dtype)
+  cd = dt if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(_F32)
+  idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
+  y = blocks_call(x, {"w": stack}, idx, qtype=DENSE, d_out=d_out, block_out=bo,
+                  unroll=unroll, k_split=ks, cd=cd, out_dtype=dt, interpret=interpret,
+                  compiler_params=compiler_params)
+  if ks > 1:
+    y = jnp.sum(y.reshape(ks, groups, m, d_out), axis=0).astype(dt)
+  return y

@@ -485,11 +485,6 @@ def epilogue_outside(m, d_out, d_in, qtype, *, form=None, interpret=False, block
                        block_in=block_in, k_split=k_split)[1] > 1
 
 
-def _triton_params(num_warps, num_stages):
-  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
-  return cls(num_warps=num_warps, num_stages=num_stages)
-
-
 def check_planes(planes, qtype, d_out, d_in):
   """Plane shapes [S, out, cols] against the logical [out, in]."""
   from pallas_kernels.quant.layout import PLANE_RATIO
@@ -629,7 +624,7 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
       args += [on.astype(jnp.int32), h.astype(_F32), b]
   if groups == 0 or m == 0 or d_out == 0:
     return jnp.zeros((groups, m, d_out), od)
-  params = None if interpret else _triton_params(num_warps or 4, num_stages or 3)
+  params = None if interpret else gemv.triton_params(num_warps, num_stages)
   if form == "blocks":
     lora_kw = {} if lora == "none" else dict(on=args[-3], h=args[-2], b=args[-1], scale=scale)
     y = gemv.blocks_call(x, planes, idx, qtype=qtype, d_out=d_out, block_out=bo,

@@ -27,6 +27,17 @@ class QRef:
   groups: str = "switch"
 
 
+@dataclasses.dataclass(frozen=True)
+class DRef:
+  """Matrix `index` (int32, traced) of a plain float weight stack [L, out, in], multiplied by
+  `pallas_kernels.quant.dense_matmul` with `implementation` (`Forms.quant_impl`): a few rows
+  by the in-place GEMV kernel, more by XLA on the indexed matrix (`Forms.dense_weights=
+  "kernel"`). Made inside the traced step; not a pytree."""
+  w: object
+  index: object
+  implementation: str = "auto"
+
+
 def is_quant(w) -> bool:
   from strata_jax.params import QGroups  # noqa: PLC0415
   return isinstance(w, (QTensor, QRef, QGroups))
@@ -74,6 +85,11 @@ def linear(x, w):
   bf16 GEMVs to read fp32 copies of their weights (H200: 7.30 -> 6.56 ms a token,
   experiments/bench/README.md).
   """
+  if isinstance(w, DRef):
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = quant_api.dense_matmul(x2, w.w, w.index, implementation=w.implementation)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
   if is_quant(w):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
     qt, index, impl, groups = _qparts(w)

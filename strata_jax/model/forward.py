@@ -11,7 +11,7 @@ from pallas_kernels.gdn.api import in_place as gdn_in_place
 from pallas_kernels.quant.layout import QTensor
 from strata_jax.config import ATTN, GDN, ModelConfig
 from strata_jax.model.attention import attn_mixer
-from strata_jax.model.common import QRef, linear, rms_norm
+from strata_jax.model.common import DRef, QRef, linear, rms_norm
 from strata_jax.model.gdn import gdn_mixer
 from strata_jax.model.moe import moe
 from strata_jax.params import QGroups
@@ -50,8 +50,8 @@ IN_PLACE_FIELDS = {"GDNParams": ("qkv", "gate", "ba", "out"),
 
 def _split_whole(cfg, tree):
   """(tree with the whole-kept matrices set to None, tree with only those), under
-  `Forms.dense_weights="in_place"`; else (tree, None)."""
-  if cfg.forms.dense_weights != "in_place":
+  `Forms.dense_weights` "in_place" or "kernel"; else (tree, None)."""
+  if cfg.forms.dense_weights == "scan":
     return tree, None
   names = IN_PLACE_FIELDS[type(tree).__name__]
   whole = tree.replace(**{f.name: None for f in dataclasses.fields(tree) if f.name not in names})
@@ -61,14 +61,16 @@ def _split_whole(cfg, tree):
 def _layer(cfg, dense, quant, i, index, whole=None):
   """One layer's params: slot `i` of the scanned (dense) block, `QRef(stack, index)` for each
   quantised stack, which the quantised matmul reads in place at the traced `index`, and
-  matrix `index` of each stack in `whole` (dense matrices kept out of the scan)."""
+  matrix `index` of each stack in `whole` (dense matrices kept out of the scan): taken by
+  XLA, or under `Forms.dense_weights="kernel"` a `DRef` the GEMV kernel reads in place."""
   p = jax.tree.map(lambda a: a[i], dense)
   impl, groups = cfg.forms.quant_impl, cfg.forms.quant_groups
   fields = {f.name: QRef(getattr(quant, f.name), index, impl, groups)
             for f in dataclasses.fields(quant) if _is_q(getattr(quant, f.name))}
   if whole is not None:
-    fields.update({f.name: lax.dynamic_index_in_dim(getattr(whole, f.name), index, 0, False)
-                   for f in dataclasses.fields(whole)
+    take = ((lambda a: DRef(a, index, impl)) if cfg.forms.dense_weights == "kernel"
+            else (lambda a: lax.dynamic_index_in_dim(a, index, 0, False)))
+    fields.update({f.name: take(getattr(whole, f.name)) for f in dataclasses.fields(whole)
                    if getattr(whole, f.name) is not None and f.name not in fields})
   return p.replace(**fields) if fields else p
 
