@@ -127,11 +127,8 @@ def dense_matmul(x, stack, index, *, implementation="auto", tiles=None):
   if impl == "xla" or n > ROWS_MAX or n == 0 or d_in % DENSE_UNIT:
     return dense_reference(x, stack, index)
   tk = dict(tiles or {})
-  params = None
-  if impl == "pallas":
-    params = triton_params(tk.pop("num_warps", None), tk.pop("num_stages", None))
-  else:
-    tk.pop("num_warps", None), tk.pop("num_stages", None)
+  warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
+  params = triton_params(warps, stages) if impl == "pallas" else None
   flat_stack = stack.reshape(-1, *stack.shape[-2:])
   idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
   return dense_call(x[None], flat_stack, idx, interpret=impl == "pallas_interpret",

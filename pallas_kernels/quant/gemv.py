@@ -107,6 +107,16 @@ def plane_views(planes, qtype, units):
           for name, p in planes.items()}
 
 
+def masked_load(view, mask):
+  """Load a ref view; where `mask` (None: everywhere) is false, 0."""
+  if mask is None:
+    return view[...]
+  zero = jnp.zeros((), view.dtype)
+  if pltriton is None:  # pragma: no cover - interpret-only fallback: the interpreter pads
+    return jnp.where(mask, view[...], zero)
+  return pltriton.load(view, mask=mask, other=zero)
+
+
 def _expand(v, ndim):
   """[bo] -> [bo, 1, ..., 1] of rank ndim."""
   return v[(slice(None),) + (None,) * (ndim - 1)]
@@ -150,13 +160,8 @@ def _program(refs, pid, g, t: Blocks):
     """[bo, U, *rest] tile of a plane; `lead` fixes the first per-unit dims."""
     view = planes[name].at[(s, pl.ds(o0, bo), pl.ds(u0, U), *map(jnp.int32, lead))]
     shape = (bo, U, *UNIT_VIEW[t.qtype][name][len(lead):])
-    if o_ok is None:
-      return view[...]
-    zero = jnp.zeros((), view.dtype)
-    mask = jnp.broadcast_to(_expand(o_ok, len(shape)), shape)
-    if pltriton is None:  # pragma: no cover - interpret-only fallback
-      return jnp.where(mask, view[...], zero)
-    return pltriton.load(view, mask=mask, other=zero)
+    mask = None if o_ok is None else jnp.broadcast_to(_expand(o_ok, len(shape)), shape)
+    return masked_load(view, mask)
 
   def xload(r, u0, *lead):
     """[U, *rest] of row r of x, rounded to the compute dtype, as fp32."""
@@ -230,24 +235,16 @@ def _lora_epilogue(accs, on_ref, h_ref, b_ref, ks, o0, o_ok, t: Blocks):
   for v in ons[1:]:
     any_on = any_on | v
 
-  def masked(view, mask):
-    if mask is None:
-      return view[...]
-    zero = jnp.zeros((), view.dtype)
-    if pltriton is None:  # pragma: no cover
-      return jnp.where(mask, view[...], zero)
-    return pltriton.load(view, mask=mask, other=zero)
-
   def with_delta(accs):
     mask = None
     if o_ok is not None or r_in is not None:
       rows = o_ok if o_ok is not None else jnp.ones((t.block_out,), jnp.bool_)
       cols = r_in if r_in is not None else jnp.ones((rp,), jnp.bool_)
       mask = rows[:, None] & cols[None, :]
-    bt = masked(b_ref.at[pl.ds(o0, t.block_out), pl.ds(0, rp)], mask).astype(_F32)
+    bt = masked_load(b_ref.at[pl.ds(o0, t.block_out), pl.ds(0, rp)], mask).astype(_F32)
     out = []
     for r in range(t.m):
-      h = masked(h_ref.at[jnp.int32(r), pl.ds(0, rp)], r_in).astype(_F32)  # [Rp]
+      h = masked_load(h_ref.at[jnp.int32(r), pl.ds(0, rp)], r_in).astype(_F32)  # [Rp]
       delta = jnp.sum(bt * h[None, :], axis=1)  # [bo]
       if t.scale != 1.0:
         delta = delta * t.scale
@@ -289,16 +286,18 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
   )(*args)
 
 
+def _dense_unroll(units, block_in):
+  """Units of 32 columns a step: block_in's worth, a power of 2 dividing the row."""
+  want = max(1, block_in // DENSE_UNIT)
+  return next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and units % u == 0)
+
 
 def dense_defaults(d_out, d_in, *, groups=1, interpret=False):
   """(block_out, unroll, k_split) of `dense_call`: 16-row tiles, 512 columns a step, `in`
   split until the grid has 512 programs (as `kernel.blocks_defaults`); interpret: big tiles."""
   units = d_in // DENSE_UNIT
-  if interpret:
-    bo, want = min(128, max(16, pl.next_power_of_2(d_out))), 2048 // DENSE_UNIT
-  else:
-    bo, want = 16, 512 // DENSE_UNIT
-  unroll = next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and units % u == 0)
+  bo, bk = (min(128, max(16, pl.next_power_of_2(d_out))), 2048) if interpret else (16, 512)
+  unroll = _dense_unroll(units, bk)
   steps, tiles, ks = units // unroll, -(-d_out // bo) * groups, 1
   while not interpret and ks < 8 and tiles * ks < 512 and steps % (2 * ks) == 0:
     ks *= 2
@@ -306,11 +305,10 @@ def dense_defaults(d_out, d_in, *, groups=1, interpret=False):
 
 
 def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
-               interpret=False, compiler_params=None, precision=None):
+               interpret=False, compiler_params=None):
   """y[g] = x[g] @ stack[idx[g]]^T for x [G, M, in] and a float stack [S, out, in] (in a
   multiple of 32), in x's dtype, fp32 sums; the matrix is read in place. The weight and x
   are rounded to the compute dtype (x's if 16-bit, else fp32: exact IEEE products) first."""
-  del precision  # the products are elementwise fp32 either way
   groups, m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or d_in % DENSE_UNIT:
@@ -319,9 +317,7 @@ def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
   bo, unroll, ks = dense_defaults(d_out, d_in, groups=groups, interpret=interpret)
   bo = block_out or bo
   if block_in is not None:
-    want = max(1, block_in // DENSE_UNIT)
-    unroll = next(u for u in (64, 32, 16, 8, 4, 2, 1)
-                  if u <= want and (d_in // DENSE_UNIT) % u == 0)
+    unroll = _dense_unroll(d_in // DENSE_UNIT, block_in)
   ks = int(k_split or ks)
   if (d_in // DENSE_UNIT // unroll) % ks:
     raise ValueError(f"dense gemv: k_split={ks} does not divide the loop steps")

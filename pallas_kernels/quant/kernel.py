@@ -94,14 +94,7 @@ def _and(a, b):
   return a if b is None else a & b
 
 
-def _load(view, mask):
-  """Masked load: out-of-range elements read as 0."""
-  if mask is None:
-    return view[...]
-  zero = jnp.zeros((), view.dtype)
-  if pltriton is None:  # interpret-only fallback: the interpreter pads out-of-range reads
-    return jnp.where(mask, view[...], zero)
-  return pltriton.load(view, mask=mask, other=zero)
+_load = gemv.masked_load  # out-of-range elements read as 0
 
 
 def _store(view, val, mask):
@@ -626,7 +619,7 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     return jnp.zeros((groups, m, d_out), od)
   params = None if interpret else gemv.triton_params(num_warps, num_stages)
   if form == "blocks":
-    lora_kw = {} if lora == "none" else dict(on=args[-3], h=args[-2], b=args[-1], scale=scale)
+    lora_kw = {} if lora == "none" else dict(on=on, h=h, b=b, scale=scale)
     y = gemv.blocks_call(x, planes, idx, qtype=qtype, d_out=d_out, block_out=bo,
                          unroll=unroll, k_split=k_split, cd=cd, out_dtype=od, active=active,
                          interpret=interpret, compiler_params=params, **lora_kw)
