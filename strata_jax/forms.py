@@ -60,8 +60,11 @@ CHOICES: dict[str, tuple] = {
     # in memory, the inactive ones returning at once, and a select. "auto" = "predicated" on
     # the GPU (80B-A3B Q4_K_M decode at batch 1 on the H200: 7.37 ms a step against 8.55
     # switched, experiments/results/device/decode_probe_a80b_run3_qpred.json), "switch"
-    # elsewhere (XLA would compute every type's product there).
-    "quant_groups": ("auto", "switch", "predicated"),
+    # elsewhere (XLA would compute every type's product there). "fused" = one launch for a
+    # few rows with every type's program compiled in and a flag in memory picking the layer's
+    # (`pallas_kernels.quant.gemv.groups_call`), a conditional otherwise; the predicated
+    # form's numbers bit for bit. Not yet timed on the H200.
+    "quant_groups": ("auto", "switch", "predicated", "fused"),
     # fp32 matmuls: "auto" = "highest" (full fp32) for a float32 compute dtype, the dtype's own
     # for bfloat16; "tf32" is the GPU's faster reduced fp32, only ever chosen by name.
     "matmul_precision": ("auto", "highest", "tf32", "default"),

@@ -569,3 +569,77 @@ def test_gpu_dense_gemv(n, dtype):
   got = dense_matmul(jnp.asarray(x), jnp.asarray(w), jnp.int32(3), implementation="pallas")
   assert_close(got, _want(x, np.asarray(w[3], np.float64)), rel=_tol(dtype),
                what=f"gpu dense gemv N{n}")
+
+
+# A mixed-type stack (a QGroups' parts) in one launch (Forms.quant_groups="fused").
+def _parts(out=OUT, blocks=2, lead=((2,), (3,))):
+  return tuple(jax.device_put(_weight(q, lead=ld, out=out, blocks=blocks, seed=20 + i)[0])
+               for i, (q, ld) in enumerate(zip(("q4_k", "q6_k"), lead)))
+
+
+@pytest.mark.parametrize("n,dtype", [(1, F32), (3, BF16), (ROWS_MAX + 1, F32)])
+def test_mixed_stack_in_one_launch_gives_each_parts_own_numbers(n, dtype):
+  """qmatmul / qmatmul_lora over (Q4_K, Q6_K) parts with the part a traced index: for a few
+  rows one launch (its jaxpr holds the groups kernel), more rows a conditional; either way
+  the chosen part's own call, bit for bit, LoRA off rows included."""
+  parts = _parts()
+  d_in = parts[0].shape[-1]
+  x = jnp.asarray(_x(n, d_in, dtype))
+  a, b, on = _lora(n, d_in, OUT, 8, dtype, "mixed")
+  kw = dict(implementation="pallas_interpret")
+  f = jax.jit(lambda x, g, i: qmatmul(x, parts, index=i, group=g, **kw))
+  fl = jax.jit(lambda x, g, i: qmatmul_lora(x, parts, jnp.asarray(a), jnp.asarray(b),
+                                            jnp.asarray(on), index=i, group=g, **kw))
+  for g, i in ((0, 1), (1, 2), (1, 0)):
+    want = qmatmul(x, parts[g], index=jnp.int32(i), **kw)
+    assert np.array_equal(bits(f(x, jnp.int32(g), jnp.int32(i))), bits(want))
+    want_l = qmatmul_lora(x, parts[g], jnp.asarray(a), jnp.asarray(b), jnp.asarray(on),
+                          index=jnp.int32(i), **kw)
+    assert np.array_equal(bits(fl(x, jnp.int32(g), jnp.int32(i))), bits(want_l))
+  one_launch = "qgemv_groups" in str(jax.make_jaxpr(f)(x, jnp.int32(0), jnp.int32(0)))
+  assert one_launch == (n <= ROWS_MAX)
+
+
+def test_mixed_expert_stacks_in_one_launch_give_each_parts_own_numbers():
+  d = f = 256
+  parts = {}
+  for name, (o, i) in (("g", (f, d)), ("u", (f, d)), ("d", (d, f))):
+    parts[name] = tuple(jax.device_put(pack(r, q, r.shape[:-1] + (i,)))
+                        for q, r in (("q4_k", random_raw("q4_k", (2, 3, o, i), seed=31)),
+                                     ("q6_k", random_raw("q6_k", (1, 3, o, i), seed=32))))
+  x = jnp.asarray(_x(2, d, F32))
+  idx = jnp.asarray([[0, 2], [1, 1]], jnp.int32)
+  wts = jnp.full((2, 2), 0.5, F32)
+  kw = dict(implementation="pallas_interpret")
+  fused = jax.jit(lambda g, lay: experts(x, parts["g"], parts["u"], parts["d"], idx, wts,
+                                         layer=lay, group=g, **kw))
+  for g, lay in ((0, 1), (1, 0)):
+    want = experts(x, parts["g"][g], parts["u"][g], parts["d"][g], idx, wts,
+                   layer=jnp.int32(lay), **kw)
+    assert np.array_equal(bits(fused(jnp.int32(g), jnp.int32(lay))), bits(want))
+  assert "qgemv_groups" in str(jax.make_jaxpr(fused)(jnp.int32(0), jnp.int32(0)))
+
+
+def test_mixed_stack_kernel_lowers_to_triton_for_the_gpu():
+  from pallas_kernels.quant.kernel import qmatmul_groups_pallas
+  parts = _parts(blocks=4)
+  d_in = parts[0].shape[-1]
+  f = lambda x, p, g, i: qmatmul_groups_pallas(x, p, g, i, qtypes=("q4_k", "q6_k"), d_out=OUT,
+                                               on=jnp.ones((2,), jnp.int32),
+                                               h=jnp.ones((2, 8), F32), b=jnp.ones((OUT, 8), BF16))
+  low = jax.jit(f).trace(jnp.ones((1, 2, d_in), BF16), tuple(flat(p) for p in parts),
+                         jnp.int32(1), jnp.zeros((1,), jnp.int32)).lower(
+      lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n,dtype", [(1, BF16), (2, F32)])
+def test_gpu_mixed_stack_in_one_launch(n, dtype):
+  parts = _parts(out=328, blocks=8)
+  x = jnp.asarray(_x(n, parts[0].shape[-1], dtype))
+  for g, i in ((0, 1), (1, 2)):
+    got = qmatmul(x, parts, index=jnp.int32(i), group=jnp.int32(g), implementation="pallas")
+    want = qmatmul(x, parts[g], index=jnp.int32(i), implementation="pallas")
+    assert np.array_equal(bits(got), bits(want)), f"part {g}"

@@ -180,3 +180,18 @@ def test_predicated_groups_give_the_switch_numbers_bit_for_bit(tmp_path):
   switch = _run_mixed(with_forms(quant_impl="xla", quant_groups="switch"))
   pred = _run_mixed(with_forms(quant_impl="xla", quant_groups="predicated"))
   assert np.array_equal(switch, pred)
+
+
+def test_fused_groups_give_the_predicated_numbers_bit_for_bit(tmp_path):
+  """`quant_groups="fused"` (one launch over every type's stack for a decode step's few rows,
+  a conditional for the prompt's) against one gated launch per type and a select, both by
+  the kernels (under the interpreter here): the same logits, bit for bit."""
+  keep = _mixed_model(tmp_path, "keep")
+
+  def with_forms(**changes):
+    cfg = dataclasses.replace(keep.cfg, forms=dataclasses.replace(keep.cfg.forms, **changes))
+    return types.SimpleNamespace(cfg=cfg, params=keep.params)
+
+  pred = _run_mixed(with_forms(quant_impl="pallas_interpret", quant_groups="predicated"))
+  fused = _run_mixed(with_forms(quant_impl="pallas_interpret", quant_groups="fused"))
+  assert np.array_equal(pred, fused)

@@ -13,6 +13,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             (`step_raw`'s "auto")
   qpred     a mixed-type quantised stack (--gguf Q4_K_M) by one gated launch per type and a
             select, instead of an XLA conditional (Forms.quant_groups="predicated")
+  qfused    the same stack in one launch for a few rows, every type's program compiled in and
+            a flag picking the layer's (Forms.quant_groups="fused")
   inplace   the projection matrices kept whole, each layer's taken at its index in the scan
             body, not sliced per block as the scan's xs (Forms.dense_weights="in_place")
   dgemv     the same, a decode step's few rows multiplied by the "blocks" GEMV kernel
@@ -64,6 +66,7 @@ FORM_VARIANTS = {
     "qxla": {"quant_impl": "xla"},
     "qpallas": {"quant_impl": "pallas"},
     "qpred": {"quant_groups": "predicated"},
+    "qfused": {"quant_groups": "fused"},
     "inplace": {"dense_weights": "in_place"},
     "dgemv": {"dense_weights": "kernel"},
 }

@@ -7,8 +7,10 @@
 #     (decode_probe.py --variants base,dgemv,base@on,dgemv@on): whether it removes the ~600 us
 #     of per-step qkv slice copies (issue 17) and whether it should become the GPU default.
 #  3. bench_engine.py --reps 3 at batch 32, 8 and 1 (issue 16) as far as the cap allows.
-# Still owed after it: the 80B-A3B on 2 x H200 (`a80b_split_fits`, nvidia-h200-x2), a profile of
-# the 80B decode with the blocks form (decode_probe.py --gguf ... --profile qpred), and
+# Still owed after it: the 80B-A3B with its mixed-type stacks in one launch
+# (`VARIANTS=qpred,qfused bash a80b_run.sh`: the predicated form runs an inactive launch per
+# other type, ~4 a layer), the 80B on 2 x H200 (`a80b_split_fits`, nvidia-h200-x2), a profile
+# of the 80B decode with the blocks form (decode_probe.py --gguf ... --profile qpred), and
 # "blocks" above 4 rows (ROWS_MAX; gemv_sweep.py --set blocks --rows 8 over every shape).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"

@@ -17,7 +17,13 @@ from jax import lax
 
 from pallas_kernels.lora.kernel import dot_policy
 from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, triton_params
-from pallas_kernels.quant.kernel import ROWS_MAX, epilogue_outside, qmatmul_pallas
+from pallas_kernels.quant.kernel import (
+    ROWS_MAX,
+    epilogue_outside,
+    groups_tiling,
+    qmatmul_groups_pallas,
+    qmatmul_pallas,
+)
 from pallas_kernels.quant.layout import QTensor, flat
 from pallas_kernels.quant.reference import dequantize, select_matrix
 
@@ -51,6 +57,12 @@ def _compute(x_dtype, precision):
 
 
 def _check(x, w, index):
+  if isinstance(w, tuple):  # a mixed-type stack: one QTensor per type
+    if not w:
+      raise ValueError("quant: a mixed-type stack needs at least one part")
+    for part in w:
+      _check(x, part, index)
+    return
   if not isinstance(w, QTensor):
     raise ValueError(f"quant: w must be a QTensor, got {type(w).__name__}")
   if x.ndim != 2 or x.shape[1] != w.shape[-1]:
@@ -58,6 +70,19 @@ def _check(x, w, index):
                      f"(w {w.qtype} {w.shape})")
   if w.lead and index is None:
     raise ValueError(f"quant: w {w.shape} is stacked; pass index (flat over the leading dims)")
+
+
+def _switch_parts(group, parts, fn):
+  """fn(part) for the part `group` picks, by an XLA conditional: a mixed-type stack where
+  one launch cannot serve it (XLA, many rows, a tiling or form asked for)."""
+  return lax.switch(jnp.asarray(group, jnp.int32), [lambda p=p: fn(p) for p in parts])
+
+
+def _one_launch(parts, n, d_out, d_in, impl, tiles, groups=1):
+  """Whether a mixed-type stack's call is one "blocks" launch (`qmatmul_groups_pallas`)."""
+  return (impl != "xla" and n <= ROWS_MAX and not tiles and groups_tiling(
+      tuple(p.qtype for p in parts), d_out, d_in, groups=groups,
+      interpret=impl != "pallas") is not None)
 
 
 def _index(w, index):
@@ -76,7 +101,7 @@ def _kernel_kw(impl, tiles):
 
 
 def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=None,
-            active=None):
+            active=None, group=None):
   """y = x @ W^T, fp32 accumulation, y in x.dtype.
 
   Args:
@@ -92,12 +117,25 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
     active: None, or an int32 scalar (traced): 0 leaves the result unspecified and, in the
       kernels, costs one launch whose programs return at once (one call per type of a
       mixed-type stack, the caller selecting; "xla" computes regardless).
+    group: with `w` a tuple of QTensors (a mixed-type stack, one stack per type), the int32
+      part holding the matrix (traced OK); `index` is then its index in that part. A few
+      rows run every part's "blocks" program in one launch, a flag picking the part;
+      otherwise a conditional over the parts. Either way, that part's own numbers.
 
   Returns:
     [N, out] in x.dtype.
   """
   _check(x, w, index)
   impl = resolve(implementation)
+  if isinstance(w, tuple):
+    n, d_in = x.shape
+    if _one_launch(w, n, w[0].shape[-2], d_in, impl, tiles):
+      return qmatmul_groups_pallas(
+          x[None], tuple(flat(p) for p in w), group, _index(w[0], index),
+          qtypes=tuple(p.qtype for p in w), d_out=w[0].shape[-2],
+          interpret=impl == "pallas_interpret")[0]
+    return _switch_parts(group, w, lambda p: qmatmul(
+        x, p, index=index, implementation=implementation, precision=precision, tiles=tiles))
   if impl == "xla":
     return _xla_acc(x, w, index, precision).astype(x.dtype)
   y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=w.shape[-2],
@@ -144,7 +182,7 @@ def _lora_h(x, a):
 
 def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
                  implementation="auto", precision=None, lora_down="h", tiles=None,
-                 active=None):
+                 active=None, group=None):
   """y = W x + where(on, scale * B (A x)) per row: a select, so off rows are `qmatmul`'s.
 
   Args:
@@ -157,14 +195,15 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
     lora_down: "h" computes h = x @ A^T once in XLA and the kernel adds B h in its epilogue;
       "a" computes h inside the kernel's K loop (no extra op, but every output tile's
       program reads all of A). Both are the same numbers.
-    implementation, precision, tiles, active: as `qmatmul`.
+    implementation, precision, tiles, active, group: as `qmatmul` (a mixed-type stack in
+      one launch needs lora_down="h").
 
   Returns:
     [N, out] in x.dtype; rows with on == 0 are bit-identical to `qmatmul(x, w, ...)`.
   """
   _check(x, w, index)
   n, d_in = x.shape
-  d_out = w.shape[-2]
+  d_out = (w[0] if isinstance(w, tuple) else w).shape[-2]
   if a.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, a.shape[0]):
     raise ValueError(f"quant: LoRA a {a.shape} must be [R, {d_in}] and b {b.shape} "
                      f"[{d_out}, R]")
@@ -190,6 +229,16 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
       delta = delta * scale
     return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype), acc.astype(x.dtype))
 
+  if isinstance(w, tuple):
+    if lora_down == "h" and _one_launch(w, n, d_out, d_in, impl, tiles):
+      return qmatmul_groups_pallas(
+          x[None], tuple(flat(p) for p in w), group, _index(w[0], index),
+          qtypes=tuple(p.qtype for p in w), d_out=d_out, on=on, h=lora_h(), b=b,
+          scale=scale, interpret=impl == "pallas_interpret")[0]
+    return _switch_parts(group, w, lambda p: qmatmul_lora(
+        x, p, a, b, on, rank_scale=rank_scale, scale=scale, index=index,
+        implementation=implementation, precision=precision, lora_down=lora_down,
+        tiles=tiles))
   if impl == "xla":
     return with_delta(_xla_acc(x, w, index, precision))
   tk = dict(tiles or {})
@@ -220,7 +269,7 @@ def _expert_rows(idx, layer, n_layers, n_experts):
 
 
 def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precision=None,
-            tiles=None, active=None, sort_pairs=None):
+            tiles=None, active=None, sort_pairs=None, group=None):
   """Few-token routed experts over quantised stacks, reading only the chosen experts.
 
   out[n] = sum_j weights[n, j] * Wd_e (silu(Wg_e x[n]) * (Wu_e x[n])), e = idx[n, j] of layer
@@ -239,10 +288,26 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
       next pair's, so sorted pairs of one expert follow each other and read its blocks from L2
       instead of HBM; each pair's numbers do not depend on its neighbours, so the result is
       the same, bit for bit. A decode batch has too few pairs for the sort to pay.
+    group: with wg, wu, wd tuples of QTensors (mixed-type stacks grouped alike, one stack
+      per type), the int32 part holding the layer; `layer` is its index in that part. Each
+      product is then one launch over every part (`qmatmul` with `group`), or, where that
+      cannot serve it, a conditional over the parts.
 
   Returns:
     [N, D] float32.
   """
+  parts = None
+  if isinstance(wg, tuple):
+    impl = resolve(implementation)
+    parts = (wg, wu, wd)
+    f, d = wg[0].shape[-2:]
+    pairs = idx.shape[0] * idx.shape[1] if idx.ndim == 2 else 1
+    if not (_one_launch(wg, 1, f, d, impl, tiles, groups=pairs)
+            and _one_launch(wd, 1, d, f, impl, tiles, groups=pairs)):
+      return _switch_parts(group, list(zip(wg, wu, wd)), lambda p: experts(
+          x, *p, idx, weights, layer=layer, implementation=implementation,
+          precision=precision, tiles=tiles, sort_pairs=sort_pairs))
+    wg, wu, wd = wg[0], wu[0], wd[0]  # shapes below; the products use every part
   for name, w in (("wg", wg), ("wu", wu), ("wd", wd)):
     if not isinstance(w, QTensor) or w.ndim != 4:
       raise ValueError(f"quant experts: {name} must be a 4-D QTensor [L, E, ., .]")
@@ -258,6 +323,8 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
   impl = resolve(implementation)
   n, k = idx.shape
   cd, prec = _compute(x.dtype, precision)
+  if parts is not None:  # the layer's part sets the clamp of its layer index
+    n_layers = jnp.asarray([p.shape[0] for p in parts[0]], jnp.int32)[group]
   rows = _expert_rows(idx, layer, n_layers, n_experts).reshape(n * k)  # [P]
   xp = jnp.repeat(x, k, axis=0)  # [P, D]: pair p = n * k + j
   if sort_pairs is None:
@@ -273,12 +340,19 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
       wm = dequantize(sel, _F32).astype(cd)  # [P, out, in]
       return jnp.einsum("pi,poi->po", v.astype(cd), wm, precision=prec,
                         preferred_element_type=_F32)
+  elif parts is not None:
+    def proj(w, v):  # one launch over the parts of a mixed-type stack
+      y = qmatmul_groups_pallas(v[:, None, :], tuple(flat(p) for p in w), group, rows,
+                                qtypes=tuple(p.qtype for p in w), d_out=w[0].shape[-2],
+                                out_dtype=_F32, interpret=impl == "pallas_interpret")
+      return y[:, 0, :]
   else:
     def proj(w, v):
       y = qmatmul_pallas(v[:, None, :], flat(w), rows, qtype=w.qtype, d_out=w.shape[-2],
                          precision=precision, out_dtype=_F32, active=active,
                          **_kernel_kw(impl, tiles))
       return y[:, 0, :]
+  wg, wu, wd = parts or (wg, wu, wd)
   g, u = proj(wg, xp), proj(wu, xp)  # [P, F] fp32
   h = jax.nn.silu(g).astype(x.dtype) * u.astype(x.dtype)
   y = proj(wd, h)  # [P, D] fp32

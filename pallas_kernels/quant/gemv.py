@@ -36,6 +36,11 @@ traced layer / expert index; no slice copies) and runs its 1/k_split share of th
 steps for all M rows; with k_split > 1 its fp32 partial sum goes to block ks * G + g and the
 caller sums the blocks in a fixed order.
 
+`groups_call` runs one launch over a stack whose layers come in several types (llama.cpp's
+Q4_K_M gives some layers' ffn_down / attn_v more bits: `strata_jax.params.QGroups`, one stack
+per type): every part's program is compiled in, and a flag in memory picks the layer's part
+(`pl.when`), so the layer costs one launch, not one per part (`Forms.quant_groups="fused"`).
+
 `dense_call` runs the same program over a plain float weight stack [S, out, in] (viewed as
 [S, out, in / 32, 32]): a few-row GEMV that reads layer `idx[g]` of the stack in place, for
 the dense projections of a decode step (`Forms.dense_weights="kernel"`); no slice of the
@@ -226,6 +231,20 @@ def _program(refs, pid, g, t: Blocks):
       pltriton.store(view, val, mask=o_ok)
 
 
+def _groups_kernel(*refs, ts):
+  """One launch over a mixed-type stack: part `group` (read from memory) runs its program."""
+  pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
+  group_ref, idx_ref, *rest = refs
+  tail = rest[-4:] if ts[0].lora else rest[-1:]  # (LoRA refs,) output
+  start = 0
+  for gi, t in enumerate(ts):
+    n = 1 + len(_PLANES[t.qtype])  # x's view of this part's type, then its planes
+    part = rest[start:start + n]
+    start += n
+    pl.when(group_ref[0] == gi)(
+        functools.partial(_program, [idx_ref, *part, *tail], pid, g, t))
+
+
 def _lora_epilogue(accs, on_ref, h_ref, b_ref, ks, o0, o_ok, t: Blocks):
   """accs[r] + scale * B h[r] where row r's switch is on (in the ks = 0 program only)."""
   rp = t.rank_pad
@@ -283,6 +302,38 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
       out_shape=jax.ShapeDtypeStruct((k_split * groups, m, d_out), t.out_dtype),
       in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
       interpret=interpret, compiler_params=compiler_params, name=f"qgemv_{qtype}",
+  )(*args)
+
+
+def groups_call(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtype,
+                interpret=False, compiler_params=None, on=None, h=None, b=None, scale=1.0):
+  """`blocks_call` over a mixed-type stack in one launch: `parts` ((qtype, planes, unroll),
+  ...), `group` an int32 scalar (which part holds the matrices), idx [G] their indices in that
+  part. Every part shares block_out and k_split, so each computes what its own `blocks_call`
+  would."""
+  groups, m, d_in = x.shape
+  n_out = pl.cdiv(d_out, block_out)
+  ts, args = [], [jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx]
+  for qtype, planes, unroll in parts:
+    units = d_in // _BLOCK[qtype]
+    t = Blocks(qtype=qtype, groups=groups, m=m, units=units, d_out=d_out,
+               block_out=block_out, unroll=unroll, k_split=k_split, out_tiles=n_out, cd=cd,
+               out_dtype=_F32 if k_split > 1 else out_dtype)
+    if on is not None:
+      rank = b.shape[1]
+      t = t._replace(lora=True, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
+                     scale=float(scale))
+    ts.append(t)
+    views = plane_views(planes, qtype, units)
+    args += [x.reshape(groups, m, units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype])]
+  if on is not None:
+    args += [on.astype(jnp.int32), h.astype(_F32), b]
+  return pl.pallas_call(
+      functools.partial(_groups_kernel, ts=tuple(ts)),
+      grid=(n_out * k_split, groups),
+      out_shape=jax.ShapeDtypeStruct((k_split * groups, m, d_out), ts[0].out_dtype),
+      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
+      interpret=interpret, compiler_params=compiler_params, name="qgemv_groups",
   )(*args)
 
 

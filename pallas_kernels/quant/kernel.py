@@ -641,3 +641,54 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
   if k_split > 1:
     y = jnp.sum(y.reshape(k_split, groups, m, d_out), axis=0).astype(od)
   return y
+
+
+def groups_tiling(qtypes, d_out, d_in, *, groups=1, interpret=False):
+  """(block_out, k_split, unroll per part) of one "blocks" launch over a mixed-type stack, or
+  None when the parts' default tilings differ in block_out or k_split (then each part runs
+  its own call): for llama.cpp's K-quant mixes they agree (the same 256-weight units)."""
+  tilings = []
+  for qtype in qtypes:
+    if d_in % BLOCK[qtype]:
+      return None
+    bo, bk, ks = blocks_defaults(d_out, d_in, qtype, groups=groups, interpret=interpret)
+    tilings.append((bo, ks, _unroll(qtype, d_in, bk)))
+  if len({t[:2] for t in tilings}) != 1:
+    return None
+  return tilings[0][0], tilings[0][1], tuple(t[2] for t in tilings)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "qtypes", "d_out", "scale", "interpret", "out_dtype", "num_warps", "num_stages"))
+def qmatmul_groups_pallas(x, parts, group, idx, *, qtypes, d_out, on=None, h=None, b=None,
+                          scale=1.0, interpret=False, out_dtype=None, num_warps=None,
+                          num_stages=None):
+  """The "blocks" form over a mixed-type stack in one launch (gemv.groups_call).
+
+  Args:
+    x: [G, M, in]; parts: one {name: [S_p, out, cols]} per type; qtypes: their types.
+    group: int32 scalar, the part holding the matrices; idx [G]: their indices in it.
+    on, h, b, scale: the LoRA epilogue from h (as `qmatmul_pallas` with lora="h").
+  Each part computes what `qmatmul_pallas(..., form="blocks")` on that part alone would, bit
+  for bit. Raises ValueError when the parts' tilings differ (`groups_tiling`).
+  """
+  groups, m, d_in = x.shape
+  sizes = [check_planes(p, q, d_out, d_in) for q, p in zip(qtypes, parts)]
+  tiling = groups_tiling(qtypes, d_out, d_in, groups=groups, interpret=interpret)
+  if tiling is None:
+    raise ValueError(f"quant kernel: the parts {qtypes} have different tilings")
+  bo, k_split, unrolls = tiling
+  od = jnp.dtype(out_dtype or x.dtype)
+  cd = jnp.dtype(x.dtype) if jnp.dtype(x.dtype) in _HALF else jnp.dtype(_F32)
+  if groups == 0 or m == 0 or d_out == 0:
+    return jnp.zeros((groups, m, d_out), od)
+  group = jnp.asarray(group, jnp.int32)
+  idx = jnp.clip(idx.astype(jnp.int32), 0, jnp.asarray(sizes, jnp.int32)[group] - 1)
+  params = None if interpret else gemv.triton_params(num_warps, num_stages)
+  y = gemv.groups_call(x, tuple(zip(qtypes, parts, unrolls)), group, idx, d_out=d_out,
+                       block_out=bo, k_split=k_split, cd=cd, out_dtype=od,
+                       interpret=interpret, compiler_params=params, on=on, h=h, b=b,
+                       scale=scale)
+  if k_split > 1:
+    y = jnp.sum(y.reshape(k_split, groups, m, d_out), axis=0).astype(od)
+  return y

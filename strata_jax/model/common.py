@@ -55,16 +55,21 @@ def quant_call(w, index, fn, groups="switch"):
   from strata_jax.params import QGroups  # noqa: PLC0415
   if not isinstance(w, QGroups):
     return fn(w, index)
-  return group_call(w, index, lambda g, pos, **kw: fn(w.parts[g], pos, **kw), groups)
+  return group_call(w, index, lambda g, pos, **kw: fn(
+      w.parts if g is None else w.parts[g], pos, **kw), groups)
 
 
 def group_call(w, index, fn, groups="switch"):
   """fn(g, position) for layer `index` of the QGroups `w` (one stack per quant type; g the
   layer's group, the position its layer in that group's stack). "switch": a conditional on
   g; "predicated": fn(g, position, active=flag) for every group (an inactive kernel launch
-  returns at once) and a select of the layer's group."""
+  returns at once) and a select of the layer's group; "fused": fn(None, position,
+  group=g), every group's stack to one call (`pallas_kernels.quant.api`'s `group`), which
+  for a few rows is one kernel launch."""
   group = jnp.asarray(w.group, jnp.int32)[index]
   pos = jnp.asarray(w.pos, jnp.int32)[index]
+  if groups == "fused":
+    return fn(None, pos, group=group)
   if groups == "predicated":
     ys = [fn(g, pos, active=(group == g).astype(jnp.int32)) for g in range(len(w.parts))]
     out = ys[-1]

@@ -86,8 +86,9 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
     layer = layer if stacks is not None else p.gate_exps.index
     impl = cfg.forms.quant_impl
     if isinstance(wg, QGroups):  # the three stacks are grouped alike (by the layer's types)
+      part = lambda s, k: s.parts if k is None else s.parts[k]  # None: every part (fused)
       routed = group_call(wg, layer, lambda k, pos, **kw: quant_api.experts(
-          x, wg.parts[k], wu.parts[k], wd.parts[k], idx, w, layer=pos, implementation=impl,
+          x, part(wg, k), part(wu, k), part(wd, k), idx, w, layer=pos, implementation=impl,
           **kw), cfg.forms.quant_groups)
     else:
       routed = quant_api.experts(x, wg, wu, wd, idx, w, layer=layer, implementation=impl)
