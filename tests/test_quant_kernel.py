@@ -643,3 +643,10 @@ def test_gpu_mixed_stack_in_one_launch(n, dtype):
     got = qmatmul(x, parts, index=jnp.int32(i), group=jnp.int32(g), implementation="pallas")
     want = qmatmul(x, parts[g], index=jnp.int32(i), implementation="pallas")
     assert np.array_equal(bits(got), bits(want)), f"part {g}"
+
+
+def test_mixed_stack_without_group_is_refused():
+  parts = _parts()
+  x = jnp.ones((1, parts[0].shape[-1]), F32)
+  with pytest.raises(ValueError, match="needs at least one part and group="):
+    qmatmul(x, parts, index=jnp.int32(0), implementation="pallas_interpret")

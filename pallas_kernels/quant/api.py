@@ -56,10 +56,11 @@ def _compute(x_dtype, precision):
   return jnp.dtype(_F32), precision or _HI
 
 
-def _check(x, w, index):
+def _check(x, w, index, group=None):
   if isinstance(w, tuple):  # a mixed-type stack: one QTensor per type
-    if not w:
-      raise ValueError("quant: a mixed-type stack needs at least one part")
+    if not w or group is None:
+      raise ValueError("quant: a mixed-type stack (a tuple of QTensors) needs at least one "
+                       "part and group= (the part holding the matrix)")
     for part in w:
       _check(x, part, index)
     return
@@ -125,7 +126,7 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
   Returns:
     [N, out] in x.dtype.
   """
-  _check(x, w, index)
+  _check(x, w, index, group)
   impl = resolve(implementation)
   if isinstance(w, tuple):
     n, d_in = x.shape
@@ -201,7 +202,7 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
   Returns:
     [N, out] in x.dtype; rows with on == 0 are bit-identical to `qmatmul(x, w, ...)`.
   """
-  _check(x, w, index)
+  _check(x, w, index, group)
   n, d_in = x.shape
   d_out = (w[0] if isinstance(w, tuple) else w).shape[-2]
   if a.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, a.shape[0]):
@@ -298,6 +299,8 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
   """
   parts = None
   if isinstance(wg, tuple):
+    if group is None or not (len(wg) == len(wu) == len(wd) > 0):
+      raise ValueError("quant experts: mixed-type stacks need as many parts each and group=")
     impl = resolve(implementation)
     parts = (wg, wu, wd)
     f, d = wg[0].shape[-2:]
