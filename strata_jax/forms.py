@@ -62,7 +62,7 @@ CHOICES: dict[str, tuple] = {
     # switched, experiments/results/device/decode_probe_a80b_run3_qpred.json), "switch"
     # elsewhere (XLA would compute every type's product there). "fused" = one launch for a
     # few rows with every type's program compiled in and a flag in memory picking the layer's
-    # (`pallas_kernels.quant.gemv.groups_call`), a conditional otherwise; the predicated
+    # (`pallas_kernels.quant.gemv.groups_call`), "predicated" otherwise; the predicated
     # form's numbers bit for bit. Not yet timed on the H200.
     "quant_groups": ("auto", "switch", "predicated", "fused"),
     # fp32 matmuls: "auto" = "highest" (full fp32) for a float32 compute dtype, the dtype's own

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from quant_fixtures import gguf_dequantize, random_raw
 from tolerances import KERNEL_REL, assert_close
 
@@ -580,8 +581,8 @@ def _parts(out=OUT, blocks=2, lead=((2,), (3,))):
 @pytest.mark.parametrize("n,dtype", [(1, F32), (3, BF16), (ROWS_MAX + 1, F32)])
 def test_mixed_stack_in_one_launch_gives_each_parts_own_numbers(n, dtype):
   """qmatmul / qmatmul_lora over (Q4_K, Q6_K) parts with the part a traced index: for a few
-  rows one launch (its jaxpr holds the groups kernel), more rows a conditional; either way
-  the chosen part's own call, bit for bit, LoRA off rows included."""
+  rows one launch (its jaxpr holds the groups kernel), more rows each part's call gated and a
+  select; either way the chosen part's own call, bit for bit, LoRA off rows included."""
   parts = _parts()
   d_in = parts[0].shape[-1]
   x = jnp.asarray(_x(n, d_in, dtype))
@@ -596,8 +597,22 @@ def test_mixed_stack_in_one_launch_gives_each_parts_own_numbers(n, dtype):
     want_l = qmatmul_lora(x, parts[g], jnp.asarray(a), jnp.asarray(b), jnp.asarray(on),
                           index=jnp.int32(i), **kw)
     assert np.array_equal(bits(fl(x, jnp.int32(g), jnp.int32(i))), bits(want_l))
-  one_launch = "qgemv_groups" in str(jax.make_jaxpr(f)(x, jnp.int32(0), jnp.int32(0)))
-  assert one_launch == (n <= ROWS_MAX)
+  closed = jax.make_jaxpr(f)(x, jnp.int32(0), jnp.int32(0))
+  assert ("qgemv_groups" in str(closed)) == (n <= ROWS_MAX)
+  # more rows: gated calls and a select, no XLA conditional (a host round trip on the GPU)
+  assert "cond" not in _xla_primitives(closed.jaxpr)
+
+
+def _xla_primitives(jaxpr):
+  """Primitive names of a jaxpr and its nested jaxprs, not looking inside Pallas kernels."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for sub in jaxprs_in_params(eqn.params):
+      names |= _xla_primitives(sub)
+  return names
 
 
 def test_mixed_expert_stacks_in_one_launch_give_each_parts_own_numbers():

@@ -184,7 +184,7 @@ def test_predicated_groups_give_the_switch_numbers_bit_for_bit(tmp_path):
 
 def test_fused_groups_give_the_predicated_numbers_bit_for_bit(tmp_path):
   """`quant_groups="fused"` (one launch over every type's stack for a decode step's few rows,
-  a conditional for the prompt's) against one gated launch per type and a select, both by
+  gated launches for the prompt's) against one gated launch per type and a select, both by
   the kernels (under the interpreter here): the same logits, bit for bit."""
   keep = _mixed_model(tmp_path, "keep")
 

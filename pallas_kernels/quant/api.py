@@ -73,10 +73,19 @@ def _check(x, w, index, group=None):
     raise ValueError(f"quant: w {w.shape} is stacked; pass index (flat over the leading dims)")
 
 
-def _switch_parts(group, parts, fn):
-  """fn(part) for the part `group` picks, by an XLA conditional: a mixed-type stack where
-  one launch cannot serve it (XLA, many rows, a tiling or form asked for)."""
-  return lax.switch(jnp.asarray(group, jnp.int32), [lambda p=p: fn(p) for p in parts])
+def _each_part(group, parts, fn, impl):
+  """fn(part) for the part `group` picks, where one launch cannot serve a mixed-type stack
+  (XLA, many rows, a tiling or form asked for): with the kernels, every part's call gated by
+  its "active" flag and a select (an XLA conditional is a host round trip on the GPU); with
+  XLA, a conditional (it would compute every part's product)."""
+  group = jnp.asarray(group, jnp.int32)
+  if impl == "xla":
+    return lax.switch(group, [lambda p=p: fn(p) for p in parts])
+  ys = [fn(p, active=(group == i).astype(jnp.int32)) for i, p in enumerate(parts)]
+  out = ys[-1]
+  for i in range(len(ys) - 2, -1, -1):
+    out = jnp.where(group == i, ys[i], out)
+  return out
 
 
 def _one_launch(parts, n, d_out, d_in, impl, tiles, groups=1):
@@ -121,7 +130,8 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
     group: with `w` a tuple of QTensors (a mixed-type stack, one stack per type), the int32
       part holding the matrix (traced OK); `index` is then its index in that part. A few
       rows run every part's "blocks" program in one launch, a flag picking the part;
-      otherwise a conditional over the parts. Either way, that part's own numbers.
+      otherwise each part's call gated by its flag and a select (XLA: a conditional).
+      Either way, that part's own numbers.
 
   Returns:
     [N, out] in x.dtype.
@@ -135,8 +145,9 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
           x[None], tuple(flat(p) for p in w), group, _index(w[0], index),
           qtypes=tuple(p.qtype for p in w), d_out=w[0].shape[-2],
           interpret=impl == "pallas_interpret")[0]
-    return _switch_parts(group, w, lambda p: qmatmul(
-        x, p, index=index, implementation=implementation, precision=precision, tiles=tiles))
+    return _each_part(group, w, lambda p, **kw: qmatmul(
+        x, p, index=index, implementation=implementation, precision=precision, tiles=tiles,
+        **kw), impl)
   if impl == "xla":
     return _xla_acc(x, w, index, precision).astype(x.dtype)
   y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=w.shape[-2],
@@ -236,10 +247,10 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
           x[None], tuple(flat(p) for p in w), group, _index(w[0], index),
           qtypes=tuple(p.qtype for p in w), d_out=d_out, on=on, h=lora_h(), b=b,
           scale=scale, interpret=impl == "pallas_interpret")[0]
-    return _switch_parts(group, w, lambda p: qmatmul_lora(
+    return _each_part(group, w, lambda p, **kw: qmatmul_lora(
         x, p, a, b, on, rank_scale=rank_scale, scale=scale, index=index,
         implementation=implementation, precision=precision, lora_down=lora_down,
-        tiles=tiles))
+        tiles=tiles, **kw), impl)
   if impl == "xla":
     return with_delta(_xla_acc(x, w, index, precision))
   tk = dict(tiles or {})
@@ -292,7 +303,7 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
     group: with wg, wu, wd tuples of QTensors (mixed-type stacks grouped alike, one stack
       per type), the int32 part holding the layer; `layer` is its index in that part. Each
       product is then one launch over every part (`qmatmul` with `group`), or, where that
-      cannot serve it, a conditional over the parts.
+      cannot serve it, each part's experts gated and a select (XLA: a conditional).
 
   Returns:
     [N, D] float32.
@@ -307,9 +318,9 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
     pairs = idx.shape[0] * idx.shape[1] if idx.ndim == 2 else 1
     if not (_one_launch(wg, 1, f, d, impl, tiles, groups=pairs)
             and _one_launch(wd, 1, d, f, impl, tiles, groups=pairs)):
-      return _switch_parts(group, list(zip(wg, wu, wd)), lambda p: experts(
+      return _each_part(group, list(zip(wg, wu, wd)), lambda p, **kw: experts(
           x, *p, idx, weights, layer=layer, implementation=implementation,
-          precision=precision, tiles=tiles, sort_pairs=sort_pairs))
+          precision=precision, tiles=tiles, sort_pairs=sort_pairs, **kw), impl)
     wg, wu, wd = wg[0], wu[0], wd[0]  # shapes below; the products use every part
   for name, w in (("wg", wg), ("wu", wu), ("wd", wd)):
     if not isinstance(w, QTensor) or w.ndim != 4:
