@@ -161,6 +161,12 @@ def test_mixed_types_within_a_stack(tmp_path):
                what="mixed keep vs deq")
 
 
+def _with_forms(model, **changes):
+  """`model` (cfg, params) with some forms changed: the same weights, another program."""
+  cfg = dataclasses.replace(model.cfg, forms=dataclasses.replace(model.cfg.forms, **changes))
+  return types.SimpleNamespace(cfg=cfg, params=model.params)
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason=(
     "a CPU promise: on the H200 XLA's dequantise-then-dot compiled in the two programs rounded "
     "differently in the last bits (experiments/results/device/gpu_tests_run11_failures.txt); "
@@ -173,12 +179,8 @@ def test_predicated_groups_give_the_switch_numbers_bit_for_bit(tmp_path):
   `test_gated_call_runs_only_when_active_and_then_equals_the_plain_call`)."""
   keep = _mixed_model(tmp_path, "keep")
 
-  def with_forms(**changes):
-    cfg = dataclasses.replace(keep.cfg, forms=dataclasses.replace(keep.cfg.forms, **changes))
-    return types.SimpleNamespace(cfg=cfg, params=keep.params)
-
-  switch = _run_mixed(with_forms(quant_impl="xla", quant_groups="switch"))
-  pred = _run_mixed(with_forms(quant_impl="xla", quant_groups="predicated"))
+  switch = _run_mixed(_with_forms(keep, quant_impl="xla", quant_groups="switch"))
+  pred = _run_mixed(_with_forms(keep, quant_impl="xla", quant_groups="predicated"))
   assert np.array_equal(switch, pred)
 
 
@@ -188,10 +190,6 @@ def test_fused_groups_give_the_predicated_numbers_bit_for_bit(tmp_path):
   the kernels (under the interpreter here): the same logits, bit for bit."""
   keep = _mixed_model(tmp_path, "keep")
 
-  def with_forms(**changes):
-    cfg = dataclasses.replace(keep.cfg, forms=dataclasses.replace(keep.cfg.forms, **changes))
-    return types.SimpleNamespace(cfg=cfg, params=keep.params)
-
-  pred = _run_mixed(with_forms(quant_impl="pallas_interpret", quant_groups="predicated"))
-  fused = _run_mixed(with_forms(quant_impl="pallas_interpret", quant_groups="fused"))
+  pred = _run_mixed(_with_forms(keep, quant_impl="pallas_interpret", quant_groups="predicated"))
+  fused = _run_mixed(_with_forms(keep, quant_impl="pallas_interpret", quant_groups="fused"))
   assert np.array_equal(pred, fused)
