@@ -493,8 +493,9 @@ def test_rows_form_expert_tiles_shrink_until_the_grid_has_enough_programs():
 
 
 def test_blocks_form_is_the_few_row_default_and_splits_until_the_grid_is_full():
-  """Few rows run "blocks" (the LoRA epilogue from A keeps "rows"); more rows "dot". Compiled "blocks" splits `in` (a power of 2 dividing the steps, at most 8)
-  until the grid has BLOCKS_MIN_PROGRAMS programs."""
+  """Few rows run "blocks" (the LoRA epilogue from A keeps "rows"); more rows "dot".
+  Compiled "blocks" splits `in` (a power of 2 dividing the steps, at most 8) until the grid
+  has BLOCKS_MIN_PROGRAMS programs."""
   from pallas_kernels.quant.kernel import (
       BLOCKS_MIN_PROGRAMS,
       blocks_defaults,
