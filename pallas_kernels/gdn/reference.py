@@ -105,6 +105,22 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
   return o, state
 
 
+def _unit_lower_solve(m, rhs):
+  """x with (I + m) x = rhs, for m [..., C, C] strictly lower and rhs [..., C, D]: forward
+  substitution, row by row. Not `lax.linalg.triangular_solve`: on CPU that is LAPACK's trsm,
+  which jaxlib 0.10 splits over XLA's intra-op thread pool while blocking a pool thread on the
+  parts; as many solves in flight as pool threads (two on a 2-core machine: two programs at
+  once, as an engine's async dispatch or a server gives) and none can finish (a hung process,
+  seen under `tests/test_server.py` and `bench_engine.py --smoke`)."""
+  def row(i, x):
+    mi = lax.dynamic_index_in_dim(m, i, axis=m.ndim - 2, keepdims=False)       # [..., C]
+    ri = lax.dynamic_index_in_dim(rhs, i, axis=rhs.ndim - 2, keepdims=False)   # [..., D]
+    # rows >= i of x are still 0 and m's row i is 0 from column i on: the sum is over j < i
+    xi = ri - jnp.einsum("...j,...jd->...d", mi, x, precision=_HI)
+    return lax.dynamic_update_index_in_dim(x, xi, i, axis=x.ndim - 2)
+  return lax.fori_loop(0, m.shape[-1], row, jnp.zeros_like(rhs))
+
+
 def _intra_chunk(q, k, v, g, beta):
   """Everything that does not depend on the carried state, for every chunk and head at once.
 
@@ -123,10 +139,8 @@ def _intra_chunk(q, k, v, g, beta):
   decay_causal = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
   kk = jnp.einsum("...id,...jd->...ij", k, k, precision=_HI)
   m = beta[..., :, None] * decay_strict * kk                    # strictly lower
-  eye = jnp.eye(C, dtype=q.dtype)
   rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(G))[..., None] * k], axis=-1)
-  sol = lax.linalg.triangular_solve(eye + m, rhs, left_side=True, lower=True,
-                                    unit_diagonal=True)
+  sol = _unit_lower_solve(m, rhs)
   Dv = v.shape[-1]
   u_bar, w = sol[..., :Dv], sol[..., Dv:]
   qk = jnp.einsum("...id,...jd->...ij", q, k, precision=_HI) * decay_causal
