@@ -57,13 +57,14 @@ CHOICES: dict[str, tuple] = {
     # a stack whose layers come in several quant types (llama.cpp's Q4_K_M: Q6_K in its
     # "more bits" layers): "switch" = an XLA conditional on the layer's type (a host round
     # trip each on the GPU); "predicated" = one kernel launch per type with an "active" flag
-    # in memory, the inactive ones returning at once, and a select. "auto" = "predicated" on
-    # the GPU (80B-A3B Q4_K_M decode at batch 1 on the H200: 7.37 ms a step against 8.55
-    # switched, experiments/results/device/decode_probe_a80b_run3_qpred.json), "switch"
-    # elsewhere (XLA would compute every type's product there). "fused" = one launch for a
+    # in memory, the inactive ones returning at once, and a select; "fused" = one launch for a
     # few rows with every type's program compiled in and a flag in memory picking the layer's
-    # (`pallas_kernels.quant.gemv.groups_call`), "predicated" otherwise; the predicated
-    # form's numbers bit for bit. Not yet timed on the H200.
+    # (`pallas_kernels.quant.gemv.groups_call`), "predicated" for more rows, its numbers bit
+    # for bit. "auto" = "fused" on the GPU (80B-A3B Q4_K_M decode at batch 1 on the H200:
+    # 4.54 ms a step against 4.91 predicated, experiments/results/device/
+    # decode_probe_a80b_run6_qfused.json; predicated 7.37 against 8.55 switched in
+    # decode_probe_a80b_run3_qpred.json), "switch" elsewhere (XLA would compute every type's
+    # product there).
     "quant_groups": ("auto", "switch", "predicated", "fused"),
     # fp32 matmuls: "auto" = "highest" (full fp32) for a float32 compute dtype, the dtype's own
     # for bfloat16; "tf32" is the GPU's faster reduced fp32, only ever chosen by name.
@@ -72,11 +73,16 @@ CHOICES: dict[str, tuple] = {
     # out, the router and the shared expert): "scan" = sliced per block as the layer scan's
     # xs; "in_place" = passed whole, each layer's matrix taken at its traced layer index in the
     # scan body (the H200's decode program copied the scanned qkv slices, 12 copies and ~600 us
-    # a bench-a3b step: experiments/results/device/hlo/). Same numbers either way.
-    # "kernel" = passed whole, and a decode step's few rows (<= 4) multiplied by the "blocks"
-    # GEMV kernel reading the layer's matrix in place (`pallas_kernels.quant.dense_matmul`,
-    # by `quant_impl`: the kernel on the GPU, XLA elsewhere); the numbers to summation order.
-    # Not yet timed on the H200.
+    # a bench-a3b step: experiments/results/device/hlo/; in place XLA still copies them, and
+    # decode moved -0.3 / +0.8 / +0.8 % at batch 1 / 8 / 32). Same numbers either way.
+    # "kernel" = passed whole, and a decode step's single row multiplied by the "blocks" GEMV
+    # kernel reading the layer's matrix in place (`pallas_kernels.quant.dense_matmul`, by
+    # `quant_impl`: the kernel on the GPU, XLA elsewhere; more rows: XLA on the indexed
+    # matrix, as "in_place"); the numbers to summation order. Opt-in: on the H200 the device
+    # program alone took a bench-a3b bf16 step at batch 1 from 5.75 to 5.17 ms (5.33 against
+    # 6.05 adapter on; experiments/results/device/decode_probe_dgemv_run1.json, K/V capacity
+    # 512), but through the Engine (K/V capacity 2,560) decode at batch 1 fell from 160.5 to
+    # 146.9 tok/s with it the GPU default (bench_engine_run10.json, _run11.json).
     "dense_weights": ("scan", "in_place", "kernel"),
 }
 
@@ -122,7 +128,7 @@ class Forms:
         moe_many=auto(self.moe_many, "pallas", "dense"),
         moe_few=auto(self.moe_few, "pallas", "xla"),
         quant_impl=auto(self.quant_impl, "pallas", "xla"),
-        quant_groups=auto(self.quant_groups, "predicated", "switch"),
+        quant_groups=auto(self.quant_groups, "fused", "switch"),
         matmul_precision=precision)
 
   def jax_precision(self, compute_dtype) -> str | None:

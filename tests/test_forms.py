@@ -38,7 +38,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert Forms().jax_precision(jnp.float32) == "highest", "unresolved auto: fp32 is full fp32"
   gpu = Forms().resolve("gpu", jnp.bfloat16)
   assert (gpu.gdn_chunked, gpu.moe_many, gpu.moe_few) == ("pallas", "pallas", "pallas")
-  assert (gpu.quant_impl, gpu.quant_groups) == ("pallas", "predicated")
+  assert (gpu.quant_impl, gpu.quant_groups) == ("pallas", "fused")
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
   assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None

@@ -528,7 +528,7 @@ def test_dense_gemv_reads_the_indexed_matrix_and_matches_float64(n, dtype, k_spl
   w = np.asarray(jnp.asarray(rng.standard_normal((2, 3, OUT, 96)), dtype))
   x = _x(n, 96, dtype)
   f = jax.jit(lambda x, w, i: dense_matmul(x, w, i, implementation="pallas_interpret", tiles=dict(
-      block_out=16, block_in=32, k_split=k_split)))
+      block_out=16, block_in=32, k_split=k_split), rows_max=ROWS_MAX))
   got = f(jnp.asarray(x), jnp.asarray(w), jnp.int32(5))
   assert got.shape == (n, OUT) and got.dtype == x.dtype
   assert_close(got, _want(x, np.asarray(w[1, 2], np.float64)), rel=_tol(dtype),
@@ -536,19 +536,24 @@ def test_dense_gemv_reads_the_indexed_matrix_and_matches_float64(n, dtype, k_spl
   assert "qgemv_dense" in str(jax.make_jaxpr(f)(jnp.asarray(x), jnp.asarray(w), jnp.int32(5)))
   if k_split == 1:
     with pytest.raises(ValueError, match="k_split=2 does not divide"):
-      dense_matmul(jnp.asarray(x), jnp.asarray(w), jnp.int32(5),
-                   implementation="pallas_interpret", tiles=dict(block_in=32, k_split=2))
+      dense_matmul(jnp.asarray(x), jnp.asarray(w), jnp.int32(5), implementation="pallas_interpret",
+                   tiles=dict(block_in=32, k_split=2), rows_max=ROWS_MAX)
 
 
 def test_dense_gemv_leaves_many_rows_and_odd_widths_to_xla():
-  """More than ROWS_MAX rows, or `in` not a multiple of 32: the XLA reference, bit for bit."""
+  """More rows than the kernel takes (DENSE_ROWS_MAX by default, never above ROWS_MAX), or
+  `in` not a multiple of 32: the XLA reference, bit for bit, and no kernel in the program."""
   from pallas_kernels.quant import dense_matmul, dense_reference
+  from pallas_kernels.quant.api import DENSE_ROWS_MAX
   rng = np.random.default_rng(4)
-  for n, d_in in ((ROWS_MAX + 1, 64), (2, 48)):
+  for n, d_in, rows_max in ((DENSE_ROWS_MAX + 1, 64, None), (ROWS_MAX + 1, 64, ROWS_MAX + 1),
+                            (1, 48, None)):
     w = jnp.asarray(rng.standard_normal((3, 24, d_in)), F32)
     x = jnp.asarray(rng.standard_normal((n, d_in)), F32)
-    got = dense_matmul(x, w, jnp.int32(2), implementation="pallas_interpret")
-    assert np.array_equal(bits(got), bits(dense_reference(x, w, jnp.int32(2))))
+    f = lambda x, w: dense_matmul(x, w, jnp.int32(2), implementation="pallas_interpret",
+                                  rows_max=rows_max)
+    assert np.array_equal(bits(f(x, w)), bits(dense_reference(x, w, jnp.int32(2))))
+    assert "qgemv_dense" not in str(jax.make_jaxpr(f)(x, w))
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
@@ -568,7 +573,8 @@ def test_gpu_dense_gemv(n, dtype):
   rng = np.random.default_rng(5)
   w = np.asarray(jnp.asarray(rng.standard_normal((4, 328, 2048)), dtype))
   x = _x(n, 2048, dtype)
-  got = dense_matmul(jnp.asarray(x), jnp.asarray(w), jnp.int32(3), implementation="pallas")
+  got = dense_matmul(jnp.asarray(x), jnp.asarray(w), jnp.int32(3), implementation="pallas",
+                     rows_max=ROWS_MAX)
   assert_close(got, _want(x, np.asarray(w[3], np.float64)), rel=_tol(dtype),
                what=f"gpu dense gemv N{n}")
 

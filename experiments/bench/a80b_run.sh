@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the device, one call (~9 min): write the 80B-A3B Q4_K_M file, time the device program at
-# batch 1 with the quant groups switched and predicated (decode_probe; VARIANTS= other variants), then load it through
-# the Engine with the faster form and decode at batch 1 and 8, adapter on and off (load_80b).
+# batch 1 with the quant groups switched and predicated (decode_probe; VARIANTS= other variants,
+# parts joined by "+" combine), then load it through the Engine with the fastest variant's forms
+# and decode at batch 1 and 8 (BATCHES=), adapter on and off (load_80b).
 # Results in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -9,14 +10,17 @@ t0=$(date +%s)
 python3 experiments/bench/make_gguf.py --geometry qwen3next-80b-a3b --quant q4_k_m \
   --out /tmp/a80b.gguf --no-progress 2>&1 | tail -2
 echo "gguf written $(( $(date +%s) - t0 )) s"
-timeout 170 python3 experiments/bench/decode_probe.py --gguf /tmp/a80b.gguf --variants ${VARIANTS:-base,qpred} \
+timeout ${PROBE_CAP:-170} python3 experiments/bench/decode_probe.py --gguf /tmp/a80b.gguf --variants ${VARIANTS:-base,qpred} \
   --batches 1 --n_steps 8 --reps 3 --out $OUT/decode_probe_a80b.json 2>&1 | grep '"variant"' | cut -c1-300
 echo "probe done $(( $(date +%s) - t0 )) s"
 FORMS=$(python3 - "$OUT/decode_probe_a80b.json" <<'PY'
 import json, sys
 try:
   r = {x["variant"]: x["ms_per_step"] for x in json.load(open(sys.argv[1]))["results"]}
-  print("quant_groups=predicated" if r.get("qpred", 1e9) < r.get("base", 1e9) else "")
+  forms = {"qpred": "quant_groups=predicated", "qfused": "quant_groups=fused",
+           "dgemv": "dense_weights=kernel", "base": ""}
+  best = min(r, key=r.get)
+  print(",".join(filter(None, (forms.get(p, "") for p in best.split("+")))))
 except Exception:
   print("")
 PY

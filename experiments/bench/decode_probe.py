@@ -69,6 +69,7 @@ FORM_VARIANTS = {
     "qfused": {"quant_groups": "fused"},
     "inplace": {"dense_weights": "in_place"},
     "dgemv": {"dense_weights": "kernel"},
+    "dscan": {"dense_weights": "scan"},
 }
 
 
@@ -130,6 +131,7 @@ def main():
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--tag", default="")
   ap.add_argument("--tiny", action="store_true")
+  ap.add_argument("--max_seq", type=int, default=512, help="K/V capacity of the decode state")
   ap.add_argument("--prefill", type=int, default=0)
   ap.add_argument("--profile", default="", help="variant whose decode call is traced")
   ap.add_argument("--gdn_op", type=int, default=0, help="also time the chunked ops at this T")
@@ -158,7 +160,7 @@ def main():
   lora = common.device_lora(cfg, common.LORA_RANK, dtype)
   print(f"params {time.perf_counter() - t0:.1f}s", flush=True)
   res = dict(tag=args.tag, xla_flags=os.environ.get("XLA_FLAGS", ""), device=str(jax.devices()[0]),
-             jax=jax.__version__, results=[])
+             jax=jax.__version__, max_seq=args.max_seq, results=[])
   if args.gdn_op:
     res["gdn_op"] = time_gdn_ops(cfg, args.gdn_op)
     print(json.dumps(res["gdn_op"]), flush=True)
@@ -173,7 +175,7 @@ def main():
       jax.clear_caches()   # the monkeypatched variants change code jit cannot see
       vcfg = variant_cfg(cfg, name)
       try:
-        state = init_state(cfg, B, 512, dtype)
+        state = init_state(cfg, B, args.max_seq, dtype)
         toks = jnp.zeros((B,), jnp.int32)
         sw = jnp.full((B,), 1 if on else 0, jnp.int32)
         act = jnp.ones((B,), jnp.int32)

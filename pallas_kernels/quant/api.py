@@ -162,19 +162,27 @@ def dense_reference(x, stack, index):
   return lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=x.dtype)
 
 
-def dense_matmul(x, stack, index, *, implementation="auto", tiles=None):
+# The kernel's rows for a plain float stack: on the H200 it beat XLA's slice and dot at batch 1
+# (bench-a3b bf16 decode 5.17 against 5.75 ms a step) and lost at batch 4 (8.53 against 8.08;
+# experiments/results/device/decode_probe_dgemv_run1.json).
+DENSE_ROWS_MAX = 1
+
+
+def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max=None):
   """y = x @ stack[index]^T for a plain float weight stack [..., out, in] (leading dims
   flattened; `index` int32, traced OK) and a few rows x [N, in], in x's dtype.
 
-  With the kernels (N <= ROWS_MAX, `in` a multiple of 32) the "blocks" GEMV of gemv.py reads
-  matrix `index` in place (no slice copy); otherwise, and with "xla", `dense_reference`.
+  With the kernels (N <= rows_max, default DENSE_ROWS_MAX, at most ROWS_MAX; `in` a multiple
+  of 32) the "blocks" GEMV of gemv.py reads matrix `index` in place (no slice copy);
+  otherwise, and with "xla", `dense_reference`.
   The kernel's sums are fp32 over products of the weights and x rounded to the compute dtype
   (x's if 16-bit, else fp32): the reference's numbers to summation order.
   tiles: optional {block_out, block_in, k_split, num_warps, num_stages}.
   """
   impl = resolve(implementation)
   n, d_in = x.shape
-  if impl == "xla" or n > ROWS_MAX or n == 0 or d_in % DENSE_UNIT:
+  rows_max = min(ROWS_MAX, DENSE_ROWS_MAX if rows_max is None else rows_max)
+  if impl == "xla" or n > rows_max or n == 0 or d_in % DENSE_UNIT:
     return dense_reference(x, stack, index)
   tk = dict(tiles or {})
   warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
