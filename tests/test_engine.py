@@ -234,7 +234,8 @@ def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_
     return read_kv(*a, **kw)
   monkeypatch.setattr(steps, "read_kv", counted)
   prompt = list(np.random.default_rng(5).integers(0, TINY.vocab_size, 5 * BS + 3))
-  eng = sj.Engine(model, slots=1, max_seq=512, block_size=BS)
+  # the tail in chunks of its own (merge_tail=False): a cache hit computes what a cold run does
+  eng = sj.Engine(model, slots=1, max_seq=512, block_size=BS, merge_tail=False)
   eng.generate(tokens=prompt, max_tokens=2)
   assert calls == [8 * BS]   # one chunk of 5 blocks in an 8-block bucket: one read
   hashes = sj.block_hashes(prompt, BS)
@@ -245,13 +246,14 @@ def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_
   follow = prompt + [7]
   eng.generate(tokens=[1, 2, 3], max_tokens=1)   # the slot's conversation no longer matches
   hit = eng.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
-  cold = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0)
+  cold = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0,
+                   merge_tail=False)
   ref = cold.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
   assert hit.cached_tokens == 5 * BS and np.array_equal(hit.step_logits, ref.step_logits)
-  # with merge_tail the cold prompt's 4 new tokens share the chunk holding its 5 blocks
-  # (`prefill_cut`) while the hit runs them alone: the same tokens, the logits to rounding
-  merged = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0,
-                     merge_tail=True)
+  # with merge_tail (the default) the cold prompt's 4 new tokens share the chunk holding its
+  # 5 blocks (`prefill_cut`) while the hit runs them alone: the same tokens, the logits to
+  # rounding
+  merged = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0)
   got = merged.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
   assert got.tokens == ref.tokens
   assert_close(got.step_logits, ref.step_logits, rel=CHUNK_SHAPE_REL_FP32, what="step logits")

@@ -14,18 +14,23 @@ Keys (the issue's targets), written to `--out` as {"entries": [summary.json entr
 - engine_vs_program_b{1,8,32}_greedy (>= 0.95) / _sampled (>= 0.9, temperature 0.8, top_p
   0.95): `Engine(slots=B)` serving B requests at once, decode tokens/s = tokens after each
   row's first / (last token - the moment every row has its first token), over
-  `steps.decode_greedy` (16 steps a call, 4 calls, the engine's padded adapter, switch on,
-  rows holding B distinct random 128-token prompts prefilled by the engine's prefill program,
-  so their tokens route to different experts as the engine's do) tokens/s; same process,
-  same batch, same K/V capacity. `sample_program_*`: the engine's own decode program
-  (`decode_sample`) timed the same way, the device-side price of on-device sampling.
+  `steps.decode_greedy` (16 steps a call, 4 calls, the engine's padded adapter, switch on)
+  tokens/s from the very prompt sets the engine served, each prefilled afresh by the engine's
+  prefill program, decoding from the token the engine's greedy request starts from; same
+  process, same batch, same K/V capacity. With random weights a token stream's expert
+  routing moves a step's time by several % (before run 11 the program decoded other prompts
+  from a state carried over between runs); `program_token_match` is the share of the
+  engine's greedy tokens the program decoded too (1.0: the same work).
+  `sample_program_*`: the engine's own decode program (`decode_sample`) timed the same way,
+  the device-side price of on-device sampling.
 - server_vs_engine_b32 (>= 0.85): `create_app` (what `strata-jax serve` runs) on the batch-32
   engine in this process, 32 concurrent streaming `/v1/completions` clients in another process;
   aggregate tokens/s (all completion tokens / first request sent to last answer read) over the
   engine's, measured the same way (`Engine.run` of 32 requests).
 - engine_ttft_vs_prefill_2500 (<= 1.2): `Result.ttft_s` of a 2,500-token prompt (default
-  engine: prefix cache on, chunks 2,048 + 448 + 4) over one `steps.prefill` of the 2,500
-  tokens as one chunk.
+  engine: prefix cache on, chunks 2,048 + 452, the last full block's state handed back from
+  inside the second chunk, `Engine(merge_tail=True)`; runs 11 and 12 also timed 2,048 + 448 +
+  4) over one `steps.prefill` of the 2,500 tokens as one chunk.
 Each figure is the median of --reps timed runs after one untimed run. Compiles: every program
 is built before timing, the engines' `warmup` and the reference programs in threads; the
 persistent compilation cache (STRATA_JAX_CACHE, as the CLI) makes a repeat run start fast.
@@ -162,63 +167,66 @@ def _windowed(run, B, new, window):
   return run[2][0].tokens
 
 
-def prefilled_state(eng, B, pos, seed=0):
-  """A [B]-row state (the engine's capacity) holding B random `pos`-token prompts, prefilled
-  row by row with the engine's own prefill program, switch on; and their last tokens.
-  The decode references start from it: rows at real, distinct contexts route their tokens to
-  different experts, as the engine's rows do (identical rows would all read the same 10
-  experts, which made the reference too fast at batch 8 and 32 in run 2)."""
+def prefilled_state(eng, prompts):
+  """A [B]-row state (the engine's capacity) holding the B `prompts`, prefilled row by row with
+  the engine's own prefill program, switch on; and each row's first token (the argmax after
+  its prompt, the token the engine's greedy request decodes from). The decode references
+  start from it: rows at real, distinct contexts route their tokens to different experts, as
+  the engine's rows do (identical rows would all read the same 10 experts, which made the
+  reference too fast at batch 8 and 32 in run 2)."""
   import jax.numpy as jnp
   import numpy as np
 
   from strata_jax import steps
   from strata_jax.state import init_state
   st = eng.stages[0]
-  state = init_state(st.cfg, B, eng.max_seq, eng.model.dtype)
-  rng = np.random.default_rng(seed)
-  last = []
-  for slot in range(B):
-    toks = rng.integers(0, eng.model.cfg.vocab_size, pos).astype(np.int32)
-    _, state = steps.prefill(st.cfg, st.params, st.lora, state, jnp.int32(slot),
-                             jnp.asarray(toks), jnp.int32(pos), jnp.int32(1), cvec=st.cvec)
-    last.append(int(toks[-1]))
-  return state, jnp.asarray(np.asarray(last, np.int32))
+  state = init_state(st.cfg, len(prompts), eng.max_seq, eng.model.dtype)
+  first = []
+  for slot, toks in enumerate(prompts):
+    logits, state = steps.prefill(st.cfg, st.params, st.lora, state, jnp.int32(slot),
+                                  jnp.asarray(np.asarray(toks, np.int32)),
+                                  jnp.int32(len(toks)), jnp.int32(1), cvec=st.cvec)
+    first.append(int(jnp.argmax(logits)))
+  return state, jnp.asarray(np.asarray(first, np.int32))
 
 
-def program_rate(eng, B, steps_per_call, calls, pos, reps):
-  """decode_greedy on the engine's stage (params, padded adapter, forms), switch on, from B
-  prefilled prompts (`prefilled_state`): B * steps_per_call * calls / seconds, the median
-  over reps (one untimed round first; each round restarts at position `pos`)."""
+def program_rate(eng, B, steps_per_call, calls, prompt_sets):
+  """decode_greedy on the engine's stage (params, padded adapter, forms), switch on, from each
+  set of B prompts in `prompt_sets` prefilled afresh (`prefilled_state`; the sets the engine
+  served, so at greedy the program decodes the engine's very tokens and reads the same
+  experts): B * steps_per_call * calls / seconds, the median over the sets after the first
+  (untimed); also the tokens each set decoded ([B, steps] per set)."""
   import jax
-  import jax.numpy as jnp
+  import numpy as np
 
   from strata_jax import steps
   st = eng.stages[0]
-  state, toks = prefilled_state(eng, B, pos)
-  one = jnp.ones((B,), jnp.int32)
-  times = []
-  first = toks
-  for r in range(reps + 1):
-    toks = first
+  one = jax.numpy.ones((B,), jax.numpy.int32)
+  times, tokens = [], []
+  for r, prompts in enumerate(prompt_sets):
+    state, toks = prefilled_state(eng, prompts)
+    jax.block_until_ready(state)
+    outs = []
     t0 = time.perf_counter()
     for _ in range(calls):
       out, state = steps.decode_greedy(st.cfg, st.params, st.lora, state, toks, one, one,
                                        n_steps=steps_per_call, cvec=st.cvec)
       toks = out[-1]
+      outs.append(out)
     jax.block_until_ready(toks)
-    state = state.replace(pos=jnp.full((B,), pos, jnp.int32))
     if r:
       times.append(time.perf_counter() - t0)
-  return (B * steps_per_call * calls / statistics.median(times) if times else None), times
+    tokens.append(np.concatenate([np.asarray(o) for o in outs]).T)
+  rate = B * steps_per_call * calls / statistics.median(times) if times else None
+  return rate, times, tokens
 
 
-def sample_program_rate(eng, B, steps_per_call, calls, pos, reps, kw):
+def sample_program_rate(eng, B, steps_per_call, calls, prompt_sets, kw):
   """`steps.decode_sample`, the engine's own decode program, called back to back as
-  `program_rate` calls decode_greedy (B rows active, request parameters `kw`, switch on): the
-  device-side price of on-device sampling and row bookkeeping, apart from the engine's host
-  loop."""
+  `program_rate` calls decode_greedy, from the same prompt sets (B rows active, request
+  parameters `kw`, switch on): the device-side price of on-device sampling and row
+  bookkeeping, apart from the engine's host loop."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
   from strata_jax import steps
@@ -232,15 +240,14 @@ def sample_program_rate(eng, B, steps_per_call, calls, pos, reps, kw):
     rp.set(i, req, 1)
   sp, switch, stop = (jax.device_put(a) for a in (rp.params(), rp.switch, rp.stops()))
   plan = hs.plan_for([req])
-  state, last = prefilled_state(eng, B, pos)
   times = []
-  for r in range(reps + 1):
-    state = state.replace(pos=jnp.full((B,), pos, jnp.int32))
-    rows = jax.device_put(Rows(last=np.asarray(last), active=np.ones(B, np.int32),
+  for r, prompts in enumerate(prompt_sets):
+    state, first = prefilled_state(eng, prompts)
+    rows = jax.device_put(Rows(last=np.asarray(first), active=np.ones(B, np.int32),
                                remaining=np.full(B, 1 << 30, np.int32),
                                n_gen=np.zeros(B, np.int32),
                                recent=np.full((B, hs.dev.RECENT), -1, np.int32)))
-    jax.block_until_ready(rows)
+    jax.block_until_ready((rows, state))
     t0 = time.perf_counter()
     for _ in range(calls):
       out, rows, state = steps.decode_sample(st.cfg, st.params, st.lora, state, rows, sp,
@@ -535,9 +542,10 @@ def main(argv=None):
       e = engines[B]
       lengths = [args.prompt] + ([args.ttft_tokens] if B == 1 else [])
       e.warmup(lengths, plans=plans)
-      program_rate(e, B, args.decode_steps, 1, args.prompt, 0)
+      warm_set = [_prompts(np.random.default_rng(B), B, args.prompt, V)]
+      program_rate(e, B, args.decode_steps, 1, warm_set)
       for kw in ({}, dict(SAMPLED, seed=7)):
-        sample_program_rate(e, B, args.decode_steps, 1, args.prompt, 0, kw)
+        sample_program_rate(e, B, args.decode_steps, 1, warm_set, kw)
       if B == 1:
         prefill_time(e, args.ttft_tokens, 0)
       return B
@@ -550,21 +558,35 @@ def main(argv=None):
     calls = -(-args.new // args.decode_steps)
     for B in batches:
       e, d = engines[B], {}
+      # one prompt set per run, served by the engine in each mode and by the programs, so a
+      # ratio compares the same tokens' work (random weights: a token stream's expert routing
+      # moves a step's time by several %)
+      # (the sampled runs then find their prompts in the prefix cache: a shorter time to first
+      # token, which the decode rate, timed from every row's first token on, leaves out)
+      sets = [_prompts(rng, B, args.prompt, V) for _ in range(args.reps + 1)]
+      engine_tokens = []
       for mode, kw in (("greedy", {}), ("sampled", dict(SAMPLED, seed=7))):
         dec, e2e = [], []
-        for r in range(args.reps + 1):
-          rate, agg, res = engine_run(e, _prompts(rng, B, args.prompt, V), args.new, kw)
+        for r, prompts in enumerate(sets):
+          rate, agg, res = engine_run(e, prompts, args.new, kw)
           assert all(len(x.tokens) == args.new for x in res), "a row stopped early"
+          if mode == "greedy":
+            engine_tokens.append(np.asarray([x.tokens for x in res]))
           if r:
             dec.append(rate)
             e2e.append(agg)
         d[f"{mode}_tok_s"], d[f"{mode}_runs_tok_s"] = statistics.median(dec), dec
         d[f"{mode}_end_to_end_tok_s"], d[f"{mode}_end_to_end_runs"] = statistics.median(e2e), e2e
-      d["program_tok_s"], d["program_runs_s"] = program_rate(e, B, args.decode_steps, calls,
-                                                             args.prompt, args.reps)
+      d["program_tok_s"], d["program_runs_s"], prog_tokens = program_rate(
+          e, B, args.decode_steps, calls, sets)
+      # the engine's greedy tokens after its first against the program's (which decodes from
+      # that first token): the share equal, 1.0 when both did the same work
+      d["program_token_match"] = float(np.mean([
+          (et[:, 1:] == pt[:, :args.new - 1]).mean()
+          for et, pt in zip(engine_tokens, prog_tokens)]))
       for mode, kw in (("greedy", {}), ("sampled", dict(SAMPLED, seed=7))):
         d[f"sample_program_{mode}_tok_s"], d[f"sample_program_{mode}_runs_s"] = \
-            sample_program_rate(e, B, args.decode_steps, calls, args.prompt, args.reps, kw)
+            sample_program_rate(e, B, args.decode_steps, calls, sets, kw)
       for mode in ("greedy", "sampled"):
         d[f"{mode}_ratio"] = d[f"{mode}_tok_s"] / d["program_tok_s"]
       details["decode"][str(B)] = d
@@ -577,7 +599,7 @@ def main(argv=None):
                 e, _prompts(rng, B, args.prompt, V), args.new, {}), B, args.new, window)),
                 steps_run, top=25, window_us=lambda: window[0]),
             program=common.profile_call(lambda: program_rate(
-                e, B, args.decode_steps, calls, args.prompt, 0)[1], steps_run, top=25))
+                e, B, args.decode_steps, calls, sets[:1])[2], steps_run, top=25))
         details["profile"][str(B)]["engine_host_phases_ms"] = e.host_phases
       print("decode", B, {k: v for k, v in d.items() if not k.endswith("runs")}, flush=True)
       common_write(out_path, details, command)

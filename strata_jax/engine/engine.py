@@ -233,12 +233,15 @@ class Engine:
       not the host's CPU. On the CPU backend the copies run inline: the device's work runs on
       the host's own threads there, and a second thread issuing transfers stalled a CPU
       process serving two engines (tests/test_server.py, 2026-12-01).
-    merge_tail: opt-in, not yet measured on the GPU: a prompt's tokens after its last full
-      block join the chunk before them when its bucket has room, and that chunk hands back
-      the GDN state at the block from inside (`steps.prefill_cut`): one pass over the
-      weights fewer (`_schedule`). A cache hit then matches a cold run to rounding, not bit
-      for bit. Off by default: with it on, two full CPU test runs of 2026-12-01 hung in
-      tests/test_server.py (every engine thread waiting inside JAX), cause not found.
+    merge_tail: a prompt's tokens after its last full block join the chunk before them when
+      its bucket has room, and that chunk hands back the GDN state at the block from inside
+      (`steps.prefill_cut`): one pass over the weights fewer (`_schedule`). A cache hit then
+      matches a cold run to rounding, not bit for bit. On by default: the time to first token
+      of a 2,500-token prompt on the H200 was 1.12 / 1.17 x one prefill call with it and 1.19
+      / 1.29 without (experiments/results/device/bench_engine_run12.json, _run11.json). (It
+      was opt-in after two CPU test runs hung with it on; the hang was jaxlib 0.10's LAPACK
+      triangular solve deadlocking XLA's CPU thread pool, gone with the GDN reference's own
+      solve.)
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
@@ -250,7 +253,7 @@ class Engine:
                warmup: bool | Sequence[int] = False, forms: Forms | None = None,
                control_vector=None, lora_rank: int | None = None, spec: int = 0,
                draft: str | None = None, decode_buckets: bool = False,
-               snapshot_thread: bool | None = None, merge_tail: bool = False):
+               snapshot_thread: bool | None = None, merge_tail: bool = True):
     self.model, self.n_slots = model, int(slots)
     # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
     pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
