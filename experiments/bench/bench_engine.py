@@ -486,6 +486,8 @@ def main(argv=None):
   ap.add_argument("--server-clients", type=int, default=32)
   ap.add_argument("--reps", type=int, default=2, help="timed runs per figure (after 1 untimed)")
   ap.add_argument("--decode-steps", type=int, default=16, help="engine steps per dispatch")
+  ap.add_argument("--forms", default="", help="Forms for every engine, as the CLI's --forms "
+                  "(e.g. dense_weights=kernel); the entries' command records it")
   ap.add_argument("--profile", action="store_true",
                   help="also trace one greedy engine run and one program round per batch "
                        "(details.profile: GPU kernels per step, busy and idle time)")
@@ -507,6 +509,7 @@ def main(argv=None):
   import numpy as np
 
   import strata_jax as sj
+  from strata_jax.forms import parse_forms
   batches = [int(b) for b in args.batches.split(",")]
   details = {"jax": jax.__version__, "backend": jax.default_backend(),
              "device": jax.devices()[0].device_kind, "smoke": args.smoke,
@@ -514,7 +517,7 @@ def main(argv=None):
              "prompt": args.prompt, "new": args.new, "ttft_tokens": args.ttft_tokens,
              "server_clients": args.server_clients, "server_batch": max(batches),
              "reps": args.reps, "decode_steps": args.decode_steps, "compilation_cache": cache_dir,
-             "sampled": SAMPLED, "decode": {}}
+             "sampled": SAMPLED, "forms": args.forms, "decode": {}}
   out_path = os.path.abspath(args.out)
   err = None
   try:
@@ -524,12 +527,16 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     ttft_seq = -(-(args.ttft_tokens + 2) // 64) * 64
     short_seq = max(256, 1 << (args.prompt + args.new).bit_length())
+    # --forms: every engine (and so the reference programs, which run the engine's config)
+    forms = parse_forms(args.forms) if args.forms else None
     engines = {}
     for B in batches:   # batch 1 also serves the TTFT prompt (its K/V capacity fits it)
       engines[B] = sj.Engine(model, lora=lora, slots=B, decode_steps=(args.decode_steps,),
+                             forms=forms,
                              max_seq=ttft_seq if B == 1 else short_seq)
     if 1 not in engines:
       engines[1] = sj.Engine(model, lora=lora, slots=1, decode_steps=(args.decode_steps,),
+                             forms=forms,
                              max_seq=ttft_seq)
     from strata_jax.engine import sampling as hs
     from strata_jax.engine.engine import Request
