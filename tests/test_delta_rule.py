@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tolerances import DELTA_RULE_FP32, assert_close
+from tolerances import DELTA_RULE_FP32, KERNEL_REL, assert_close
 
 from pallas_kernels.gdn import chunked, reference
 
@@ -68,3 +68,17 @@ def test_matches_float64_loop():
     o, st = fn(*args)
     assert_close(o, np.stack(outs), abs_=DELTA_RULE_FP32, what=fn.__name__)
     assert_close(st, s, abs_=DELTA_RULE_FP32, what=fn.__name__ + " state")
+
+
+def test_reference_unit_lower_solve_matches_the_lapack_triangular_solve_in_float64():
+  """The reference's forward substitution (no LAPACK: jaxlib 0.10's CPU trsm deadlocked two
+  solves in flight on a 2-core machine) solves (I + M) x = r for strictly lower M, batched,
+  as float64 LAPACK does, to fp32 rounding."""
+  rng = np.random.default_rng(7)
+  C = 16
+  m = np.tril(rng.standard_normal((3, 2, C, C)) * 0.3, -1)
+  r = rng.standard_normal((3, 2, C, 5))
+  got = np.asarray(jax.jit(reference._unit_lower_solve)(jnp.asarray(m, jnp.float32),
+                                                        jnp.asarray(r, jnp.float32)))
+  want = np.linalg.solve(np.eye(C) + m, r)
+  assert_close(got, want, rel=KERNEL_REL["float32"], what="unit lower solve")
