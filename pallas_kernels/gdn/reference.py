@@ -110,8 +110,8 @@ def _unit_lower_solve(m, rhs):
   substitution, row by row. Not `lax.linalg.triangular_solve`: on CPU that is LAPACK's trsm,
   which jaxlib 0.10 splits over XLA's intra-op thread pool while blocking a pool thread on the
   parts; as many solves in flight as pool threads (two on a 2-core machine: two programs at
-  once, as an engine's async dispatch or a server gives) and none can finish (a hung process,
-  seen under `tests/test_server.py` and `bench_engine.py --smoke`)."""
+  once, as an engine's async dispatch or a server gives) and none can finish (a hung process:
+  `bench_engine.py --smoke`, under gdb; most likely the earlier `tests/test_server.py` hangs)."""
   def row(i, x):
     mi = lax.dynamic_index_in_dim(m, i, axis=m.ndim - 2, keepdims=False)       # [..., C]
     ri = lax.dynamic_index_in_dim(rhs, i, axis=rhs.ndim - 2, keepdims=False)   # [..., D]

@@ -239,9 +239,9 @@ class Engine:
       matches a cold run to rounding, not bit for bit. On by default: the time to first token
       of a 2,500-token prompt on the H200 was 1.12 / 1.17 x one prefill call with it and 1.19
       / 1.29 without (experiments/results/device/bench_engine_run12.json, _run11.json). (It
-      was opt-in after two CPU test runs hung with it on; the hang was jaxlib 0.10's LAPACK
-      triangular solve deadlocking XLA's CPU thread pool, gone with the GDN reference's own
-      solve.)
+      was opt-in after two CPU test runs hung with it on; most likely jaxlib 0.10's LAPACK
+      triangular solve deadlocking XLA's CPU thread pool, seen under gdb in the same setting
+      and gone with the GDN reference's own solve.)
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
