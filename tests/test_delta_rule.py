@@ -70,15 +70,19 @@ def test_matches_float64_loop():
     assert_close(st, s, abs_=DELTA_RULE_FP32, what=fn.__name__ + " state")
 
 
-def test_reference_unit_lower_solve_matches_the_lapack_triangular_solve_in_float64():
-  """The reference's forward substitution (no LAPACK: jaxlib 0.10's CPU trsm deadlocked two
-  solves in flight on a 2-core machine) solves (I + M) x = r for strictly lower M, batched,
-  as float64 LAPACK does, to fp32 rounding."""
+def test_reference_solves_one_matrix_at_a_time_with_the_batched_solves_numbers():
+  """The reference's unit-lower solve runs one matrix a call (jaxlib 0.10's batched CPU trsm
+  deadlocked two solves in flight on a 2-core machine), also under vmap: the batched
+  `lax.linalg.triangular_solve`'s numbers bit for bit, and float64's to fp32 tolerance."""
+  from jax import lax
   rng = np.random.default_rng(7)
   C = 16
-  m = np.tril(rng.standard_normal((3, 2, C, C)) * 0.3, -1)
-  r = rng.standard_normal((3, 2, C, 5))
-  got = np.asarray(jax.jit(reference._unit_lower_solve)(jnp.asarray(m, jnp.float32),
-                                                        jnp.asarray(r, jnp.float32)))
-  want = np.linalg.solve(np.eye(C) + m, r)
-  assert_close(got, want, rel=KERNEL_REL["float32"], what="unit lower solve")
+  m = np.tril(rng.standard_normal((2, 3, 2, C, C)) * 0.3, -1)
+  r = rng.standard_normal((2, 3, 2, C, 5))
+  m32, r32 = jnp.asarray(m, jnp.float32), jnp.asarray(r, jnp.float32)
+  got = np.asarray(jax.jit(jax.vmap(reference._unit_lower_solve))(m32, r32))
+  batched = np.asarray(jax.jit(lambda m, r: lax.linalg.triangular_solve(
+      jnp.eye(C, dtype=m.dtype) + m, r, left_side=True, lower=True, unit_diagonal=True))(m32, r32))
+  assert np.array_equal(got, batched)
+  assert_close(got, np.linalg.solve(np.eye(C) + m, r), rel=KERNEL_REL["float32"],
+               what="unit lower solve")

@@ -105,20 +105,25 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
   return o, state
 
 
+@jax.custom_batching.sequential_vmap
+def _solve_one(a, rhs):
+  """a [C, C] unit lower triangular, rhs [C, D]: one LAPACK / cuBLAS triangular solve. Batched
+  (by `jax.vmap`, the model's too), it runs as a loop of single solves."""
+  return lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+
 def _unit_lower_solve(m, rhs):
-  """x with (I + m) x = rhs, for m [..., C, C] strictly lower and rhs [..., C, D]: forward
-  substitution, row by row. Not `lax.linalg.triangular_solve`: on CPU that is LAPACK's trsm,
-  which jaxlib 0.10 splits over XLA's intra-op thread pool while blocking a pool thread on the
-  parts; as many solves in flight as pool threads (two on a 2-core machine: two programs at
-  once, as an engine's async dispatch or a server gives) and none can finish (a hung process:
-  `bench_engine.py --smoke`, under gdb; most likely the earlier `tests/test_server.py` hangs)."""
-  def row(i, x):
-    mi = lax.dynamic_index_in_dim(m, i, axis=m.ndim - 2, keepdims=False)       # [..., C]
-    ri = lax.dynamic_index_in_dim(rhs, i, axis=rhs.ndim - 2, keepdims=False)   # [..., D]
-    # rows >= i of x are still 0 and m's row i is 0 from column i on: the sum is over j < i
-    xi = ri - jnp.einsum("...j,...jd->...d", mi, x, precision=_HI)
-    return lax.dynamic_update_index_in_dim(x, xi, i, axis=x.ndim - 2)
-  return lax.fori_loop(0, m.shape[-1], row, jnp.zeros_like(rhs))
+  """x with (I + m) x = rhs, for m [..., C, C] strictly lower and rhs [..., C, D], one matrix
+  at a time. A batched `lax.linalg.triangular_solve` on CPU is jaxlib 0.10's LAPACK trsm over
+  the batch, which splits it over XLA's intra-op thread pool while blocking a pool thread on
+  the parts: as many batched solves in flight as pool threads (two on a 2-core machine: two
+  programs at once, as an engine's async dispatch or a server gives) and none can finish (a
+  hung process: `bench_engine.py --smoke`, under gdb; most likely the earlier
+  `tests/test_server.py` hangs). One matrix a call never splits, and each matrix is solved
+  by the same routine as in the batched call, so the numbers are the same."""
+  C, D = m.shape[-1], rhs.shape[-1]
+  a = (jnp.eye(C, dtype=m.dtype) + m).reshape(-1, C, C)
+  return jax.vmap(_solve_one)(a, rhs.reshape(-1, C, D)).reshape(rhs.shape)
 
 
 def _intra_chunk(q, k, v, g, beta):
