@@ -241,7 +241,7 @@ class Engine:
       / 1.29 without (experiments/results/device/bench_engine_run12.json, _run11.json). (It
       was opt-in after two CPU test runs hung with it on; most likely jaxlib 0.10's LAPACK
       triangular solve deadlocking XLA's CPU thread pool, seen under gdb in the same setting
-      and gone with the GDN reference's own solve.)
+      and gone now that the GDN reference solves one matrix a call.)
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
