@@ -15,12 +15,13 @@ timeout ${PROBE_CAP:-170} python3 experiments/bench/decode_probe.py --gguf /tmp/
 echo "probe done $(( $(date +%s) - t0 )) s"
 FORMS=$(python3 - "$OUT/decode_probe_a80b.json" <<'PY'
 import json, sys
+sys.path.insert(0, "experiments/bench")
 try:
+  from decode_probe import FORM_VARIANTS   # the variants' forms, as the probe ran them
   r = {x["variant"]: x["ms_per_step"] for x in json.load(open(sys.argv[1]))["results"]}
-  forms = {"qpred": "quant_groups=predicated", "qfused": "quant_groups=fused",
-           "dgemv": "dense_weights=kernel", "base": ""}
   best = min(r, key=r.get)
-  print(",".join(filter(None, (forms.get(p, "") for p in best.split("+")))))
+  print(",".join(f"{k}={v}" for part in best.split("+")
+                 for k, v in FORM_VARIANTS.get(part, {}).items()))
 except Exception:
   print("")
 PY

@@ -197,11 +197,12 @@ def program_rate(eng, B, steps_per_call, calls, prompt_sets):
   experts): B * steps_per_call * calls / seconds, the median over the sets after the first
   (untimed); also the tokens each set decoded ([B, steps] per set)."""
   import jax
+  import jax.numpy as jnp
   import numpy as np
 
   from strata_jax import steps
   st = eng.stages[0]
-  one = jax.numpy.ones((B,), jax.numpy.int32)
+  one = jnp.ones((B,), jnp.int32)
   times, tokens = [], []
   for r, prompts in enumerate(prompt_sets):
     state, toks = prefilled_state(eng, prompts)
