@@ -78,12 +78,13 @@ CHOICES: dict[str, tuple] = {
     # "kernel" = passed whole, and a decode step's single row multiplied by the "blocks" GEMV
     # kernel reading the layer's matrix in place (`pallas_kernels.quant.dense_matmul`, by
     # `quant_impl`: the kernel on the GPU, XLA elsewhere; more rows: XLA on the indexed
-    # matrix, as "in_place"); the numbers to summation order. Opt-in: on the H200 the device
-    # program alone took a bench-a3b bf16 step at batch 1 from 5.75 to 5.17 ms (5.33 against
-    # 6.05 adapter on; experiments/results/device/decode_probe_dgemv_run1.json, K/V capacity
-    # 512), but through the Engine (K/V capacity 2,560) decode at batch 1 fell from 160.5 to
-    # 146.9 tok/s with it the GPU default (bench_engine_run10.json, _run11.json).
-    "dense_weights": ("scan", "in_place", "kernel"),
+    # matrix, as "in_place"); the numbers to summation order. "auto" = "kernel" on the GPU,
+    # "scan" elsewhere: on the H200, one process, one machine, bench-a3b bf16 adapter on, the
+    # Engine decoded 187.4 tok/s at batch 1 with it against 147.1 with "scan", its
+    # `decode_greedy` reference 192.6 against 164.7 (experiments/results/device/
+    # bench_engine_b1_dgemv.json, _b1_profile.json). (An earlier run on another machine,
+    # bench_engine_run11.json, had the reference at 151.4 with it; not seen since.)
+    "dense_weights": ("auto", "scan", "in_place", "kernel"),
 }
 
 
@@ -100,7 +101,7 @@ class Forms:
   quant_impl: str = "auto"
   quant_groups: str = "auto"
   matmul_precision: str = "auto"
-  dense_weights: str = "scan"
+  dense_weights: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -129,6 +130,7 @@ class Forms:
         moe_few=auto(self.moe_few, "pallas", "xla"),
         quant_impl=auto(self.quant_impl, "pallas", "xla"),
         quant_groups=auto(self.quant_groups, "fused", "switch"),
+        dense_weights=auto(self.dense_weights, "kernel", "scan"),
         matmul_precision=precision)
 
   def jax_precision(self, compute_dtype) -> str | None:

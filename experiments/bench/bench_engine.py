@@ -489,6 +489,8 @@ def main(argv=None):
   ap.add_argument("--decode-steps", type=int, default=16, help="engine steps per dispatch")
   ap.add_argument("--forms", default="", help="Forms for every engine, as the CLI's --forms "
                   "(e.g. dense_weights=kernel); the entries' command records it")
+  ap.add_argument("--warm-threads", type=int, default=1,
+                  help="engines compiled at once before timing (1: one after another)")
   ap.add_argument("--profile", action="store_true",
                   help="also trace one greedy engine run and one program round per batch "
                        "(details.profile: GPU kernels per step, busy and idle time)")
@@ -543,7 +545,12 @@ def main(argv=None):
     from strata_jax.engine.engine import Request
     plans = (hs.plan_for([Request(tokens=[0])]), hs.plan_for([Request(tokens=[0], **SAMPLED)]))
 
-    # ---- every program before timing: engines' warmup and the references, in threads
+    # ---- every program before timing: engines' warmup and the references, one engine after
+    # another (--warm-threads N: N at once). XLA tunes each GEMM it compiles by timing it on
+    # the GPU; with three engines compiling and running at once, the same batch-1 decode program
+    # (dense GEMV form) came out at 152 tok/s in one process and 193 in another
+    # (bench_engine_run13.json against bench_engine_b1_dgemv.json), and each ratio compares
+    # two programs tuned apart.
     t0 = time.perf_counter()
 
     def warm(B):
@@ -557,7 +564,7 @@ def main(argv=None):
       if B == 1:
         prefill_time(e, args.ttft_tokens, 0)
       return B
-    with cf.ThreadPoolExecutor(len(engines)) as ex:
+    with cf.ThreadPoolExecutor(max(1, args.warm_threads)) as ex:
       list(ex.map(warm, list(engines)))
     details["compile_wall_s"] = time.perf_counter() - t0
     print(f"compiled in {details['compile_wall_s']:.1f} s", flush=True)

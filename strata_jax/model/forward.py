@@ -50,8 +50,9 @@ IN_PLACE_FIELDS = {"GDNParams": ("qkv", "gate", "ba", "out"),
 
 def _split_whole(cfg, tree):
   """(tree with the whole-kept matrices set to None, tree with only those), under
-  `Forms.dense_weights` "in_place" or "kernel"; else (tree, None)."""
-  if cfg.forms.dense_weights == "scan":
+  `Forms.dense_weights` "in_place" or "kernel"; else (tree, None). (An unresolved "auto",
+  a config built by hand, is "scan".)"""
+  if cfg.forms.dense_weights in ("scan", "auto"):
     return tree, None
   names = IN_PLACE_FIELDS[type(tree).__name__]
   whole = tree.replace(**{f.name: None for f in dataclasses.fields(tree) if f.name not in names})
