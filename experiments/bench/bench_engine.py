@@ -546,11 +546,12 @@ def main(argv=None):
     plans = (hs.plan_for([Request(tokens=[0])]), hs.plan_for([Request(tokens=[0], **SAMPLED)]))
 
     # ---- every program before timing: engines' warmup and the references, one engine after
-    # another (--warm-threads N: N at once). XLA tunes each GEMM it compiles by timing it on
-    # the GPU; with three engines compiling and running at once, the same batch-1 decode program
-    # (dense GEMV form) came out at 152 tok/s in one process and 193 in another
-    # (bench_engine_run13.json against bench_engine_b1_dgemv.json), and each ratio compares
-    # two programs tuned apart.
+    # another (--warm-threads N: N at once), as a user's process compiles. The same batch-1
+    # decode_greedy reference (dense GEMV form, H200) ran 152 tok/s with three engines compiled
+    # at once (bench_engine_run13.json), 167 with them compiled in turn (_run14.json) and 193
+    # in a process with the batch-1 engine alone (bench_engine_b1_dgemv.json); why the other
+    # engines slow it is not known (XLA tunes each GEMM by timing it on the GPU, and the
+    # processes hold different memory).
     t0 = time.perf_counter()
 
     def warm(B):
@@ -613,8 +614,10 @@ def main(argv=None):
             engine=common.profile_call(lambda: _host_phases(e, lambda: _windowed(engine_run(
                 e, _prompts(rng, B, args.prompt, V), args.new, {}), B, args.new, window)),
                 steps_run, top=25, window_us=lambda: window[0]),
+            # the program's decode stretch only (its rows are prefilled inside the call)
             program=common.profile_call(lambda: program_rate(
-                e, B, args.decode_steps, calls, sets[:1])[2], steps_run, top=25))
+                e, B, args.decode_steps, calls, sets[:1])[2], steps_run, top=25,
+                window_us=lambda: B * steps_run / d["program_tok_s"] * 1e6))
         details["profile"][str(B)]["engine_host_phases_ms"] = e.host_phases
       print("decode", B, {k: v for k, v in d.items() if not k.endswith("runs")}, flush=True)
       common_write(out_path, details, command)
