@@ -82,8 +82,8 @@ CHOICES: dict[str, tuple] = {
     # "scan" elsewhere: on the H200, one process, one machine, bench-a3b bf16 adapter on, the
     # Engine decoded 187.4 tok/s at batch 1 with it against 147.1 with "scan", its
     # `decode_greedy` reference 192.6 against 164.7 (experiments/results/device/
-    # bench_engine_b1_dgemv.json, _b1_profile.json). (An earlier run on another machine,
-    # bench_engine_run11.json, had the reference at 151.4 with it; not seen since.)
+    # bench_engine_b1_dgemv.json, _b1_profile.json). With three engines in one process its
+    # batch-1 program ran slower (152-167 tok/s, bench_engine_run13/14.json; cause unknown).
     "dense_weights": ("auto", "scan", "in_place", "kernel"),
 }
 
