@@ -260,6 +260,43 @@ def sample_program_rate(eng, B, steps_per_call, calls, prompt_sets, kw):
   return (B * steps_per_call * calls / statistics.median(times) if times else None), times
 
 
+def dump_hlo(eng, B, steps_per_call, folder):
+  """The optimised HLO of `decode_greedy` and of `decode_sample` (greedy plan) as the engine's
+  B-row stage compiles them (the programs `program_rate` and `sample_program_rate` time), to
+  `folder`/decode_{greedy,sample}_b{B}.hlo.txt.gz: where the profile's fusions differ."""
+  import gzip
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from strata_jax import steps
+  from strata_jax.engine import sampling as hs
+  from strata_jax.engine.engine import Request
+  from strata_jax.sampling import Rows
+  st = eng.stages[0]
+  state = eng.states[0]
+  one = jnp.ones((B,), jnp.int32)
+  req = Request(tokens=[0], max_tokens=1 << 30)
+  rp = hs.RowParams(B)
+  for i in range(B):
+    rp.set(i, req, 1)
+  rows = Rows(last=np.ones(B, np.int32), active=np.ones(B, np.int32),
+              remaining=np.full(B, 1 << 30, np.int32), n_gen=np.zeros(B, np.int32),
+              recent=np.full((B, hs.dev.RECENT), -1, np.int32))
+  programs = {
+      "greedy": steps.decode_greedy.lower(st.cfg, st.params, st.lora, state, one, one, one,
+                                          n_steps=steps_per_call, cvec=st.cvec),
+      "sample": steps.decode_sample.lower(
+          st.cfg, st.params, st.lora, state, jax.device_put(rows),
+          *(jax.device_put(a) for a in (rp.params(), rp.switch, rp.stops())),
+          n_steps=steps_per_call, plan=hs.plan_for([req]), with_logits=False, cvec=st.cvec)}
+  os.makedirs(folder, exist_ok=True)
+  for name, lowered in programs.items():
+    with gzip.open(os.path.join(folder, f"decode_{name}_b{B}.hlo.txt.gz"), "wt") as f:
+      f.write(lowered.compile().as_text())
+
+
 def prefill_time(eng, T, reps):
   """One `steps.prefill` of T tokens as one chunk on the engine's stage, switch on."""
   import jax
@@ -494,6 +531,9 @@ def main(argv=None):
   ap.add_argument("--profile", action="store_true",
                   help="also trace one greedy engine run and one program round per batch "
                        "(details.profile: GPU kernels per step, busy and idle time)")
+  ap.add_argument("--dump-hlo", dest="dump_hlo", default="",
+                  help="a folder: decode_greedy's and decode_sample's optimised HLO per batch "
+                       "(gzipped text), to compare the two programs fusion by fusion")
   ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--clients", type=int, default=32, help=argparse.SUPPRESS)
   ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
@@ -606,6 +646,8 @@ def main(argv=None):
       for mode in ("greedy", "sampled"):
         d[f"{mode}_ratio"] = d[f"{mode}_tok_s"] / d["program_tok_s"]
       details["decode"][str(B)] = d
+      if args.dump_hlo:
+        dump_hlo(e, B, args.decode_steps, args.dump_hlo)
       if args.profile:   # where the engine's extra time goes: a slower program, or idle gaps
         import common
         window = [None]   # the engine run's decode window (µs), the profile's last stretch
