@@ -106,13 +106,14 @@ def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit
   run = lambda forms, lo, on: sj.Engine(model, lora=lo, slots=1, max_seq=128, block_size=32,
                                         forms=forms).generate(
       tokens=prompt, max_tokens=4, return_logits=True, return_step_logits=True, lora=on)
+  got = {}
   for on in (False, True):
-    ref, got = run(Forms(), lora, on), run(kernel, lora, on)
-    assert np.array_equal(got.prompt_logits, ref.prompt_logits)
-    assert got.tokens == ref.tokens
-    assert_close(got.step_logits, ref.step_logits, rel=DENSE_GEMV_REL_FP32,
+    ref, got[on] = run(Forms(), lora, on), run(kernel, lora, on)
+    assert np.array_equal(got[on].prompt_logits, ref.prompt_logits)
+    assert got[on].tokens == ref.tokens
+    assert_close(got[on].step_logits, ref.step_logits, rel=DENSE_GEMV_REL_FP32,
                  what=f"kernel decode, adapter {'on' if on else 'off'}")
-  off, bare = run(kernel, lora, False), run(kernel, None, None)
+  off, bare = got[False], run(kernel, None, None)
   assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
 
 
