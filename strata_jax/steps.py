@@ -97,12 +97,12 @@ def prefill_cut(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens,
                   cut, cut_window)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "branch"), donate_argnames=("state",))
 def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, active, *,
-           cvec=None):
+           cvec=None, branch: str | None = None):
   """One token for every row. tokens, switch, active: int32 [B] (tokens: the hidden [B, D]
-  from the previous stage when this stage has no embedding); cvec: as in `prefill`. Inactive
-  rows keep their state bit for bit.
+  from the previous stage when this stage has no embedding); cvec: as in `prefill`; branch:
+  as in `forward.run_layers`. Inactive rows keep their state bit for bit.
   Returns (logits float32 [B, V], state)."""
   act = active.astype(bool)
   n_new = act.astype(jnp.int32)   # tokens each row adds: its one token if active, else none
@@ -110,7 +110,7 @@ def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, ac
     x = forward.embed(params, tokens[:, None]) if params.embed is not None else tokens[:, None]
     x, (k, v), (conv, ssm) = forward.run_layers(
         cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
-        n_new, switch, cvec)
+        n_new, switch, cvec, branch=branch)
     logits = (x[:, 0] if params.lm_head is None
               else forward.logits_from_hidden(cfg, params, x[:, 0]))
   # No full-state select: an inactive row's K/V write is dropped and each GDN layer keeps an
@@ -172,14 +172,28 @@ def decode_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, swi
   """
   act = active.astype(bool)
 
-  def body(carry, _):
-    toks, st = carry
-    logits, st = decode(cfg, params, lora, st, toks, switch, active, cvec=cvec)
-    nxt = jnp.where(act, jnp.argmax(logits, axis=-1).astype(jnp.int32), toks)
-    return (nxt, st), nxt
+  def steps(branch):
+    def body(carry, _):
+      toks, st = carry
+      logits, st = decode(cfg, params, lora, st, toks, switch, active, cvec=cvec, branch=branch)
+      nxt = jnp.where(act, jnp.argmax(logits, axis=-1).astype(jnp.int32), toks)
+      return (nxt, st), nxt
 
-  (_, state), out = lax.scan(body, (tokens.astype(jnp.int32), state), None, length=n_steps)
-  return out, state
+    (_, st), out = lax.scan(body, (tokens.astype(jnp.int32), state), None, length=n_steps)
+    return out, st
+
+  return _by_lora_branch(cfg, lora, switch, active, steps)
+
+
+def _by_lora_branch(cfg, lora, switch, active, steps):
+  """steps(branch) for the LoRA pass this dispatch's rows need (`forward.run_layers`), chosen
+  once, before the step loop: a conditional inside the loop would have the GPU copy its index
+  to the host and drain the stream at every step. Rows only leave a decode loop (a stop, the
+  length limit), never join it, so the pass its first step needs covers every later step."""
+  if lora is None or cfg.forms.lora_branch == "select":
+    return steps(None)
+  which = forward.lora_branch_index(switch, active)
+  return lax.switch(which, [functools.partial(steps, b) for b in forward.LORA_BRANCHES])
 
 
 # ----- speculative decoding (strata_jax/speculative.py drives these; docs/mtp.md) -------------
@@ -345,14 +359,18 @@ def decode_sample(cfg: ModelConfig, params, lora, state: ModelState, rows: sampl
 
 def _decode_scan(cfg, params, lora, state, rows, sp, switch, stop_ids, n_steps, plan,
                  with_logits, cvec):
-  def body(carry, _):
-    rows, st = carry
-    logits, st = decode(cfg, params, lora, st, rows.last, switch, rows.active, cvec=cvec)
-    rows, out = _choose_and_advance(logits, rows, sp, stop_ids, plan)
-    return (rows, st), out + ((logits if with_logits else None),)
+  def steps(branch):
+    def body(carry, _):
+      rows, st = carry
+      logits, st = decode(cfg, params, lora, st, rows.last, switch, rows.active, cvec=cvec,
+                          branch=branch)
+      rows, out = _choose_and_advance(logits, rows, sp, stop_ids, plan)
+      return (rows, st), out + ((logits if with_logits else None),)
 
-  (rows, state), out = lax.scan(body, (rows, state), None, length=n_steps)
-  return out, rows, state
+    (rows_out, st), out = lax.scan(body, (rows, state), None, length=n_steps)
+    return out, rows_out, st
+
+  return _by_lora_branch(cfg, lora, switch, rows.active, steps)
 
 
 # The batch axis of each ModelState field (K/V and GDN states are layer-stacked first).

@@ -80,8 +80,21 @@ def _unblocks(tree):
   return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
+# run_layers' passes under `Forms.lora_branch` "cond", in `lax.switch` order.
+LORA_BRANCHES = ("off", "on", "mixed")
+
+
+def lora_branch_index(switch, n_new):
+  """Which pass of `LORA_BRANCHES` the rows adding tokens need: int32 scalar."""
+  switch = jnp.broadcast_to(switch, n_new.shape)
+  on = jnp.any((switch != 0) & (n_new > 0))
+  off = jnp.any((switch == 0) & (n_new > 0))
+  return jnp.where(on, jnp.where(off, 2, 1), 0).astype(jnp.int32)
+
+
 def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, switch,
-               cvec=None, keep_steps: bool = False, cut=None, cut_window: int = 0):
+               cvec=None, keep_steps: bool = False, cut=None, cut_window: int = 0,
+               branch: str | None = None):
   """`layers_scan` with the adapter; under `cfg.forms.lora_branch` "cond", one of three
   branches ("select": one scan, the delta computed for every row and a select keeping the base
   rows).
@@ -101,6 +114,10 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, swi
   mixed case then runs both passes from the same GDN state and keeps each row's own pass.
   cut, cut_window: the GDN state after each row's first `cut` tokens comes back too, as a
   fourth result (`layers_scan`).
+  branch: one of `LORA_BRANCHES`, chosen by the caller, runs that pass alone; None chooses
+  here with a `lax.switch`. On the GPU a conditional's index is copied to the host, which
+  waits for the stream to drain, so a decode loop chooses once per dispatch, outside its step
+  loop (`steps._by_lora_branch`), instead of once per step.
   """
   if lora is None or cfg.forms.lora_branch == "select":
     return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_new, switch, cvec,
@@ -124,9 +141,11 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, swi
     return (jnp.where(rows, x_on, x_off), kv2, gs2) + tuple(
         jax.tree.map(pick, c2, c1) for c2, c1 in zip(cut2, cut1))
 
-  which = jnp.where(jnp.any(on), jnp.where(jnp.any(off), 2, 1), 0)
-  return lax.switch(which, [lambda: scan(None, kv, gdn_state, n_new),
-                            lambda: scan(lora, kv, gdn_state, n_new), mixed])
+  passes = {"off": lambda: scan(None, kv, gdn_state, n_new),
+            "on": lambda: scan(lora, kv, gdn_state, n_new), "mixed": mixed}
+  if branch is not None:
+    return passes[branch]()
+  return lax.switch(lora_branch_index(switch, n_new), [passes[b] for b in LORA_BRANCHES])
 
 
 def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, switch,
