@@ -579,6 +579,94 @@ def test_gpu_dense_gemv(n, dtype):
                what=f"gpu dense gemv N{n}")
 
 
+@pytest.mark.parametrize("n,dtype,k_split,on_kind", [
+    (1, F32, 1, "all"), (1, BF16, 3, "all"), (1, F32, 3, "off"), (3, BF16, 1, "mixed"),
+    (2, F32, 3, "mixed")])
+def test_dense_gemv_lora_epilogue_adds_the_delta_and_keeps_off_rows_bits(n, dtype, k_split,
+                                                                          on_kind):
+  """dense_matmul_lora's kernel (B h added to the fp32 sum, in the ks = 0 share): on rows
+  equal W x + B (A x) in float64 and `dense_lora_reference`; off rows are `dense_matmul`'s
+  bit for bit, split sums or not."""
+  from pallas_kernels.quant import dense_matmul
+  from pallas_kernels.quant.api import dense_lora_reference, dense_matmul_lora
+  rng = np.random.default_rng(6)
+  w = np.asarray(jnp.asarray(rng.standard_normal((2, 3, OUT, 96)), dtype))
+  x = _x(n, 96, dtype)
+  a, b, on = _lora(n, 96, OUT, 12, dtype, on_kind)
+  kw = dict(implementation="pallas_interpret", rows_max=ROWS_MAX,
+            tiles=dict(block_out=16, block_in=32, k_split=k_split))
+  args = (jnp.asarray(x), jnp.asarray(w), jnp.int32(5))
+  lora = (jnp.asarray(a), jnp.asarray(b), jnp.asarray(on))
+  f = jax.jit(lambda x, w, i, a, b, on: dense_matmul_lora(x, w, i, a, b, on, **kw))
+  got = np.asarray(f(*args, *lora))
+  assert "qgemv_dense" in str(jax.make_jaxpr(f)(*args, *lora))
+  plain = np.asarray(dense_matmul(*args, **kw))
+  off = on == 0
+  assert np.array_equal(bits(got[off]), bits(plain[off])), "off rows differ from dense_matmul"
+  if (~off).any():
+    f64 = np.float64
+    want = _want(x, np.asarray(w[1, 2], f64)) + (x.astype(f64) @ a.astype(f64).T) @ b.astype(
+        f64).T
+    assert_close(got[~off], want[~off], rel=_tol(dtype), what=f"dense lora N{n} on rows")
+    ref = np.asarray(dense_lora_reference(*args, *lora))
+    assert_close(got[~off], ref[~off], rel=_tol(dtype), what="dense lora vs reference")
+    assert not np.array_equal(got[~off], plain[~off])
+
+
+def test_dense_lora_rank_scale_and_many_rows_take_the_reference():
+  """The per-row adapter table scales h before B; more rows than the kernel takes run
+  `dense_lora_reference` (no kernel), whose off rows are `dense_reference`'s bits."""
+  from pallas_kernels.quant import dense_reference
+  from pallas_kernels.quant.api import DENSE_ROWS_MAX, dense_matmul_lora
+  rng = np.random.default_rng(7)
+  n, rank = DENSE_ROWS_MAX + 2, 12
+  w = jnp.asarray(rng.standard_normal((3, OUT, 64)), F32)
+  x = _x(n, 64, F32)
+  a, b, on = _lora(n, 64, OUT, rank, F32, "mixed")
+  rs = rng.uniform(0, 2, (n, rank)).astype(np.float32)
+  f = lambda x: dense_matmul_lora(x, w, jnp.int32(2), jnp.asarray(a), jnp.asarray(b),
+                                  jnp.asarray(on), rank_scale=jnp.asarray(rs),
+                                  implementation="pallas_interpret")
+  got = np.asarray(f(jnp.asarray(x)))
+  assert "qgemv_dense" not in str(jax.make_jaxpr(f)(jnp.asarray(x)))
+  off = on == 0
+  assert np.array_equal(bits(got[off]), bits(np.asarray(
+      dense_reference(jnp.asarray(x), w, jnp.int32(2)))[off]))
+  f64 = np.float64
+  want = x.astype(f64) @ np.asarray(w[2], f64).T + (
+      (x.astype(f64) @ a.astype(f64).T) * rs) @ b.astype(f64).T
+  assert_close(got[~off], want[~off], rel=_tol(F32), what="rank-scaled dense lora")
+  with pytest.raises(ValueError, match="dense lora"):
+    dense_matmul_lora(jnp.asarray(x), w, jnp.int32(2), jnp.asarray(a), jnp.asarray(b),
+                      jnp.asarray(on[:1]))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_gpu_dense_gemv_lora_epilogue(dtype):
+  """ssm_out's shape at batch 1 (2048 x 4096, split sums) compiled: the on row within the
+  float64 product's tolerance, the off row `dense_matmul`'s bits."""
+  from pallas_kernels.quant import dense_matmul
+  from pallas_kernels.quant.api import dense_matmul_lora
+  rng = np.random.default_rng(8)
+  w = np.asarray(jnp.asarray(0.02 * rng.standard_normal((3, 2048, 4096)), dtype))
+  x = _x(1, 4096, dtype)
+  a, b, _ = _lora(1, 4096, 2048, 50, dtype, "all")
+  args = (jnp.asarray(x), jnp.asarray(w), jnp.int32(2))
+  plain = np.asarray(dense_matmul(*args, implementation="pallas"))
+  for on in (np.ones(1, np.int32), np.zeros(1, np.int32)):
+    got = np.asarray(dense_matmul_lora(*args, jnp.asarray(a), jnp.asarray(b), jnp.asarray(on),
+                                       implementation="pallas"))
+    if on[0]:
+      f64 = np.float64
+      want = _want(x, np.asarray(w[2], f64)) + (x.astype(f64) @ a.astype(f64).T) @ b.astype(
+          f64).T
+      assert_close(got, want, rel=_tol(dtype), what="gpu dense lora on")
+    else:
+      assert np.array_equal(bits(got), bits(plain))
+
+
 # A mixed-type stack (a QGroups' parts) in one launch (Forms.quant_groups="fused").
 def _parts(out=OUT, blocks=2, lead=((2,), (3,))):
   return tuple(jax.device_put(_weight(q, lead=ld, out=out, blocks=blocks, seed=20 + i)[0])

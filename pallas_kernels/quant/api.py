@@ -168,6 +168,12 @@ def dense_reference(x, stack, index):
 DENSE_ROWS_MAX = 1
 
 
+def dense_kernel_rows(n, d_in, implementation="auto", rows_max=None):
+  """Whether `dense_matmul` runs the in-place kernel for n rows of width d_in."""
+  rows_max = min(ROWS_MAX, DENSE_ROWS_MAX if rows_max is None else rows_max)
+  return resolve(implementation) != "xla" and 0 < n <= rows_max and d_in % DENSE_UNIT == 0
+
+
 def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max=None):
   """y = x @ stack[index]^T for a plain float weight stack [..., out, in] (leading dims
   flattened; `index` int32, traced OK) and a few rows x [N, in], in x's dtype.
@@ -179,18 +185,51 @@ def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max
   (x's if 16-bit, else fp32): the reference's numbers to summation order.
   tiles: optional {block_out, block_in, k_split, num_warps, num_stages}.
   """
-  impl = resolve(implementation)
-  n, d_in = x.shape
-  rows_max = min(ROWS_MAX, DENSE_ROWS_MAX if rows_max is None else rows_max)
-  if impl == "xla" or n > rows_max or n == 0 or d_in % DENSE_UNIT:
+  if not dense_kernel_rows(*x.shape, implementation, rows_max):
     return dense_reference(x, stack, index)
+  return _dense_kernel(x, stack, index, resolve(implementation), tiles)
+
+
+def _dense_kernel(x, stack, index, impl, tiles, **lora):
   tk = dict(tiles or {})
   warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
   params = triton_params(warps, stages) if impl == "pallas" else None
   flat_stack = stack.reshape(-1, *stack.shape[-2:])
   idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
   return dense_call(x[None], flat_stack, idx, interpret=impl == "pallas_interpret",
-                    compiler_params=params, **tk)[0]
+                    compiler_params=params, **tk, **lora)[0]
+
+
+def dense_lora_reference(x, stack, index, a, b, on, *, rank_scale=None):
+  """`dense_matmul_lora` in XLA: the base product's fp32 sum plus B (A x) on the on rows,
+  rounded once; off rows are `dense_reference`'s."""
+  w = lax.dynamic_index_in_dim(stack.reshape(-1, *stack.shape[-2:]), index, 0, False)
+  acc = lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=_F32)
+  h = _lora_h(x, a) if rank_scale is None else _lora_h(x, a) * rank_scale.astype(_F32)
+  delta = lax.dot_general(h, b.astype(_F32), _NT, precision=_HI, preferred_element_type=_F32)
+  return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype),
+                   dense_reference(x, stack, index))
+
+
+def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, implementation="auto",
+                      tiles=None, rows_max=None):
+  """y = x @ stack[index]^T + where(on, B (A x)) per row, for the few rows `dense_matmul`'s
+  kernel takes (`dense_kernel_rows`; more rows: `dense_lora_reference`). h = A x [N, R]
+  (times rank_scale [N, R] when given) is one XLA dot; the kernel adds B h to its fp32 sum
+  (the "blocks" LoRA epilogue, gemv.py), so a decode step's adapted projection is two
+  launches, not the four of a GEMV followed by the LoRA ops. Rows with on == 0 are
+  `dense_matmul`'s bit for bit.
+  a: [R, in]; b: [out, R]; on: [N] int32 / bool; tiles, rows_max: as `dense_matmul`."""
+  n, d_in = x.shape
+  d_out = stack.shape[-2]
+  if a.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, a.shape[0]) or on.shape != (n,):
+    raise ValueError(f"dense lora: a {a.shape}, b {b.shape}, on {on.shape} must be "
+                     f"[R, {d_in}], [{d_out}, R], [{n}]")
+  if not dense_kernel_rows(n, d_in, implementation, rows_max):
+    return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale)
+  h = _lora_h(x, a) if rank_scale is None else _lora_h(x, a) * rank_scale.astype(_F32)
+  return _dense_kernel(x, stack, index, resolve(implementation), tiles,
+                       on=on.astype(jnp.int32), h=h, b=b)
 
 
 def _lora_h(x, a):

@@ -356,10 +356,13 @@ def dense_defaults(d_out, d_in, *, groups=1, interpret=False):
 
 
 def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
-               interpret=False, compiler_params=None):
+               interpret=False, compiler_params=None, on=None, h=None, b=None):
   """y[g] = x[g] @ stack[idx[g]]^T for x [G, M, in] and a float stack [S, out, in] (in a
   multiple of 32), in x's dtype, fp32 sums; the matrix is read in place. The weight and x
-  are rounded to the compute dtype (x's if 16-bit, else fp32: exact IEEE products) first."""
+  are rounded to the compute dtype (x's if 16-bit, else fp32: exact IEEE products) first.
+  With on [M], h [M, R] fp32 and b [out, R] (G must be 1): + B h on the rows whose switch is
+  on, added to the fp32 sum before its one rounding (the LoRA epilogue); off rows are the
+  plain call's bit for bit."""
   groups, m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or d_in % DENSE_UNIT:
@@ -377,9 +380,11 @@ def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
   dt = jnp.dtype(x.dtype)
   cd = dt if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(_F32)
   idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
+  if on is not None and groups != 1:
+    raise ValueError(f"dense gemv: the LoRA epilogue takes one group, not {groups}")
   y = blocks_call(x, {"w": stack}, idx, qtype=DENSE, d_out=d_out, block_out=bo,
                   unroll=unroll, k_split=ks, cd=cd, out_dtype=dt, interpret=interpret,
-                  compiler_params=compiler_params)
+                  compiler_params=compiler_params, on=on, h=h, b=b)
   if ks > 1:
     y = jnp.sum(y.reshape(ks, groups, m, d_out), axis=0).astype(dt)
   return y
