@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# On the device, one call (~9 min): the decode loops with the LoRA pass chosen once per dispatch
-# (steps._by_lora_branch; before, a conditional inside the step loop had the GPU copy its index
-# to the host and drain the stream at every step).
-#  1. bench_engine at batch 32 / 8 / 1 (issue 16's ratios; run 14 had greedy 0.94 / 0.92 /
-#     0.97), merged into a copy of summary.json in $OUT.
-#  2. The GPU model set (parity, the switch's off bit-identity, forms, the decode loops).
-# Still owed after it: run_all.sh (issue 17's decode fractions and the LoRA cost, whose "on"
-# and "off" programs carried that per-step conditional and "none" did not), the 80B on
-# 2 x H200 (kind nvidia-h200-x2), a profile of the 80B decode.
+# On the device, one call (~6 min): the dense GEMV's LoRA epilogue (dense_matmul_lora).
+#  1. Compiled: the kernel's GPU test, and the switch's off bit-identity and forms tests, whose
+#     batch-1 decode now takes the fused epilogue.
+#  2. bench_model decode at batch 1 and 8 (adapter none / off / on): the LoRA cost per layer
+#     (run_all of this session: 7.37 / 8.33 µs at 1 / 8 tokens, on 6.27 %).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
-cp experiments/results/summary.json $OUT/summary.json
-timeout 330 python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8,1 \
-  --merge-summary $OUT/summary.json --out $OUT/bench_engine_run15.json 2>&1 \
-  | grep -e "^decode" -e "^ttft" -e "^server" -e "^compiled" -e Error | cut -c1-300
-echo "bench done $(( $(date +%s) - t0 )) s"
-CAP=$(( ${CAP:-570} - ($(date +%s) - t0) )) GPU_SET=model bash experiments/bench/gpu_tests.sh \
-  > /dev/null 2>&1
-tail -3 $OUT/gpu_tests*.log
+export JAX_PLATFORMS=cuda
+timeout 240 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs -n 6 \
+  "tests/test_quant_kernel.py::test_gpu_dense_gemv_lora_epilogue" \
+  "tests/test_quant_kernel.py::test_gpu_dense_gemv" tests/test_lora_switch.py tests/test_forms.py \
+  2>&1 | tee $OUT/gpu_tests_dense_lora.log | tail -4
+echo "tests done $(( $(date +%s) - t0 )) s"
+timeout $(( ${CAP:-540} - ($(date +%s) - t0) )) python3 experiments/bench/bench_model.py \
+  --sections decode --batches 1,8 --lora_alt_impl= --dump_hlo= --out $OUT/bench_model_dense_lora.json \
+  2>&1 | grep -e ERROR | head -5
+python3 - <<'PY'
+import json, os
+d = json.load(open(os.environ["OUT"] + "/bench_model_dense_lora.json"))
+for b, v in d.get("decode", {}).items():
+  print(b, {k: (round(x["tokens_per_s"], 1), round(x.get("delta_paired_s", 0) * 1e6 / 32 / 48, 2))
+            for k, x in v["variants"].items()})
+PY
 echo "all done $(( $(date +%s) - t0 )) s"
