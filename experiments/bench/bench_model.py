@@ -19,6 +19,7 @@ decode batch 1 (1 token), batch 8 (8 tokens), prefill of 300 tokens.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import gzip
 import os
 import statistics
@@ -79,8 +80,13 @@ class Bench:
     self.jax, self.jnp, self.steps, self.init_state = jax, jnp, steps, init_state
     self.res = res
     geom = common.TINY if F.tiny else common.BENCH_A3B
-    self.cfg = cfg = common.model_config(geom)
     self.dtype = jnp.bfloat16
+    # the forms an Engine on this backend runs (Forms.resolve), so the programs are the users'
+    from strata_jax.forms import Forms
+    cfg = common.model_config(geom)
+    self.cfg = cfg = dataclasses.replace(
+        cfg, forms=Forms().resolve(jax.default_backend(), self.dtype))
+    res["forms"] = dataclasses.asdict(cfg.forms)
     self.L = cfg.n_layers
     self.ceil = common.ceilings(common.read_json(F.kernels_json))
     res["ceilings"] = dict(copy_TBps=self.ceil["bw"] / 1e12,
@@ -104,7 +110,6 @@ class Bench:
 
   def with_lora_impl(self, impl):
     """The model config with `impl` as its LoRA implementation (forms are static config)."""
-    import dataclasses
     return dataclasses.replace(self.cfg, forms=dataclasses.replace(self.cfg.forms,
                                                                    lora_impl=impl))
 
