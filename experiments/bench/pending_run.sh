@@ -1,26 +1,13 @@
 #!/usr/bin/env bash
-# On the device, one call (~6 min): the dense GEMV's LoRA epilogue (dense_matmul_lora).
-#  1. Compiled: the kernel's GPU test, and the switch's off bit-identity and forms tests, whose
-#     batch-1 decode now takes the fused epilogue.
-#  2. bench_model decode at batch 1 and 8 (adapter none / off / on): the LoRA cost per layer
-#     (run_all of this session: 7.37 / 8.33 µs at 1 / 8 tokens, on 6.27 %).
+# On the device, one call (~8 min): what the fourth session of 2026-12-02 left unmeasured.
+#  1. run_all.sh with bench_model.py on the Engine's forms (Forms.resolve: the in-place dense
+#     GEMV and, at batch 1, its LoRA epilogue dense_matmul_lora): issue 17's decode fractions
+#     and issue 15's LoRA cost (the last run, on the scanned form: on 7.37 / 8.33 µs a layer
+#     at 1 / 8 tokens, off 0.18 %). Results in $OUT (copy them to experiments/results/).
+# Still owed after it: bench_engine at batch 1 with the epilogue (run 16 had 150.8 tok/s before
+# it), the 80B on 2 x H200 (kind nvidia-h200-x2), a profile of the 80B decode, and the GPU
+# kernels set (GPU_SET=kernels CAP=580 bash experiments/bench/gpu_tests.sh).
 set -uo pipefail
-source "$(dirname "$0")/device_env.sh"
-t0=$(date +%s)
-export JAX_PLATFORMS=cuda
-false && timeout 240 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs -n 6 \
-  "tests/test_quant_kernel.py::test_gpu_dense_gemv_lora_epilogue" \
-  "tests/test_quant_kernel.py::test_gpu_dense_gemv" tests/test_lora_switch.py tests/test_forms.py \
-  2>&1 | tee $OUT/gpu_tests_dense_lora.log | tail -4
-echo "tests done $(( $(date +%s) - t0 )) s"
-timeout $(( ${CAP:-540} - ($(date +%s) - t0) )) python3 experiments/bench/bench_model.py \
-  --sections decode --batches 1,8 --lora_alt_impl= --dump_hlo= --out $OUT/bench_model_dense_lora.json \
-  2>&1 | grep -e ERROR | head -5
-python3 - <<'PY'
-import json, os
-d = json.load(open(os.environ["OUT"] + "/bench_model_dense_lora.json"))
-for b, v in d.get("decode", {}).items():
-  print(b, {k: (round(x["tokens_per_s"], 1), round(x.get("delta_paired_s", 0) * 1e6 / 32 / 48, 2))
-            for k, x in v["variants"].items()})
-PY
-echo "all done $(( $(date +%s) - t0 )) s"
+export STRATA_BENCH_RESULTS=$OUT STRATA_JAX_CACHE=/tmp/xla
+bash "$(dirname "$0")/run_all.sh" 2>&1 | grep -e "^===" -e ERROR | cut -c1-200
+rm -rf $OUT/tmp   # too many files to come back; summary.json is rebuilt here by report.py
