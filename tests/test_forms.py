@@ -117,6 +117,36 @@ def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit
   assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
 
 
+def test_dense_kernel_adds_the_adapter_in_its_epilogue_unless_xla_is_named():
+  """At one row the adapted projection is the GEMV with the LoRA epilogue: one LoRA dot
+  (h = A x) where `lora_impl="xla"` has two (h, then B h) after the plain GEMV."""
+  model = tiny_model()
+  lora = random_lora(rank=5).params   # a rank no other dimension of TINY has
+
+  def lora_dots(lora_impl):
+    forms = Forms(dense_weights="kernel", quant_impl="pallas_interpret", lora_impl=lora_impl)
+    cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), jnp.float32))
+    jaxpr = jax.make_jaxpr(lambda p, s: steps.decode(
+        cfg, p, lora, s, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32),
+        branch="on"))(model.params, init_state(cfg, 1, 64))
+    return sum(e.primitive.name == "dot_general"
+               and any(5 in v.aval.shape for v in (*e.invars, *e.outvars))
+               for e in _eqns(jaxpr.jaxpr))
+
+  fused, apart = lora_dots("auto"), lora_dots("xla")
+  assert 0 < fused and apart == 2 * fused, (fused, apart)
+
+
+def _eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else [v]):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns") and e.primitive.name != "pallas_call":
+          yield from _eqns(sub)
+
+
 def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_matrix():
   """`dense_weights="in_place"`: the projection matrices are not the layer scan's xs (no
   per-block slice of them to copy) but taken at each layer's index in the body; the prompt

@@ -45,9 +45,10 @@ flags.DEFINE_integer("prefill_reps", 5, "timed rounds per prefill variant")
 flags.DEFINE_integer("compile_threads", 6, "programs compiled at once")
 flags.DEFINE_bool("single_step", True, "also time decode stepped from Python (batch 1)")
 flags.DEFINE_string("lora_impl", "", "Forms.lora_impl for the adapter programs ('' = default)")
-flags.DEFINE_string("lora_alt_impl", "pallas", "a second LoRA implementation timed beside "
+flags.DEFINE_string("lora_alt_impl", "xla", "a second LoRA implementation timed beside "
                     "the default at decode and at --lora_tokens (variants off@IMPL, on@IMPL; "
-                    "'' = none)")
+                    "'' = none; xla: at batch 1 on the GPU the LoRA ops after the dense GEMV "
+                    "instead of its fused epilogue)")
 flags.DEFINE_string("alt_batches", "1,8", "decode batches timed with --lora_alt_impl too")
 flags.DEFINE_string("sections", "decode,prefill,lora,single", "what to build and time")
 flags.DEFINE_string("dump_hlo", "decode_b1_none,decode_b1_lora,prefill_none",

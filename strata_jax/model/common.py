@@ -137,7 +137,8 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
   `implementation`: the LoRA kernel's (`Forms.lora_impl`). A quantised `w` (QRef) runs the
   LoRA delta inside the quantised matmul (`qmatmul_lora`) instead, and so does a dense `w`
-  (DRef) for the rows its in-place GEMV takes (`dense_matmul_lora`).
+  (DRef) for the rows its in-place GEMV takes (`dense_matmul_lora`), unless "xla" or a
+  LoRA kernel is named: then the delta follows the GEMV (the A/B `bench_model.py` times).
 
   With one row (B == 1: a prefill chunk, or a one-slot decode) the row's scales are folded
   into B's columns (one [D, R] multiply) and the plain kernel runs, so the large-N prefill
@@ -161,7 +162,7 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
         x2, q, lora_a, lora_b, on, rank_scale=rank_scale, index=i, implementation=impl, **kw),
         groups)
     return y.reshape(B, T, -1)
-  if isinstance(w, DRef):
+  if isinstance(w, DRef) and implementation in (None, "auto", "pallas_interpret"):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
     if quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation):
       y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a, lora_b, on,
