@@ -172,7 +172,7 @@ def decode_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, swi
   """
   act = active.astype(bool)
 
-  def steps(branch):
+  def loop(branch):
     def body(carry, _):
       toks, st = carry
       logits, st = decode(cfg, params, lora, st, toks, switch, active, cvec=cvec, branch=branch)
@@ -182,18 +182,18 @@ def decode_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, swi
     (_, st), out = lax.scan(body, (tokens.astype(jnp.int32), state), None, length=n_steps)
     return out, st
 
-  return _by_lora_branch(cfg, lora, switch, active, steps)
+  return _by_lora_branch(cfg, lora, switch, active, loop)
 
 
-def _by_lora_branch(cfg, lora, switch, active, steps):
-  """steps(branch) for the LoRA pass this dispatch's rows need (`forward.run_layers`), chosen
+def _by_lora_branch(cfg, lora, switch, active, loop):
+  """loop(branch), the step loop, for the LoRA pass this dispatch's rows need (`forward.run_layers`), chosen
   once, before the step loop: a conditional inside the loop would have the GPU copy its index
   to the host and drain the stream at every step. Rows only leave a decode loop (a stop, the
   length limit), never join it, so the pass its first step needs covers every later step."""
   if lora is None or cfg.forms.lora_branch == "select":
-    return steps(None)
+    return loop(None)
   which = forward.lora_branch_index(switch, active)
-  return lax.switch(which, [functools.partial(steps, b) for b in forward.LORA_BRANCHES])
+  return lax.switch(which, [functools.partial(loop, b) for b in forward.LORA_BRANCHES])
 
 
 # ----- speculative decoding (strata_jax/speculative.py drives these; docs/mtp.md) -------------
@@ -359,7 +359,7 @@ def decode_sample(cfg: ModelConfig, params, lora, state: ModelState, rows: sampl
 
 def _decode_scan(cfg, params, lora, state, rows, sp, switch, stop_ids, n_steps, plan,
                  with_logits, cvec):
-  def steps(branch):
+  def loop(branch):
     def body(carry, _):
       rows, st = carry
       logits, st = decode(cfg, params, lora, st, rows.last, switch, rows.active, cvec=cvec,
@@ -370,7 +370,7 @@ def _decode_scan(cfg, params, lora, state, rows, sp, switch, stop_ids, n_steps, 
     (rows_out, st), out = lax.scan(body, (rows, state), None, length=n_steps)
     return out, rows_out, st
 
-  return _by_lora_branch(cfg, lora, switch, rows.active, steps)
+  return _by_lora_branch(cfg, lora, switch, rows.active, loop)
 
 
 # The batch axis of each ModelState field (K/V and GDN states are layer-stacked first).

@@ -216,9 +216,9 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, implementat
   """y = x @ stack[index]^T + where(on, B (A x)) per row, for the few rows `dense_matmul`'s
   kernel takes (`dense_kernel_rows`; more rows: `dense_lora_reference`). h = A x [N, R]
   (times rank_scale [N, R] when given) is one XLA dot; the kernel adds B h to its fp32 sum
-  (the "blocks" LoRA epilogue, gemv.py), so a decode step's adapted projection is two
-  launches, not the four of a GEMV followed by the LoRA ops. Rows with on == 0 are
-  `dense_matmul`'s bit for bit.
+  (the "blocks" LoRA epilogue, gemv.py): a decode step's adapted projection launches the
+  h dot and the GEMV (and its split-sum reduction), without the B h product and the add and
+  select of the LoRA ops after a GEMV. Rows with on == 0 are `dense_matmul`'s bit for bit.
   a: [R, in]; b: [out, R]; on: [N] int32 / bool; tiles, rows_max: as `dense_matmul`."""
   n, d_in = x.shape
   d_out = stack.shape[-2]
