@@ -71,6 +71,13 @@ def summary(km, mm, fla, hf):
       ("lora_us_per_layer_8tok", _get(dec, "8", "lora_on_us_per_layer"), 3.0, "us/layer", "le"),
       ("decode_b1_roofline_fraction", _get(dec, "1", "roofline_fraction"), 0.6,
        "fraction of the weight-read roofline", "ge"),
+      # issue 17: batch 8 and 32 at half the roofline, prefill too
+      ("decode_b8_roofline_fraction", _get(dec, "8", "roofline_fraction"), 0.5,
+       "fraction of the weight-read roofline", "ge"),
+      ("decode_b32_roofline_fraction", _get(dec, "32", "roofline_fraction"), 0.5,
+       "fraction of the weight-read roofline", "ge"),
+      ("prefill_roofline_fraction", _get(pf, T, "roofline_fraction") if T else None, 0.5,
+       f"fraction of the prefill roofline ({T} tokens)", "ge"),
       ("gdn_prefill_vs_fla", gdn_prefill, 1.0, "x fla speed (fla time / ours), T=2500", "ge"),
       ("gdn_decode_vs_fla", gdn_decode, 1.0, "x fla speed (worst of batch 1/8/32)", "ge"),
       # issue #7: batch-1 decode >= 350 tok/s is "29x transformers"
