@@ -4,7 +4,8 @@ with MTP on, and the projected speed-up at acceptance 0.7 (formula in README.md)
 
 Every measurement is a jitted loop of R repetitions (state carried, one dispatch), timed in
 interleaved rounds (median), batch 1, bf16, adapter loaded (rank 50):
-  decode        `steps.decode` R times (greedy argmax fed back), switch on
+  decode        `steps.decode_greedy`, R steps in one program (the plain decode loop the Engine
+                runs: argmax fed back, the LoRA pass chosen once), switch on
   verify_nN     `steps.verify_greedy` on N+1 positions (the last token and N drafts), R times,
                 switch on; the drafts are random, so the state advances one token a step
   mtp_step      one MTP entry (`model.mtp.mtp_forward`, T = 1) R times: one draft token
@@ -114,12 +115,8 @@ def main(_):
   # model's 24 GB as program constants (the first H200 run died lowering them).
   @jax.jit
   def decode_loop(params, lora, state, tok, switch):
-    def body(c, _):
-      st, t = c
-      lg, st = steps.decode(cfg, params, lora, st, t, switch, one)
-      return (st, jnp.argmax(lg, -1).astype(jnp.int32)), None
-    (st, t), _ = lax.scan(body, (state, tok), None, length=R)
-    return t, st.pos
+    out, st = steps.decode_greedy(cfg, params, lora, state, tok, switch, one, n_steps=R)
+    return out[-1], st.pos
 
   def verify_loop_fn(n):
     @jax.jit
