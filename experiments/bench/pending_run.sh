@@ -7,8 +7,9 @@
 #  2. bench_engine at batch 1, the default then --forms lora_impl=xla (run 16, before the
 #     epilogue: 150.8 tok/s against decode_greedy's 152.1).
 # Results in $OUT (copy them to experiments/results/ and results/device/). Still owed after
-# it: the 80B on 2 x H200 (kind nvidia-h200-x2), a profile of the 80B decode, and the GPU
-# kernels set (GPU_SET=kernels CAP=580 bash experiments/bench/gpu_tests.sh).
+# it: bench_spec.py (its decode baseline is now decode_greedy, the Engine's loop), the 80B on
+# 2 x H200 (kind nvidia-h200-x2), a profile of the 80B decode, and the GPU kernels set
+# (GPU_SET=kernels CAP=580 bash experiments/bench/gpu_tests.sh).
 set -uo pipefail
 t0=$(date +%s)
 export STRATA_BENCH_RESULTS=$OUT STRATA_JAX_CACHE=/tmp/xla
