@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
+from jaxpr_walk import eqns
 from model_fixtures import random_lora, tiny_model
 
 from strata_jax import sampling, steps
@@ -71,21 +73,12 @@ def test_decode_sample_equals_stepped_decode_as_a_row_stops_mid_loop():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _conditionals_in_step_loop(jaxpr, n_steps, inside=False):
+def _conditionals_in_step_loop(jaxpr, n_steps):
   """The conditionals inside any scan of length n_steps (Pallas kernels' bodies excluded)."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if inside and eqn.primitive.name == "cond":
-      found.append(eqn)
-    if eqn.primitive.name == "pallas_call":
-      continue
-    deeper = inside or (eqn.primitive.name == "scan" and eqn.params["length"] == n_steps)
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (tuple, list)) else [v]):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          found += _conditionals_in_step_loop(sub, n_steps, deeper)
-  return found
+  return [e for loop in eqns(jaxpr, into_kernels=False)
+          if loop.primitive.name == "scan" and loop.params["length"] == n_steps
+          for body in jaxprs_in_params(loop.params)
+          for e in eqns(body, into_kernels=False) if e.primitive.name == "cond"]
 
 
 def test_step_loops_choose_the_lora_pass_outside_the_loop():
@@ -105,14 +98,5 @@ def test_step_loops_choose_the_lora_pass_outside_the_loop():
       plan=sampling.Plan()))(st).jaxpr
   for jaxpr in (greedy, sample):
     assert _conditionals_in_step_loop(jaxpr, n) == []
-    assert any(e.primitive.name == "cond" for e in _all_eqns(jaxpr))  # the choice is there
+    assert any(e.primitive.name == "cond" for e in eqns(jaxpr))  # the choice is there
 
-
-def _all_eqns(jaxpr):
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (tuple, list)) else [v]):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          yield from _all_eqns(sub)

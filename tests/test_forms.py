@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import eqns
 from model_fixtures import TINY, random_lora, tiny_model
 from tolerances import DENSE_GEMV_REL_FP32, assert_close
 
@@ -131,20 +132,11 @@ def test_dense_kernel_adds_the_adapter_in_its_epilogue_unless_xla_is_named():
         branch="on"))(model.params, init_state(cfg, 1, 64))
     return sum(e.primitive.name == "dot_general"
                and any(5 in v.aval.shape for v in (*e.invars, *e.outvars))
-               for e in _eqns(jaxpr.jaxpr))
+               for e in eqns(jaxpr.jaxpr, into_kernels=False))
 
   fused, apart = lora_dots("auto"), lora_dots("xla")
   assert 0 < fused and apart == 2 * fused, (fused, apart)
 
-
-def _eqns(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for v in e.params.values():
-      for sub in (v if isinstance(v, (tuple, list)) else [v]):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns") and e.primitive.name != "pallas_call":
-          yield from _eqns(sub)
 
 
 def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_matrix():

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jex
+from jaxpr_walk import eqns
 from model_fixtures import TINY, tiny_model
 
 from strata_jax import steps
@@ -160,18 +160,11 @@ def test_decode_keeps_an_idle_row_bit_for_bit(form):
 
 # ----- what XLA is given ------------------------------------------------------------------------
 
-def _eqns(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for sub in jex.jaxprs_in_params(e.params):
-      yield from _eqns(sub)
-
-
 def _layer_scan(cfg, params, state):
   tok = jnp.zeros((state.pos.shape[0],), jnp.int32)
   jaxpr = jax.make_jaxpr(steps.decode, static_argnums=0)(cfg, params, None, state, tok, tok,
                                                          tok + 1).jaxpr
-  scans = [e for e in _eqns(jaxpr) if e.primitive.name == "scan"
+  scans = [e for e in eqns(jaxpr) if e.primitive.name == "scan"
            and e.params["length"] == cfg.n_layers // forward.pattern_period(cfg.layer_types)]
   assert len(scans) == 1
   e = scans[0]
@@ -191,7 +184,7 @@ def test_decode_layer_scan_carries_the_state_stacks(form):
   if form in ("fused", "step"):   # a Pallas decode kernel: the stack updated in place
     assert tuple(st.ssm.shape) in carry and blocked(st.ssm) not in xs
     # every GDN layer hands the kernel the whole stack (read and written in place)
-    calls = [c for c in _eqns(e.params["jaxpr"].jaxpr) if c.primitive.name == "pallas_call"]
+    calls = [c for c in eqns(e.params["jaxpr"].jaxpr) if c.primitive.name == "pallas_call"]
     assert len(calls) == cfg.layer_types[:4].count("G")
     assert all(tuple(c.invars[-1].aval.shape) == tuple(st.ssm.shape) for c in calls)
   else:   # a jnp read of a carried stack would make XLA copy it (forward.layers_scan)
