@@ -99,4 +99,3 @@ def test_step_loops_choose_the_lora_pass_outside_the_loop():
   for jaxpr in (greedy, sample):
     assert _conditionals_in_step_loop(jaxpr, n) == []
     assert any(e.primitive.name == "cond" for e in eqns(jaxpr))  # the choice is there
-

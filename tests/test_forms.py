@@ -138,7 +138,6 @@ def test_dense_kernel_adds_the_adapter_in_its_epilogue_unless_xla_is_named():
   assert 0 < fused and apart == 2 * fused, (fused, apart)
 
 
-
 def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_matrix():
   """`dense_weights="in_place"`: the projection matrices are not the layer scan's xs (no
   per-block slice of them to copy) but taken at each layer's index in the body; the prompt
