@@ -186,9 +186,9 @@ def decode_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, swi
 
 
 def _by_lora_branch(cfg, lora, switch, active, loop):
-  """loop(branch), the step loop, for the LoRA pass this dispatch's rows need (`forward.run_layers`), chosen
-  once, before the step loop: a conditional inside the loop would have the GPU copy its index
-  to the host and drain the stream at every step. Rows only leave a decode loop (a stop, the
+  """loop(branch), the step loop, for the LoRA pass this dispatch's rows need
+  (`forward.run_layers`), chosen once, before the loop: a conditional inside it would have the
+  GPU copy its index to the host and drain the stream at every step. Rows only leave a decode loop (a stop, the
   length limit), never join it, so the pass its first step needs covers every later step."""
   if lora is None or cfg.forms.lora_branch == "select":
     return loop(None)

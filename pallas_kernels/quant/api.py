@@ -205,7 +205,7 @@ def dense_lora_reference(x, stack, index, a, b, on, *, rank_scale=None):
   rounded once; off rows are `dense_reference`'s."""
   w = lax.dynamic_index_in_dim(stack.reshape(-1, *stack.shape[-2:]), index, 0, False)
   acc = lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=_F32)
-  h = _lora_h(x, a) if rank_scale is None else _lora_h(x, a) * rank_scale.astype(_F32)
+  h = _lora_h(x, a, rank_scale)
   delta = lax.dot_general(h, b.astype(_F32), _NT, precision=_HI, preferred_element_type=_F32)
   return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype),
                    dense_reference(x, stack, index))
@@ -227,16 +227,18 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, implementat
                      f"[R, {d_in}], [{d_out}, R], [{n}]")
   if not dense_kernel_rows(n, d_in, implementation, rows_max):
     return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale)
-  h = _lora_h(x, a) if rank_scale is None else _lora_h(x, a) * rank_scale.astype(_F32)
+  h = _lora_h(x, a, rank_scale)
   return _dense_kernel(x, stack, index, resolve(implementation), tiles,
                        on=on.astype(jnp.int32), h=h, b=b)
 
 
-def _lora_h(x, a):
-  """h = x @ A^T [N, R] fp32, as the LoRA kernel computes it (`dot_policy`)."""
+def _lora_h(x, a, rank_scale=None):
+  """h = x @ A^T [N, R] fp32, as the LoRA kernel computes it (`dot_policy`), times the
+  per-row rank scales [N, R] when given."""
   cd, prec = dot_policy(x.dtype, a.dtype)
-  return lax.dot_general(x.astype(cd), a.astype(cd), _NT, precision=prec,
-                         preferred_element_type=_F32)
+  h = lax.dot_general(x.astype(cd), a.astype(cd), _NT, precision=prec,
+                      preferred_element_type=_F32)
+  return h if rank_scale is None else h * rank_scale.astype(_F32)
 
 
 def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
@@ -277,8 +279,7 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
     raise ValueError("quant: rank_scale needs lora_down='h' (h is scaled before the kernel)")
   impl = resolve(implementation)
   on = on.astype(jnp.int32)
-  lora_h = lambda: _lora_h(x, a) if rank_scale is None else (
-      _lora_h(x, a) * rank_scale.astype(_F32))
+  lora_h = lambda: _lora_h(x, a, rank_scale)
 
   def with_delta(acc):
     """The fp32 base `acc` plus the delta on the on rows (XLA), a select keeping the rest."""

@@ -84,12 +84,16 @@ def _unblocks(tree):
 LORA_BRANCHES = ("off", "on", "mixed")
 
 
+def _on_off_rows(switch, n_new):
+  """(on, off) [B] bool: the rows adding tokens with the switch on / off."""
+  switch = jnp.broadcast_to(switch, n_new.shape)
+  return (switch != 0) & (n_new > 0), (switch == 0) & (n_new > 0)
+
+
 def lora_branch_index(switch, n_new):
   """Which pass of `LORA_BRANCHES` the rows adding tokens need: int32 scalar."""
-  switch = jnp.broadcast_to(switch, n_new.shape)
-  on = jnp.any((switch != 0) & (n_new > 0))
-  off = jnp.any((switch == 0) & (n_new > 0))
-  return jnp.where(on, jnp.where(off, 2, 1), 0).astype(jnp.int32)
+  on, off = _on_off_rows(switch, n_new)
+  return jnp.where(jnp.any(on), jnp.where(jnp.any(off), 2, 1), 0).astype(jnp.int32)
 
 
 def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, switch,
@@ -123,8 +127,7 @@ def run_layers(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, swi
     return layers_scan(cfg, layers, lora, kv, gdn_state, x, pos, n_new, switch, cvec,
                        keep_steps, cut, cut_window)
   switch = jnp.broadcast_to(switch, n_new.shape)
-  on = (switch != 0) & (n_new > 0)
-  off = (switch == 0) & (n_new > 0)
+  on, off = _on_off_rows(switch, n_new)
   scan = lambda lp, kv, gs, nv: layers_scan(cfg, layers, lp, kv, gs, x, pos, nv, switch, cvec,
                                             keep_steps, cut, cut_window)
 
