@@ -118,15 +118,18 @@ def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit
   assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
 
 
-def test_dense_kernel_adds_the_adapter_in_its_epilogue_unless_xla_is_named():
-  """At one row the adapted projection is the GEMV with the LoRA epilogue: one LoRA dot
-  (h = A x) where `lora_impl="xla"` has two (h, then B h) after the plain GEMV."""
+def test_dense_kernel_adds_the_adapter_in_its_epilogue_only_when_a_kernel_is_named():
+  """At one row, with the LoRA kernel named, the adapted projection is the GEMV with the LoRA
+  epilogue: one LoRA dot (h = A x) where `lora_impl="xla"` has two (h, then B h) after the
+  plain GEMV. Unresolved "auto" (the GPU's) at one row takes the "xla" structure."""
   model = tiny_model()
   lora = random_lora(rank=5).params   # a rank no other dimension of TINY has
 
   def lora_dots(lora_impl):
-    forms = Forms(dense_weights="kernel", quant_impl="pallas_interpret", lora_impl=lora_impl)
-    cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), jnp.float32))
+    forms = Forms(dense_weights="kernel", quant_impl="pallas_interpret")
+    forms = dataclasses.replace(forms.resolve(jax.default_backend(), jnp.float32),
+                                lora_impl=lora_impl)
+    cfg = dataclasses.replace(TINY, forms=forms)
     jaxpr = jax.make_jaxpr(lambda p, s: steps.decode(
         cfg, p, lora, s, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32),
         branch="on"))(model.params, init_state(cfg, 1, 64))
@@ -134,8 +137,9 @@ def test_dense_kernel_adds_the_adapter_in_its_epilogue_unless_xla_is_named():
                and any(5 in v.aval.shape for v in (*e.invars, *e.outvars))
                for e in eqns(jaxpr.jaxpr, into_kernels=False))
 
-  fused, apart = lora_dots("auto"), lora_dots("xla")
+  fused, apart = lora_dots("pallas_interpret"), lora_dots("xla")
   assert 0 < fused and apart == 2 * fused, (fused, apart)
+  assert lora_dots("auto") == apart
 
 
 def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_matrix():
