@@ -2,7 +2,8 @@
 # On the device, one call (~9 min): write the 80B-A3B Q4_K_M file, time the device program at
 # batch 1 with the quant groups switched and predicated (decode_probe; VARIANTS= other variants,
 # parts joined by "+" combine), then load it through the Engine with the fastest variant's forms
-# and decode at batch 1 and 8 (BATCHES=), adapter on and off (load_80b).
+# and decode at batch 1 and 8 (BATCHES=), adapter on and off (load_80b). PROFILE=variant
+# traces that variant's batch-1 decode call (time by kernel, in the probe's JSON).
 # Results in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -11,7 +12,7 @@ python3 experiments/bench/make_gguf.py --geometry qwen3next-80b-a3b --quant q4_k
   --out /tmp/a80b.gguf --no-progress 2>&1 | tail -2
 echo "gguf written $(( $(date +%s) - t0 )) s"
 timeout ${PROBE_CAP:-170} python3 experiments/bench/decode_probe.py --gguf /tmp/a80b.gguf --variants ${VARIANTS:-base,qpred} \
-  --batches 1 --n_steps 8 --reps 3 --out $OUT/decode_probe_a80b.json 2>&1 | grep '"variant"' | cut -c1-300
+  --batches 1 --n_steps 8 --reps 3 ${PROFILE:+--profile $PROFILE} --out $OUT/decode_probe_a80b.json 2>&1 | grep '"variant"' | cut -c1-300
 echo "probe done $(( $(date +%s) - t0 )) s"
 FORMS=$(python3 - "$OUT/decode_probe_a80b.json" <<'PY'
 import json, sys
