@@ -26,6 +26,9 @@ CHOICES: dict[str, tuple] = {
     # always computes the adapter. Off rows are bit-identical to no adapter either way.
     "lora_branch": ("cond", "select"),
     # the LoRA delta: "auto" = XLA below 512 rows on the GPU, a kernel above (Mosaic or Triton).
+    # "auto" adds it after the in-place dense GEMV, not in the GEMV's epilogue (`dense_matmul_
+    # lora`): at the one row that GEMV takes, the epilogue measured slower on the H200 (4.59
+    # against 3.27 us a layer, runs 17-18); "pallas_interpret" keeps the epilogue under test.
     "lora_impl": ("auto", "xla", "pallas", "mosaic", "pallas_interpret"),
     # prefill's chunked delta rule: "auto" = the Pallas kernel on the GPU, the oracle elsewhere.
     # "pallas_parallel" / "pallas_split": the chunk-parallel kernels (intra-chunk work for all

@@ -164,7 +164,8 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
         groups)
     return y.reshape(B, T, -1)
   # "auto" at one row keeps the delta out of the GEMV: on the H200 the epilogue cost 4.59 us a
-  # layer against 3.22 after it (bench_model.json, run 17); with more rows it breaks even.
+  # layer against 3.22 after it (bench_model.json, run 17). More rows than the GEMV takes
+  # (api.DENSE_ROWS_MAX, one by default) never reach the epilogue.
   fuse = implementation == "pallas_interpret" or (implementation in (None, "auto")
                                                   and B * T > 1)
   if isinstance(w, DRef) and fuse:
