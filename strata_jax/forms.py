@@ -88,6 +88,10 @@ CHOICES: dict[str, tuple] = {
     # bench_engine_b1_dgemv.json, _b1_profile.json). With three engines in one process its
     # batch-1 program ran slower (152-167 tok/s, bench_engine_run13/14.json; cause unknown).
     "dense_weights": ("auto", "scan", "in_place", "kernel"),
+    # the router's top-k: "auto" = "xla" (`lax.top_k`, a sort on the GPU: 259 us of the 80B-A3B
+    # Q4_K_M batch-1 step, decode_probe_a80b_run7_profile.json) everywhere until the one-launch
+    # kernel (pallas_kernels/moe/topk.py) is measured; same values and ids either way.
+    "moe_topk": ("auto", "xla", "pallas", "pallas_interpret"),
 }
 
 
@@ -105,6 +109,7 @@ class Forms:
   quant_groups: str = "auto"
   matmul_precision: str = "auto"
   dense_weights: str = "auto"
+  moe_topk: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -134,6 +139,7 @@ class Forms:
         quant_impl=auto(self.quant_impl, "pallas", "xla"),
         quant_groups=auto(self.quant_groups, "fused", "switch"),
         dense_weights=auto(self.dense_weights, "kernel", "scan"),
+        moe_topk=auto(self.moe_topk, "xla", "xla"),
         matmul_precision=precision)
 
   def jax_precision(self, compute_dtype) -> str | None:

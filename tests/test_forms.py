@@ -35,12 +35,14 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert (cpu.gdn_chunked, cpu.gdn_decode, cpu.moe_many, cpu.moe_few, cpu.lora_impl) == (
       "reference", "xla", "dense", "xla", "pallas_interpret")
   assert (cpu.quant_impl, cpu.quant_groups, cpu.dense_weights) == ("xla", "switch", "scan")
+  assert cpu.moe_topk == "xla"
   assert cpu.matmul_precision == "highest" and cpu.jax_precision(jnp.float32) == "highest"
   assert Forms().jax_precision(jnp.float32) == "highest", "unresolved auto: fp32 is full fp32"
   gpu = Forms().resolve("gpu", jnp.bfloat16)
   assert (gpu.gdn_chunked, gpu.moe_many, gpu.moe_few) == ("pallas", "pallas", "pallas")
   assert (gpu.quant_impl, gpu.quant_groups, gpu.dense_weights) == ("pallas", "fused", "kernel")
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
+  assert gpu.moe_topk == "xla"                       # the kernel is not measured yet
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
   assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
   tf32 = Forms(matmul_precision="tf32").resolve("gpu", jnp.float32)

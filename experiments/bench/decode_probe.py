@@ -70,6 +70,7 @@ FORM_VARIANTS = {
     "inplace": {"dense_weights": "in_place"},
     "dgemv": {"dense_weights": "kernel"},
     "dscan": {"dense_weights": "scan"},
+    "topk": {"moe_topk": "pallas"},
 }
 
 

@@ -21,6 +21,7 @@ export STRATA_TEST_PROGRESS_LOG="$OUT/gpu_test_progress${GPU_SET:+_$GPU_SET}.tsv
 # so it can run as two calls. The kernels set alone needs more than 400 s at 12 workers (run 13
 # stopped at 99 %): give it its own call, CAP=580; the model set takes about 150 s.
 KERNELS="tests/test_lora_kernel.py tests/test_lora_kernel_mosaic.py tests/test_moe_kernel.py
+  tests/test_moe_topk_kernel.py
   tests/test_moe_grouped_kernel.py tests/test_gdn_decode_kernel.py tests/test_gdn_chunked_kernel.py
   tests/test_gdn_parallel_kernel.py tests/test_gdn_decode_fused_kernel.py
   $(ls tests/test_quant*.py 2>/dev/null)"

@@ -21,7 +21,8 @@ import jax
 from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.moe.grouped import routed_experts_grouped
 from pallas_kernels.moe.kernel import moe_pallas
-from pallas_kernels.moe.reference import moe_reference
+from pallas_kernels.moe.reference import moe_reference, top_k_reference
+from pallas_kernels.moe.topk import top_k_pallas
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
@@ -102,3 +103,19 @@ def routed_experts_many(x, wg, wu, wd, idx, w, *, layer=None, implementation=Non
   """
   return _run(resolve_many(implementation), routed_experts_grouped, x, wg, wu, wd, idx, w,
               layer)
+
+
+def top_k(x, k: int, *, implementation=None):
+  """The router's top-k: (values [N, k] in x's dtype, ids [N, k] int32) of each row of x
+  [N, E], `lax.top_k`'s exactly (ties to the lower id), for every implementation.
+
+  "xla" (also "auto", on every backend until the kernel is measured) is `lax.top_k`, which XLA
+  lowers to a sort on the GPU; "pallas" / "pallas_interpret" run `topk.py`'s one-launch kernel.
+  The model's choice is `strata_jax.forms.Forms.moe_topk`."""
+  impl = check_choice("top_k", implementation or "auto", CHOICES)
+  if impl == "pallas":
+    require_gpu("top_k", impl, "'pallas_interpret' or 'xla'")
+    return top_k_pallas(x, k)
+  if impl == "pallas_interpret":
+    return top_k_pallas(x, k, interpret=True)
+  return top_k_reference(x, k)

@@ -37,3 +37,9 @@ def moe_reference(x, wg, wu, wd, idx, w, precision=None):
   y = jnp.einsum("nkf,nkdf->nkd", h, d.astype(x.dtype), precision=precision,
                  preferred_element_type=f32)
   return jnp.sum(y * w.astype(f32)[..., None], axis=1)
+
+
+def top_k_reference(x, k):
+  """The router's top-k oracle: `lax.top_k` (values [N, k], ids [N, k] int32; ties to the
+  lower id)."""
+  return jax.lax.top_k(x, k)

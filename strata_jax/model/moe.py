@@ -64,7 +64,7 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
   k = cfg.n_experts_used
   logits = linear(x.astype(jnp.float32), p.router)                          # [N, E] f32
   probs = jax.nn.softmax(logits, axis=-1)
-  w, idx = jax.lax.top_k(probs, k)
+  w, idx = moe_api.top_k(probs, k, implementation=cfg.forms.moe_topk)
   w = w / jnp.sum(w, axis=-1, keepdims=True)                                # [N, k]
   if real is not None:
     # Rows whose output is never used (inactive slots of a decode batch, padding) take the

@@ -1,0 +1,64 @@
+"""Pallas kernel for the router's top-k: the k largest of each row of [N, E] and their ids.
+
+On the H200 XLA lowers `lax.top_k` of the router's [1, 512] probabilities to a full sort:
+48 sort launches a step, 259 µs of the 80B-A3B Q4_K_M decode step at batch 1
+(`experiments/results/device/decode_probe_a80b_run7_profile.json`). This kernel is one
+launch: program i holds rows [i·bn, (i+1)·bn) whole and takes k maxima in turn.
+
+Each of the k rounds takes, over the entries not yet taken, the maximum and the lowest
+column holding it, then marks that column taken: `lax.top_k`'s values and ids exactly, ties
+to the lower id, ±inf included (NaN is not supported; router probabilities have none).
+Rows are padded to a multiple of bn and columns to a power of 2 (Triton's block shapes) only
+when they are not already; the results are [N, k] in x's dtype and int32.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import require_triton, triton_params
+
+_ROWS = 16   # rows a program at most (a prefill's N rows run N / 16 programs)
+
+
+def _topk_kernel(x_ref, v_ref, i_ref, *, k, e):
+  x = x_ref[...].astype(jnp.float32)                                        # [bn, E_pad]
+  bn, e_pad = x.shape
+  col = lax.broadcasted_iota(jnp.int32, (bn, e_pad), 1)
+  slot = lax.broadcasted_iota(jnp.int32, v_ref.shape, 1)
+  taken = col >= e                                                          # padding
+  vals = jnp.zeros(v_ref.shape, jnp.float32)
+  ids = jnp.zeros(i_ref.shape, jnp.int32)
+  for j in range(k):
+    m = jnp.max(jnp.where(taken, -jnp.inf, x), axis=1, keepdims=True)       # [bn, 1]
+    i = jnp.min(jnp.where(~taken & (x == m), col, e_pad), axis=1, keepdims=True)
+    vals = jnp.where(slot == j, m, vals)
+    ids = jnp.where(slot == j, i, ids)
+    taken = taken | (col == i)
+  v_ref[...] = vals.astype(v_ref.dtype)
+  i_ref[...] = ids
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
+def top_k_pallas(x, k: int, *, interpret: bool = False):
+  """(values [N, k] in x.dtype, ids [N, k] int32) of each row of x [N, E]: `lax.top_k`'s."""
+  require_triton(interpret, "top_k", "implementation='xla'")
+  n, e = x.shape
+  if not 0 < k <= e:
+    raise ValueError(f"top_k: k={k} must be in 1..{e} (the row length)")
+  bn = min(_ROWS, pl.next_power_of_2(max(n, 1)))
+  n_pad, e_pad = pl.cdiv(n, bn) * bn, pl.next_power_of_2(e)
+  k_pad = pl.next_power_of_2(k)
+  xp = x if (n_pad, e_pad) == (n, e) else jnp.pad(x, ((0, n_pad - n), (0, e_pad - e)))
+  params = None if interpret else triton_params(num_warps=4, num_stages=1)
+  vals, ids = pl.pallas_call(
+      functools.partial(_topk_kernel, k=k, e=e), grid=(n_pad // bn,),
+      in_specs=[pl.BlockSpec((bn, e_pad), lambda i: (i, 0))],
+      out_specs=[pl.BlockSpec((bn, k_pad), lambda i: (i, 0))] * 2,
+      out_shape=[jax.ShapeDtypeStruct((n_pad, k_pad), x.dtype),
+                 jax.ShapeDtypeStruct((n_pad, k_pad), jnp.int32)],
+      interpret=interpret, compiler_params=params, name="router_top_k",
+  )(xp)
+  return vals[:n, :k], ids[:n, :k]

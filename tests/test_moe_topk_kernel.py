@@ -1,0 +1,102 @@
+"""The router's top-k kernel (pallas_kernels/moe/topk.py): `lax.top_k`'s values and ids.
+
+The interpreter runs the kernel's body on CPU; the compiled kernel runs under the `gpu`
+marker on the device (`experiments/bench/gpu_tests.sh`).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_fixtures import TINY, tiny_model
+
+from pallas_kernels.moe import api
+from pallas_kernels.moe.topk import top_k_pallas
+from strata_jax import steps
+from strata_jax.forms import Forms
+from strata_jax.state import init_state
+
+ON_GPU = jax.default_backend() == "gpu"
+# (rows, experts, k): one decode row of the 80B's router, bench-a3b's, TINY's; row counts that
+# are not a power of two or exceed a program's 16 rows; expert counts that need padding.
+SHAPES = [(1, 512, 10), (8, 64, 10), (3, 4, 2), (17, 64, 10), (5, 10, 3), (2, 7, 7)]
+
+
+def router_like(n, e, *, ties: bool, dtype=np.float32, seed=0):
+  """Rows with many equal entries (ties) or softmax-like distinct ones; the first row starts
+  with two -inf and the last holds a +inf (both orders of infinities reach the ids)."""
+  rng = np.random.default_rng(seed)
+  x = (rng.integers(0, 4, (n, e)) if ties else rng.random((n, e))).astype(np.float32)
+  x[0, :2] = -np.inf
+  x[-1, e // 2] = np.inf
+  return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+@pytest.mark.parametrize("n,e,k", SHAPES)
+def test_top_k_kernel_gives_lax_top_k_values_and_ids(n, e, k, ties):
+  x = router_like(n, e, ties=ties)
+  vals, ids = api.top_k(x, k, implementation="pallas_interpret")
+  ref_vals, ref_ids = api.top_k(x, k, implementation="xla")
+  assert vals.shape == (n, k) and ids.dtype == jnp.int32
+  assert np.array_equal(vals, ref_vals) and np.array_equal(ids, ref_ids)
+
+
+def test_top_k_kernel_keeps_the_input_dtype():
+  x = router_like(4, 64, ties=False, dtype=jnp.bfloat16)
+  vals, ids = api.top_k(x, 10, implementation="pallas_interpret")
+  ref_vals, ref_ids = jax.lax.top_k(x, 10)
+  assert vals.dtype == jnp.bfloat16
+  assert np.array_equal(np.asarray(vals, np.float32), np.asarray(ref_vals, np.float32))
+  assert np.array_equal(ids, ref_ids)
+
+
+def test_top_k_refuses_a_k_outside_the_row_and_an_unknown_implementation():
+  x = router_like(2, 8, ties=False)
+  with pytest.raises(ValueError, match="k=9 must be in 1..8"):
+    api.top_k(x, 9, implementation="pallas_interpret")
+  with pytest.raises(ValueError, match="unknown implementation 'fast'"):
+    api.top_k(x, 2, implementation="fast")
+  if not ON_GPU:
+    with pytest.raises(ValueError, match="needs a GPU backend"):
+      api.top_k(x, 2, implementation="pallas")
+
+
+def test_top_k_kernel_lowers_to_triton_for_the_gpu():
+  """Cross-lowering on CPU: every construct has a Pallas Triton lowering rule (compiling the
+  Triton IR needs the device)."""
+  low = jax.jit(lambda x: top_k_pallas(x, 10)).trace(
+      jnp.zeros((1, 512), jnp.float32)).lower(lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
+def test_model_with_the_top_k_kernel_gives_the_xla_forms_logits_bit_for_bit():
+  """`Forms.moe_topk`: the prompt's logits at every position and a decode step's are the
+  same with the kernel as with `lax.top_k`."""
+  model = tiny_model()
+
+  def run(form):
+    cfg = dataclasses.replace(TINY, forms=dataclasses.replace(
+        Forms().resolve(jax.default_backend(), jnp.float32), moe_topk=form))
+    st = init_state(cfg, 1, 32, jnp.float32)
+    toks = jnp.asarray(np.random.default_rng(1).integers(0, TINY.vocab_size, 6), jnp.int32)
+    lg, st = steps.prefill(cfg, model.params, None, st, jnp.int32(0), toks, jnp.int32(6),
+                           jnp.int32(0), all_logits=True)
+    lg2, _ = steps.decode(cfg, model.params, None, st, jnp.asarray([3], jnp.int32),
+                          jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
+    return np.concatenate([np.asarray(lg), np.asarray(lg2)])
+
+  kernel = "pallas" if ON_GPU else "pallas_interpret"
+  assert np.array_equal(run(kernel), run("xla"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
+@pytest.mark.parametrize("n,e,k", [(1, 512, 10), (8, 512, 10), (32, 64, 10), (2500, 512, 10)])
+def test_gpu_top_k_kernel(n, e, k):
+  x = jax.nn.softmax(jnp.asarray(np.random.default_rng(2).standard_normal((n, e)),
+                                 jnp.float32), axis=-1)
+  vals, ids = api.top_k(x, k, implementation="pallas")
+  ref_vals, ref_ids = jax.lax.top_k(x, k)
+  assert np.array_equal(vals, ref_vals) and np.array_equal(ids, ref_ids)
