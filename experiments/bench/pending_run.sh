@@ -15,19 +15,16 @@ export STRATA_BENCH_RESULTS=$OUT
 GPU_SET=model CAP=${TEST_CAP:-200} bash "$(dirname "$0")/gpu_tests.sh" 2>&1 | tail -3
 echo "tests done $(( $(date +%s) - t0 )) s"
 left() { echo $(( ${CAP:-570} - ($(date +%s) - t0) )); }
-case ",${SECTIONS:-model,spec}," in *,model,*)
+want() { [[ ",${SECTIONS:-model,spec}," == *",$1,"* ]]; }
+if want model; then
   timeout ${MODEL_CAP:-210} python3 experiments/bench/bench_model.py --sections decode \
     --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
-  echo "bench_model done $(( $(date +%s) - t0 )) s" ;;
-esac
-case ",${SECTIONS:-model,spec}," in *,spec,*)
-  timeout $(left) python3 experiments/bench/bench_spec.py --out $OUT/bench_spec.json \
-    --nosummary 2>&1 | grep -i -e ratio -e speedup -e error | cut -c1-200 ;;
-esac
-case ",${SECTIONS:-model,spec}," in *,engine,*)
-  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
-    --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300 ;;
-esac
+  echo "bench_model done $(( $(date +%s) - t0 )) s"
+fi
+want spec && timeout $(left) python3 experiments/bench/bench_spec.py --out $OUT/bench_spec.json \
+  --nosummary 2>&1 | grep -i -e ratio -e speedup -e error | cut -c1-200
+want engine && timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
+  --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

@@ -137,9 +137,8 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
   `implementation`: the LoRA kernel's (`Forms.lora_impl`). A quantised `w` (QRef) runs the
   LoRA delta inside the quantised matmul (`qmatmul_lora`) instead, and so does a dense `w`
-  (DRef) for the rows its in-place GEMV takes (`dense_matmul_lora`), unless "xla" or a
-  LoRA kernel is named, or "auto" meets one row: then the delta follows the GEMV (the A/B
-  `bench_model.py` times).
+  (DRef) for the rows its in-place GEMV takes (`dense_matmul_lora`) with "pallas_interpret";
+  otherwise the delta follows the GEMV (faster on the H200: `bench_model.py`).
 
   With one row (B == 1: a prefill chunk, or a one-slot decode) the row's scales are folded
   into B's columns (one [D, R] multiply) and the plain kernel runs, so the large-N prefill
@@ -163,12 +162,10 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
         x2, q, lora_a, lora_b, on, rank_scale=rank_scale, index=i, implementation=impl, **kw),
         groups)
     return y.reshape(B, T, -1)
-  # "auto" at one row keeps the delta out of the GEMV: on the H200 the epilogue cost 4.59 us a
-  # layer against 3.22 after it (bench_model.json, run 17). More rows than the GEMV takes
-  # (api.DENSE_ROWS_MAX, one by default) never reach the epilogue.
-  fuse = implementation == "pallas_interpret" or (implementation in (None, "auto")
-                                                  and B * T > 1)
-  if isinstance(w, DRef) and fuse:
+  # Only the interpreter takes the dense epilogue: at the one row the in-place GEMV takes
+  # (api.DENSE_ROWS_MAX), it cost 4.59 us a layer on the H200 against 3.22 for the delta after
+  # the GEMV (bench_model.json, run 17), so "auto" adds it after.
+  if isinstance(w, DRef) and implementation == "pallas_interpret":
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
     if quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation):
       y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a, lora_b, on,
