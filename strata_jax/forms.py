@@ -30,16 +30,18 @@ CHOICES: dict[str, tuple] = {
     # lora`): at the one row that GEMV takes, the epilogue measured slower on the H200 (4.59
     # against 3.27 us a layer, runs 17-18); "pallas_interpret" keeps the epilogue under test.
     "lora_impl": ("auto", "xla", "pallas", "mosaic", "pallas_interpret"),
-    # prefill's chunked delta rule: "auto" = the Pallas kernel on the GPU, the oracle elsewhere.
-    # "pallas_parallel" / "pallas_split": the chunk-parallel kernels (intra-chunk work for all
-    # chunks at once; the state pass fused with the outputs, or separate as fla's); not "auto"
-    # until measured (pallas_kernels/gdn/README.md).
+    # prefill's chunked delta rule: "auto" = the chunk-parallel Pallas kernel on the GPU
+    # ("pallas_parallel": intra-chunk work for all chunks at once, the state pass fused with
+    # the outputs), the oracle elsewhere. On the H200 at T = 2,500, 32 heads of 128, bf16 q/k/v:
+    # 500 us at C = 64 against 870 for the serial "pallas" kernel (C = 32) and 501 for
+    # "pallas_split" (fla's three-launch split); experiments/results/device/gdn_probe_run1.json.
     "gdn_chunked": ("auto", "reference", "products", "pallas", "pallas_interpret",
                     "pallas_parallel", "pallas_split", "pallas_parallel_interpret",
                     "pallas_split_interpret"),
-    # every Pallas chunked kernel's chunk (a power of 2 >= 16; 64 spilled registers on sm_90
-    # in the serial kernel).
-    "gdn_pallas_chunk": (32, 16, 64, 128),
+    # every Pallas chunked kernel's chunk (a power of 2 >= 16): "auto" = 64 for the
+    # chunk-parallel kernels (500 against 637 us at 32, gdn_probe_run1.json) and 32 for the
+    # serial one (64 spilled registers on sm_90 there: 1,059 against 880 us).
+    "gdn_pallas_chunk": ("auto", 16, 32, 64, 128),
     # the decode delta rule step: "auto" = "pallas_fused" on the GPU (one launch from the raw
     # inputs, gates included, the state stack updated in place, inactive rows not stored;
     # measured on the H200 at or below the default at every batch: 5.63 / 8.75 / 10.56 ms a
@@ -88,9 +90,10 @@ CHOICES: dict[str, tuple] = {
     # bench_engine_b1_dgemv.json, _b1_profile.json). With three engines in one process its
     # batch-1 program ran slower (152-167 tok/s, bench_engine_run13/14.json; cause unknown).
     "dense_weights": ("auto", "scan", "in_place", "kernel"),
-    # the router's top-k: "auto" = "xla" (`lax.top_k`, a sort on the GPU: 259 us of the 80B-A3B
-    # Q4_K_M batch-1 step, decode_probe_a80b_run7_profile.json) everywhere until the one-launch
-    # kernel (pallas_kernels/moe/topk.py) is measured; same values and ids either way.
+    # the router's top-k: "auto" = "pallas" on the GPU (the one-launch kernel,
+    # pallas_kernels/moe/topk.py: 163 us of the 80B-A3B Q4_K_M batch-1 step where `lax.top_k`'s
+    # sort took 259, and the step 4.48 against 4.55 ms; decode_probe_a80b_run8_topk.json),
+    # "xla" elsewhere; same values and ids either way.
     "moe_topk": ("auto", "xla", "pallas", "pallas_interpret"),
 }
 
@@ -101,7 +104,7 @@ class Forms:
   lora_branch: str = "cond"
   lora_impl: str = "auto"
   gdn_chunked: str = "auto"
-  gdn_pallas_chunk: int = 32
+  gdn_pallas_chunk: int | str = "auto"
   gdn_decode: str = "auto"
   moe_many: str = "auto"
   moe_few: str = "auto"
@@ -127,19 +130,23 @@ class Forms:
     precision = self.matmul_precision
     if precision == "auto":
       precision = "highest" if _dtype_name(compute_dtype) == "float32" else "default"
+    gdn_chunked = auto(self.gdn_chunked, "pallas_parallel", "reference")
+    from pallas_kernels.gdn.api import pallas_chunk_for  # noqa: PLC0415 (kernels load lazily)
     return dataclasses.replace(
         self,
         # the Pallas interpreter on CPU keeps the kernel's code path under test
         lora_impl=auto(self.lora_impl, "auto", "pallas_interpret" if backend == "cpu"
                        else "xla"),
-        gdn_chunked=auto(self.gdn_chunked, "pallas", "reference"),
+        gdn_chunked=gdn_chunked,
+        gdn_pallas_chunk=pallas_chunk_for(
+            gdn_chunked, None if self.gdn_pallas_chunk == "auto" else self.gdn_pallas_chunk),
         gdn_decode=auto(self.gdn_decode, "pallas_fused", "xla"),
         moe_many=auto(self.moe_many, "pallas", "dense"),
         moe_few=auto(self.moe_few, "pallas", "xla"),
         quant_impl=auto(self.quant_impl, "pallas", "xla"),
         quant_groups=auto(self.quant_groups, "fused", "switch"),
         dense_weights=auto(self.dense_weights, "kernel", "scan"),
-        moe_topk=auto(self.moe_topk, "xla", "xla"),
+        moe_topk=auto(self.moe_topk, "pallas", "xla"),
         matmul_precision=precision)
 
   def jax_precision(self, compute_dtype) -> str | None:
@@ -168,5 +175,6 @@ def parse_forms(spec: str, base: Forms | None = None) -> Forms:
     if not sep or name not in CHOICES:
       raise FormsError(f"forms: {item!r}: expected NAME=VALUE with NAME one of "
                        f"{tuple(CHOICES)}")
-    changes[name] = int(value) if isinstance(CHOICES[name][0], int) and value.isdigit() else value
+    ints = any(isinstance(c, int) for c in CHOICES[name])
+    changes[name] = int(value) if ints and value.isdigit() else value
   return dataclasses.replace(base, **changes)

@@ -39,10 +39,13 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert cpu.matmul_precision == "highest" and cpu.jax_precision(jnp.float32) == "highest"
   assert Forms().jax_precision(jnp.float32) == "highest", "unresolved auto: fp32 is full fp32"
   gpu = Forms().resolve("gpu", jnp.bfloat16)
-  assert (gpu.gdn_chunked, gpu.moe_many, gpu.moe_few) == ("pallas", "pallas", "pallas")
+  assert (gpu.gdn_chunked, gpu.moe_many, gpu.moe_few) == ("pallas_parallel", "pallas", "pallas")
+  assert (gpu.gdn_pallas_chunk, cpu.gdn_pallas_chunk) == (64, 32)  # each kernel's measured chunk
+  assert Forms(gdn_chunked="pallas").resolve("gpu", jnp.bfloat16).gdn_pallas_chunk == 32
+  assert Forms(gdn_pallas_chunk=16).resolve("gpu", jnp.bfloat16).gdn_pallas_chunk == 16
   assert (gpu.quant_impl, gpu.quant_groups, gpu.dense_weights) == ("pallas", "fused", "kernel")
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
-  assert gpu.moe_topk == "xla"                       # the kernel is not measured yet
+  assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
   assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
   tf32 = Forms(matmul_precision="tf32").resolve("gpu", jnp.float32)

@@ -97,7 +97,11 @@ def test_api_forms_under_vmap():
 def test_choices_and_input_checks():
   for impl in api.PARALLEL_INTERPRET:
     assert api.chunked_implementation(impl) == impl
-  assert api.chunked_implementation() == ("pallas" if ON_GPU else "reference")
+  assert api.chunked_implementation() == ("pallas_parallel" if ON_GPU else "reference")
+  # each kernel's measured chunk unless the caller names one (pallas_kernels/gdn/api.py)
+  assert [api.pallas_chunk_for(i) for i in ("pallas_parallel", "pallas_split_interpret",
+                                            "pallas")] == [64, 64, 32]
+  assert api.pallas_chunk_for("pallas_parallel", 16) == 16
   if not ON_GPU:
     for impl in api.PARALLEL:
       with pytest.raises(ValueError, match="needs a GPU"):

@@ -63,6 +63,15 @@ def test_top_k_refuses_a_k_outside_the_row_and_an_unknown_implementation():
       api.top_k(x, 2, implementation="pallas")
 
 
+def test_top_k_auto_runs_lax_top_k_off_the_gpu():
+  """"auto" is the kernel on the GPU and `lax.top_k` elsewhere; the same numbers either way."""
+  x = router_like(3, 64, ties=True)
+  got, want = api.top_k(x, 10), jax.lax.top_k(x, 10)
+  assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
+  if not ON_GPU:
+    assert "triton" not in jax.jit(lambda x: api.top_k(x, 10)).lower(x).as_text()
+
+
 def test_top_k_kernel_lowers_to_triton_for_the_gpu():
   """Cross-lowering on CPU: every construct has a Pallas Triton lowering rule (compiling the
   Triton IR needs the device)."""

@@ -71,6 +71,8 @@ FORM_VARIANTS = {
     "dgemv": {"dense_weights": "kernel"},
     "dscan": {"dense_weights": "scan"},
     "topk": {"moe_topk": "pallas"},
+    "xlatopk": {"moe_topk": "xla"},
+    "gdnparallel": {"gdn_chunked": "pallas_parallel"},
 }
 
 

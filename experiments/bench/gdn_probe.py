@@ -424,9 +424,10 @@ def probe_launch_floor(res, a):
 
 
 def profile(fn, state, args, steps):
-  """GPU kernel time per step of the chained program (decode_probe.profile's trace reader)."""
-  import decode_probe
+  """GPU kernel time per step of the chained program (common.profile_call's trace reader)."""
   import jax
+
+  import common  # noqa: F811 (already on the path)
 
   @functools.partial(jax.jit, donate_argnums=0)
   def many(s, *a):
@@ -436,7 +437,7 @@ def profile(fn, state, args, steps):
       outs.append(o)
     return s, outs
   state, _ = jax.block_until_ready(many(state, *args))
-  r = decode_probe.profile(lambda: many(state, *args), steps)
+  r = common.profile_call(lambda: many(state, *args), steps)
   r["top"] = r.get("top", [])[:8]
   return r
 

@@ -47,19 +47,23 @@ PARALLEL_INTERPRET = {f"{n}_interpret": sp for n, sp in PARALLEL.items()}
 CHUNKED_CHOICES = ("reference", "products", "pallas", "pallas_interpret", *PARALLEL,
                    *PARALLEL_INTERPRET, "auto")
 FUSED_CHOICES = ("pallas_fused", "pallas_fused_interpret")
-# The Pallas chunked kernel's chunk: its author's offline sm_90 compile spilled registers at 64
-# (the per-chunk [C, C] and [C, Dk] tiles), so it runs 32 unless the caller says otherwise.
+# The Pallas chunked kernels' chunks unless the caller says otherwise. The serial kernel: its
+# author's offline sm_90 compile spilled registers at 64 (the per-chunk [C, C] and [C, Dk]
+# tiles), and on the H200 it took 1,059 us at 64 against 880 at 32. The chunk-parallel ones:
+# 500 us at 64 against 637 at 32 (T = 2,500, 32 heads of 128, bf16 q/k/v;
+# experiments/results/device/gdn_probe_run1.json).
 PALLAS_CHUNK = 32
+PARALLEL_CHUNK = 64
 
 
 def chunked_implementation(implementation=None):
   """The chunked implementation to run for `implementation` (None: "auto"): "auto" is
-  "pallas" on the GPU (H200, T = 2,500, 32 heads of 128: 880 us against 2,544 us for
-  "reference" and 1,632 us for "products"), "reference" elsewhere. A ValueError for any
-  other name."""
+  "pallas_parallel" on the GPU (H200, T = 2,500, 32 heads of 128, bf16 q/k/v: 500 us against
+  870 us for the serial "pallas", 2,544 us for "reference" and 1,632 us for "products"),
+  "reference" elsewhere. A ValueError for any other name."""
   impl = check_choice("gdn chunked", implementation or "auto", CHUNKED_CHOICES)
   if impl == "auto":
-    return "pallas" if on_gpu() else "reference"
+    return "pallas_parallel" if on_gpu() else "reference"
   if impl == "pallas" or impl in PARALLEL:
     require_gpu("gdn chunked", impl, f"'{impl}_interpret' or 'reference'")
   return impl
@@ -73,8 +77,15 @@ def _parallel(impl, q, k, v, g, beta, state, chunk):
                               state_pass=sp)
 
 
+def pallas_chunk_for(impl, pallas_chunk=None) -> int:
+  """The chunk a Pallas form runs: `pallas_chunk`, or (None) the kernel's own default."""
+  if pallas_chunk is not None:
+    return pallas_chunk
+  return PARALLEL_CHUNK if impl in PARALLEL or impl in PARALLEL_INTERPRET else PALLAS_CHUNK
+
+
 def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
-            pallas_chunk: int = PALLAS_CHUNK):
+            pallas_chunk: int | None = None):
   """Prefill form for one sequence. Shapes as in `reference` (no batch dim):
   q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H]; state [H, Dv, Dk] -> (o [T, H, Dv], state).
 
@@ -84,13 +95,14 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
   "pallas_parallel" / "pallas_split" (+ "_interpret"): `parallel_kernel.py`, the intra-chunk
   work parallel over chunks, then the state pass (fused with the outputs, or separate).
   Default "auto" (`chunked_implementation`); every Pallas form runs chunks of
-  min(chunk, pallas_chunk).
+  min(chunk, pallas_chunk), pallas_chunk None meaning the kernel's default (`pallas_chunk_for`).
 
   The Pallas forms add a batch dim of 1 and launch the batched kernel. Under `jax.vmap` (how
   the model calls this) Pallas's batching rule folds the vmapped axis into the kernel's grid,
   so `jax.vmap(chunked)` is still one launch over the whole batch; `chunked_batched` is the
   same launch without the vmap."""
   impl = chunked_implementation(implementation)
+  pallas_chunk = pallas_chunk_for(impl, pallas_chunk)
   if impl in ("pallas", "pallas_interpret"):
     o, s = gdn_chunked_pallas(q[None], k[None], v[None], g[None], beta[None], state[None],
                               chunk=min(chunk, pallas_chunk), interpret=impl == "pallas_interpret")
@@ -105,13 +117,14 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
 
 
 def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
-                    pallas_chunk: int = PALLAS_CHUNK):
+                    pallas_chunk: int | None = None):
   """Prefill form for a batch: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H];
   state [B, H, Dv, Dk] -> (o [B, T, H, Dv] float32, state [B, H, Dv, Dk] float32).
 
   Implementations as `chunked`: the Pallas forms call the batched kernel directly (grid
   B x H x Dv tiles), the jnp forms are vmapped over B."""
   impl = chunked_implementation(implementation)
+  pallas_chunk = pallas_chunk_for(impl, pallas_chunk)
   if impl in ("pallas", "pallas_interpret"):
     return gdn_chunked_pallas(q, k, v, g, beta, state, chunk=min(chunk, pallas_chunk),
                               interpret=impl == "pallas_interpret")
