@@ -138,8 +138,7 @@ class Forms:
         lora_impl=auto(self.lora_impl, "auto", "pallas_interpret" if backend == "cpu"
                        else "xla"),
         gdn_chunked=gdn_chunked,
-        gdn_pallas_chunk=pallas_chunk_for(
-            gdn_chunked, None if self.gdn_pallas_chunk == "auto" else self.gdn_pallas_chunk),
+        gdn_pallas_chunk=pallas_chunk_for(gdn_chunked, self.gdn_pallas_chunk),
         gdn_decode=auto(self.gdn_decode, "pallas_fused", "xla"),
         moe_many=auto(self.moe_many, "pallas", "dense"),
         moe_few=auto(self.moe_few, "pallas", "xla"),

@@ -102,6 +102,7 @@ def test_choices_and_input_checks():
   assert [api.pallas_chunk_for(i) for i in ("pallas_parallel", "pallas_split_interpret",
                                             "pallas")] == [64, 64, 32]
   assert api.pallas_chunk_for("pallas_parallel", 16) == 16
+  assert api.pallas_chunk_for("pallas", "auto") == 32
   if not ON_GPU:
     for impl in api.PARALLEL:
       with pytest.raises(ValueError, match="needs a GPU"):

@@ -427,8 +427,6 @@ def profile(fn, state, args, steps):
   """GPU kernel time per step of the chained program (common.profile_call's trace reader)."""
   import jax
 
-  import common  # noqa: F811 (already on the path)
-
   @functools.partial(jax.jit, donate_argnums=0)
   def many(s, *a):
     outs = []

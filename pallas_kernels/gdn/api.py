@@ -78,14 +78,15 @@ def _parallel(impl, q, k, v, g, beta, state, chunk):
 
 
 def pallas_chunk_for(impl, pallas_chunk=None) -> int:
-  """The chunk a Pallas form runs: `pallas_chunk`, or (None) the kernel's own default."""
-  if pallas_chunk is not None:
+  """The chunk a Pallas form runs: `pallas_chunk`, or (None / "auto", `Forms.gdn_pallas_chunk`'s
+  default) the kernel's own."""
+  if pallas_chunk not in (None, "auto"):
     return pallas_chunk
   return PARALLEL_CHUNK if impl in PARALLEL or impl in PARALLEL_INTERPRET else PALLAS_CHUNK
 
 
 def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
-            pallas_chunk: int | None = None):
+            pallas_chunk: int | str | None = None):
   """Prefill form for one sequence. Shapes as in `reference` (no batch dim):
   q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H]; state [H, Dv, Dk] -> (o [T, H, Dv], state).
 
@@ -95,7 +96,8 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
   "pallas_parallel" / "pallas_split" (+ "_interpret"): `parallel_kernel.py`, the intra-chunk
   work parallel over chunks, then the state pass (fused with the outputs, or separate).
   Default "auto" (`chunked_implementation`); every Pallas form runs chunks of
-  min(chunk, pallas_chunk), pallas_chunk None meaning the kernel's default (`pallas_chunk_for`).
+  min(chunk, pallas_chunk), pallas_chunk None or "auto" meaning the kernel's default
+  (`pallas_chunk_for`).
 
   The Pallas forms add a batch dim of 1 and launch the batched kernel. Under `jax.vmap` (how
   the model calls this) Pallas's batching rule folds the vmapped axis into the kernel's grid,
@@ -117,7 +119,7 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
 
 
 def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
-                    pallas_chunk: int | None = None):
+                    pallas_chunk: int | str | None = None):
   """Prefill form for a batch: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H];
   state [B, H, Dv, Dk] -> (o [B, T, H, Dv] float32, state [B, H, Dv, Dk] float32).
 

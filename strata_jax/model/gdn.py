@@ -153,8 +153,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     q = jnp.repeat(l2_norm(q_raw) * (Dk ** -0.5), r, axis=2)   # v-head h <- k-head h//r
     k = jnp.repeat(l2_norm(k_raw), r, axis=2)
     chunked = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
-                                pallas_chunk=None if cfg.forms.gdn_pallas_chunk == "auto"
-                                else cfg.forms.gdn_pallas_chunk)
+                                pallas_chunk=cfg.forms.gdn_pallas_chunk)
     if cut is None:
       o, s = jax.vmap(chunked)(q, k, v, g, beta, s_in)
     else:
