@@ -582,11 +582,10 @@ def test_gpu_dense_gemv(n, dtype):
 @pytest.mark.parametrize("n,dtype,k_split,on_kind", [
     (1, F32, 1, "all"), (1, BF16, 3, "all"), (1, F32, 3, "off"), (3, BF16, 1, "mixed"),
     (2, F32, 3, "mixed")])
-def test_dense_gemv_lora_epilogue_adds_the_delta_and_keeps_off_rows_bits(n, dtype, k_split,
-                                                                          on_kind):
-  """dense_matmul_lora's kernel (B h added to the fp32 sum, in the ks = 0 share): on rows
-  equal W x + B (A x) in float64 and `dense_lora_reference`; off rows are `dense_matmul`'s
-  bit for bit, split sums or not."""
+def test_dense_gemv_lora_rows_add_the_delta_and_keep_off_rows_bits(n, dtype, k_split, on_kind):
+  """dense_matmul_lora's kernels (A x as extra rows of the GEMV's launch, then the finish:
+  split sums in order, + B h, one rounding): on rows equal W x + B (A x) in float64 and
+  `dense_lora_reference`; off rows are `dense_matmul`'s bit for bit, split sums or not."""
   from pallas_kernels.quant import dense_matmul
   from pallas_kernels.quant.api import dense_lora_reference, dense_matmul_lora
   rng = np.random.default_rng(6)
@@ -599,7 +598,8 @@ def test_dense_gemv_lora_epilogue_adds_the_delta_and_keeps_off_rows_bits(n, dtyp
   lora = (jnp.asarray(a), jnp.asarray(b), jnp.asarray(on))
   f = jax.jit(lambda x, w, i, a, b, on: dense_matmul_lora(x, w, i, a, b, on, **kw))
   got = np.asarray(f(*args, *lora))
-  assert "qgemv_dense" in str(jax.make_jaxpr(f)(*args, *lora))
+  jaxpr = str(jax.make_jaxpr(f)(*args, *lora))
+  assert "qgemv_dense_lora_rows" in jaxpr and "lora_finish" in jaxpr
   plain = np.asarray(dense_matmul(*args, **kw))
   off = on == 0
   assert np.array_equal(bits(got[off]), bits(plain[off])), "off rows differ from dense_matmul"
@@ -611,6 +611,57 @@ def test_dense_gemv_lora_epilogue_adds_the_delta_and_keeps_off_rows_bits(n, dtyp
     ref = np.asarray(dense_lora_reference(*args, *lora))
     assert_close(got[~off], ref[~off], rel=_tol(dtype), what="dense lora vs reference")
     assert not np.array_equal(got[~off], plain[~off])
+
+
+@pytest.mark.parametrize("n,dtype,k_split", [(1, F32, 3), (2, BF16, 1), (3, F32, 3)])
+def test_dense_lora_reads_the_adapter_stacks_in_place_at_the_layer(n, dtype, k_split):
+  """With `lora_index`, A and B are stacks read in place at that (traced) index: the same
+  bits as the call on the pair taken out first, no slice of the stacks in the program, and
+  with per-row rank scales (the adapter table) h is scaled before B: on rows within the
+  float64 product's tolerance, off rows `dense_matmul`'s bits."""
+  from pallas_kernels.quant import dense_matmul
+  from pallas_kernels.quant.api import dense_matmul_lora
+  rng = np.random.default_rng(9)
+  rank, lay = 12, 3
+  w = jnp.asarray(np.asarray(jnp.asarray(rng.standard_normal((4, OUT, 96)), dtype)))
+  x = jnp.asarray(_x(n, 96, dtype))
+  pairs = [_lora(n, 96, OUT, rank, dtype, "mixed", seed=30 + i) for i in range(5)]
+  a_st = jnp.asarray(np.stack([p[0] for p in pairs]))
+  b_st = jnp.asarray(np.stack([p[1] for p in pairs]))
+  on = jnp.asarray(pairs[0][2])
+  rs = jnp.asarray(rng.uniform(0, 2, (n, rank)).astype(np.float32))
+  kw = dict(implementation="pallas_interpret", rows_max=ROWS_MAX,
+            tiles=dict(block_out=16, block_in=32, k_split=k_split))
+  f = jax.jit(lambda x, i, li, rs: dense_matmul_lora(x, w, i, a_st, b_st, on, rank_scale=rs,
+                                                     lora_index=li, **kw))
+  got = np.asarray(f(x, jnp.int32(1), jnp.int32(lay), rs))
+  jaxpr = str(jax.make_jaxpr(f)(x, jnp.int32(1), jnp.int32(lay), rs))
+  assert "dynamic_slice" not in jaxpr and "qgemv_dense_lora_rows" in jaxpr
+  pair = np.asarray(dense_matmul_lora(x, w, jnp.int32(1), a_st[lay], b_st[lay], on,
+                                      rank_scale=rs, **kw))
+  assert np.array_equal(bits(got), bits(pair)), "stack at lora_index != the pair itself"
+  off = np.asarray(on) == 0
+  plain = np.asarray(dense_matmul(x, w, jnp.int32(1), **kw))
+  assert np.array_equal(bits(got[off]), bits(plain[off])), "off rows differ from dense_matmul"
+  f64 = np.float64
+  a, b = np.asarray(a_st[lay], f64), np.asarray(b_st[lay], f64)
+  xf = np.asarray(x, f64)
+  want = _want(np.asarray(x), np.asarray(w[1], f64)) + ((xf @ a.T) * np.asarray(rs)) @ b.T
+  assert_close(got[~off], want[~off], rel=_tol(dtype), what=f"stacked dense lora N{n}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_dense_lora_rows_lower_to_triton_for_the_gpu(dtype):
+  """Both launches of the LoRA rows path (the GEMV with A's rows, the finish) lower to
+  Triton for the GPU, at ssm_out's shape with split sums and the rank-scale table."""
+  from pallas_kernels.quant.gemv import dense_lora_call
+  f = lambda x, w, i, a, b, li, on, rs: dense_lora_call(x, w, i, a, b, li, on, rs, k_split=4)
+  args = (jnp.ones((1, 4096), dtype), jnp.ones((3, 2048, 4096), dtype),
+          jnp.zeros((1,), jnp.int32), jnp.ones((2, 64, 4096), dtype),
+          jnp.ones((2, 2048, 64), dtype), jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32),
+          jnp.ones((1, 64), F32))
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 2
 
 
 def test_dense_lora_rank_scale_and_many_rows_take_the_reference():
@@ -644,19 +695,21 @@ def test_dense_lora_rank_scale_and_many_rows_take_the_reference():
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_gpu_dense_gemv_lora_epilogue(dtype):
-  """ssm_out's shape at batch 1 (2048 x 4096, split sums) compiled: the on row within the
-  float64 product's tolerance, the off row `dense_matmul`'s bits."""
+def test_gpu_dense_gemv_lora_rows(dtype):
+  """ssm_out's shape at batch 1 (2048 x 4096, split sums) compiled, the adapter a stack read
+  at its index: the on row within the float64 product's tolerance, the off row
+  `dense_matmul`'s bits."""
   from pallas_kernels.quant import dense_matmul
   from pallas_kernels.quant.api import dense_matmul_lora
   rng = np.random.default_rng(8)
   w = np.asarray(jnp.asarray(0.02 * rng.standard_normal((3, 2048, 4096)), dtype))
   x = _x(1, 4096, dtype)
   a, b, _ = _lora(1, 4096, 2048, 50, dtype, "all")
+  a_st, b_st = (jnp.asarray(np.stack([np.zeros_like(v), v])) for v in (a, b))
   args = (jnp.asarray(x), jnp.asarray(w), jnp.int32(2))
   plain = np.asarray(dense_matmul(*args, implementation="pallas"))
   for on in (np.ones(1, np.int32), np.zeros(1, np.int32)):
-    got = np.asarray(dense_matmul_lora(*args, jnp.asarray(a), jnp.asarray(b), jnp.asarray(on),
+    got = np.asarray(dense_matmul_lora(*args, a_st, b_st, jnp.asarray(on), lora_index=1,
                                        implementation="pallas"))
     if on[0]:
       f64 = np.float64

@@ -45,7 +45,8 @@ flags.DEFINE_integer("prefill_reps", 5, "timed rounds per prefill variant")
 flags.DEFINE_integer("compile_threads", 6, "programs compiled at once")
 flags.DEFINE_bool("single_step", True, "also time decode stepped from Python (batch 1)")
 flags.DEFINE_string("lora_impl", "", "Forms.lora_impl for the adapter programs ('' = default)")
-flags.DEFINE_string("lora_alt_impl", "xla", "a second LoRA implementation timed beside "
+flags.DEFINE_string("lora_alt_impl", "xla", "a second LoRA implementation (or a forms spec "
+                    "NAME=VALUE,..., e.g. dense_lora=gemv) timed beside "
                     "the default at decode and at --lora_tokens (variants off@IMPL, on@IMPL; "
                     "'' = none; xla: at batch 1 on the GPU the LoRA ops after the dense GEMV "
                     "instead of its fused epilogue)")
@@ -110,9 +111,12 @@ class Bench:
     return self.jax.eval_shape(lambda: self.init_state(self.cfg, B, S, self.dtype))
 
   def with_lora_impl(self, impl):
-    """The model config with `impl` as its LoRA implementation (forms are static config)."""
-    return dataclasses.replace(self.cfg, forms=dataclasses.replace(self.cfg.forms,
-                                                                   lora_impl=impl))
+    """The model config with `impl` as its LoRA implementation (forms are static config), or,
+    for a forms spec `NAME=VALUE,...` (e.g. `dense_lora=gemv`), with those forms changed."""
+    from strata_jax.forms import parse_forms
+    forms = (parse_forms(impl, base=self.cfg.forms) if "=" in impl
+             else dataclasses.replace(self.cfg.forms, lora_impl=impl))
+    return dataclasses.replace(self.cfg, forms=forms)
 
   def specs(self, alt=False):
     """name -> zero-argument function returning the lowered program. alt: only the adapter
@@ -380,7 +384,9 @@ class Bench:
     from pallas_kernels.lora import api as lora_api
     self.res["lora_impl"] = {str(n): lora_api.resolve(self.cfg.forms.lora_impl, n)
                              for n in (*self.batches, self.T_lora, self.T)}
-    if F.lora_alt_impl:
+    if F.lora_alt_impl and "=" in F.lora_alt_impl:   # a forms spec
+      self.res["lora_alt_forms"] = dataclasses.asdict(self.with_lora_impl(F.lora_alt_impl).forms)
+    elif F.lora_alt_impl:
       self.res["lora_alt_impl"] = {str(n): lora_api.resolve(F.lora_alt_impl, n)
                                    for n in (*self.batches, self.T_lora)}
     self.compile_all()

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.lora.kernel import dot_policy
-from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, triton_params
+from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, dense_lora_call, triton_params
 from pallas_kernels.quant.kernel import (
     ROWS_MAX,
     epilogue_outside,
@@ -190,19 +190,29 @@ def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max
   return _dense_kernel(x, stack, index, resolve(implementation), tiles)
 
 
-def _dense_kernel(x, stack, index, impl, tiles, **lora):
+def _dense_kernel(x, stack, index, impl, tiles):
   tk = dict(tiles or {})
   warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
   params = triton_params(warps, stages) if impl == "pallas" else None
   flat_stack = stack.reshape(-1, *stack.shape[-2:])
   idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
   return dense_call(x[None], flat_stack, idx, interpret=impl == "pallas_interpret",
-                    compiler_params=params, **tk, **lora)[0]
+                    compiler_params=params, **tk)[0]
 
 
-def dense_lora_reference(x, stack, index, a, b, on, *, rank_scale=None):
+def _lora_pair(a, b, lora_index):
+  """(A [R, in], B [out, R]) of one adapter pair, or of the stacks [..., R, in] / [..., out, R]
+  at `lora_index` (taken by XLA)."""
+  if lora_index is None:
+    return a, b
+  take = lambda s: lax.dynamic_index_in_dim(s.reshape(-1, *s.shape[-2:]), lora_index, 0, False)
+  return take(a), take(b)
+
+
+def dense_lora_reference(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None):
   """`dense_matmul_lora` in XLA: the base product's fp32 sum plus B (A x) on the on rows,
   rounded once; off rows are `dense_reference`'s."""
+  a, b = _lora_pair(a, b, lora_index)
   w = lax.dynamic_index_in_dim(stack.reshape(-1, *stack.shape[-2:]), index, 0, False)
   acc = lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=_F32)
   h = _lora_h(x, a, rank_scale)
@@ -211,25 +221,40 @@ def dense_lora_reference(x, stack, index, a, b, on, *, rank_scale=None):
                    dense_reference(x, stack, index))
 
 
-def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, implementation="auto",
-                      tiles=None, rows_max=None):
+def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None,
+                      implementation="auto", tiles=None, rows_max=None):
   """y = x @ stack[index]^T + where(on, B (A x)) per row, for the few rows `dense_matmul`'s
-  kernel takes (`dense_kernel_rows`; more rows: `dense_lora_reference`). h = A x [N, R]
-  (times rank_scale [N, R] when given) is one XLA dot; the kernel adds B h to its fp32 sum
-  (the "blocks" LoRA epilogue, gemv.py): a decode step's adapted projection launches the
-  h dot and the GEMV (and its split-sum reduction), without the B h product and the add and
-  select of the LoRA ops after a GEMV. Rows with on == 0 are `dense_matmul`'s bit for bit.
-  a: [R, in]; b: [out, R]; on: [N] int32 / bool; tiles, rows_max: as `dense_matmul`."""
+  kernel takes (`dense_kernel_rows`; more rows: `dense_lora_reference`).
+
+  a: [R, in] and b: [out, R]; or, with `lora_index` (int32, traced OK), stacks [..., R, in]
+  and [..., out, R] whose pair `lora_index` is read in place, as the weight. The kernel
+  (`gemv.dense_lora_call`) computes h = A x as R more rows of the GEMV's launch, then one
+  finishing kernel sums the split partials, adds B h (h times rank_scale [N, R] when given)
+  on the rows whose switch is on and rounds once: a decode step's adapted projection is two
+  launches, with no slice of A or B copied. Rows with on == 0 are `dense_matmul`'s bit for
+  bit. on: [N] int32 / bool; tiles ({block_out, block_in, k_split, finish_block, num_warps,
+  num_stages}), rows_max: as `dense_matmul`."""
   n, d_in = x.shape
   d_out = stack.shape[-2]
-  if a.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, a.shape[0]) or on.shape != (n,):
+  a_stack = a if lora_index is not None else a[None]
+  b_stack = b if lora_index is not None else b[None]
+  if (a_stack.ndim < 3 or a_stack.shape[-1] != d_in
+      or b_stack.shape[-2:] != (d_out, a_stack.shape[-2])
+      or b_stack.shape[:-2] != a_stack.shape[:-2] or on.shape != (n,)):
     raise ValueError(f"dense lora: a {a.shape}, b {b.shape}, on {on.shape} must be "
-                     f"[R, {d_in}], [{d_out}, R], [{n}]")
+                     f"[R, {d_in}], [{d_out}, R], [{n}] (stacks of them with lora_index)")
   if not dense_kernel_rows(n, d_in, implementation, rows_max):
-    return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale)
-  h = _lora_h(x, a, rank_scale)
-  return _dense_kernel(x, stack, index, resolve(implementation), tiles,
-                       on=on.astype(jnp.int32), h=h, b=b)
+    return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale,
+                                lora_index=lora_index)
+  impl = resolve(implementation)
+  tk = dict(tiles or {})
+  warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
+  as3d = lambda s: s.reshape(-1, *s.shape[-2:])
+  return dense_lora_call(
+      x, as3d(stack), jnp.asarray(index, jnp.int32), as3d(a_stack), as3d(b_stack),
+      jnp.asarray(0 if lora_index is None else lora_index, jnp.int32), on.astype(jnp.int32),
+      rank_scale, interpret=impl == "pallas_interpret",
+      compiler_params=triton_params(warps, stages) if impl == "pallas" else None, **tk)
 
 
 def _lora_h(x, a, rank_scale=None):

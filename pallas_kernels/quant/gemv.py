@@ -45,6 +45,8 @@ per type): every part's program is compiled in, and a flag in memory picks the l
 [S, out, in / 32, 32]): a few-row GEMV that reads layer `idx[g]` of the stack in place, for
 the dense projections of a decode step (`Forms.dense_weights="kernel"`); no slice of the
 stack is copied, which XLA does for a matrix taken at a traced index inside the layer scan.
+`dense_lora_call` adds a LoRA delta to it: A's rows as extra programs of the same launch,
+then one finishing kernel (B h, the switch's select, the split sums; see there).
 """
 import functools
 from typing import NamedTuple
@@ -356,13 +358,11 @@ def dense_defaults(d_out, d_in, *, groups=1, interpret=False):
 
 
 def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
-               interpret=False, compiler_params=None, on=None, h=None, b=None):
+               interpret=False, compiler_params=None):
   """y[g] = x[g] @ stack[idx[g]]^T for x [G, M, in] and a float stack [S, out, in] (in a
-  multiple of 32), in x's dtype, fp32 sums; the matrix is read in place. The weight and x
-  are rounded to the compute dtype (x's if 16-bit, else fp32: exact IEEE products) first.
-  With on [M], h [M, R] fp32 and b [out, R] (G must be 1): + B h on the rows whose switch is
-  on, added to the fp32 sum before its one rounding (the LoRA epilogue); off rows are the
-  plain call's bit for bit."""
+  multiple of 32), in x's dtype, fp32 sums (split partials added in index order); the matrix
+  is read in place. The weight and x are rounded to the compute dtype (x's if 16-bit, else
+  fp32: exact IEEE products) first. (`dense_lora_call`: with the LoRA delta.)"""
   groups, m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or d_in % DENSE_UNIT:
@@ -380,11 +380,147 @@ def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
   dt = jnp.dtype(x.dtype)
   cd = dt if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(_F32)
   idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
-  if on is not None and groups != 1:
-    raise ValueError(f"dense gemv: the LoRA epilogue takes one group, not {groups}")
   y = blocks_call(x, {"w": stack}, idx, qtype=DENSE, d_out=d_out, block_out=bo,
                   unroll=unroll, k_split=ks, cd=cd, out_dtype=dt, interpret=interpret,
-                  compiler_params=compiler_params, on=on, h=h, b=b)
+                  compiler_params=compiler_params)
   if ks > 1:
-    y = jnp.sum(y.reshape(ks, groups, m, d_out), axis=0).astype(dt)
+    y = sum_partials(y.reshape(ks, groups, m, d_out)).astype(dt)
   return y
+
+
+def sum_partials(parts):
+  """parts [ks, ...] fp32 -> their sum, added in index order (p0 + p1 + ...): the order the
+  LoRA finishing kernel adds them in too, so an off row there is this sum's bits."""
+  total = parts[0]
+  for k in range(1, parts.shape[0]):
+    total = total + parts[k]
+  return total
+
+
+# The LoRA rows in the GEMV's launch (`dense_lora_call`): the adapter's down projection
+# h = A x is R more output rows of the same few-row product, so it rides in the projection's
+# launch as extra programs reading the adapter's A stack in place; the partial sums of both
+# then go to one finishing kernel that adds them in order, adds B h (B read in place) on the
+# rows whose switch is on, and rounds once. A decode step's adapted projection is two launches
+# (the GEMV and the finish), where the plain projection is two as well (the GEMV and XLA's sum
+# of its split partials) and the LoRA ops after the GEMV add the slices of A and B, two dots
+# and a select.
+def _lora_rows_kernel(idx_ref, lidx_ref, x_ref, w_ref, a_ref, yp_ref, hp_ref, *, tw, ta):
+  pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
+  tiles = tw.out_tiles + ta.out_tiles
+  ks, j = pid // tiles, pid % tiles
+  pl.when(j < tw.out_tiles)(lambda: _program(
+      [idx_ref, x_ref, w_ref, yp_ref], ks * tw.out_tiles + j, g, tw))
+  pl.when(j >= tw.out_tiles)(lambda: _program(
+      [lidx_ref, x_ref, a_ref, hp_ref], ks * ta.out_tiles + (j - tw.out_tiles), g, ta))
+
+
+class Finish(NamedTuple):
+  """Static description of the LoRA finishing kernel."""
+  m: int
+  d_out: int
+  block_out: int
+  k_split: int
+  rank: int
+  rank_pad: int
+  out_dtype: object
+  scaled: bool
+
+
+def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finish):
+  rs_ref, o_ref = rest if t.scaled else (None, *rest)
+  o0 = pl.program_id(0) * t.block_out
+  o_ok = (o0 + jnp.arange(t.block_out)) < t.d_out if t.d_out % t.block_out else None
+  r_in = (jnp.arange(t.rank_pad) < t.rank) if t.rank != t.rank_pad else None
+  mask = None
+  if o_ok is not None or r_in is not None:
+    rows = o_ok if o_ok is not None else jnp.ones((t.block_out,), jnp.bool_)
+    cols = r_in if r_in is not None else jnp.ones((t.rank_pad,), jnp.bool_)
+    mask = rows[:, None] & cols[None, :]
+  lay = lidx_ref[0]
+  bt = masked_load(b_ref.at[lay, pl.ds(o0, t.block_out), pl.ds(0, t.rank_pad)], mask)
+  bt = bt.astype(_F32)  # [bo, Rp]
+  for r in range(t.m):
+    ri = jnp.int32(r)
+    y = masked_load(yp_ref.at[jnp.int32(0), ri, pl.ds(o0, t.block_out)], o_ok)
+    h = masked_load(hp_ref.at[jnp.int32(0), ri, pl.ds(0, t.rank_pad)], r_in)
+    for k in range(1, t.k_split):  # in index order, as `sum_partials`
+      y = y + masked_load(yp_ref.at[jnp.int32(k), ri, pl.ds(o0, t.block_out)], o_ok)
+      h = h + masked_load(hp_ref.at[jnp.int32(k), ri, pl.ds(0, t.rank_pad)], r_in)
+    if t.scaled:
+      h = h * masked_load(rs_ref.at[ri, pl.ds(0, t.rank_pad)], r_in)
+    delta = jnp.sum(bt * h[None, :], axis=1)  # [bo]
+    # A select, never y + 0 * delta: an off row keeps the plain projection's bits.
+    val = jnp.where(on_ref[ri] != 0, (y + delta).astype(t.out_dtype), y.astype(t.out_dtype))
+    view = o_ref.at[ri, pl.ds(o0, t.block_out)]
+    if o_ok is None:
+      view[...] = val
+    elif pltriton is None:  # pragma: no cover
+      view[...] = jnp.where(o_ok, val, view[...])
+    else:
+      pltriton.store(view, val, mask=o_ok)
+
+
+def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, *,
+                    block_out=None, block_in=None, k_split=None, finish_block=None,
+                    interpret=False, compiler_params=None):
+  """y = x @ stack[idx]^T, plus B h on the rows whose switch is on, h = A x (times
+  rank_scale [M, R] when given), with A = a_stack[lidx] [R, in] and B = b_stack[lidx]
+  [out, R] read in place, like the weight: x [M, in] (one group), idx and lidx [1] int32,
+  on [M] int32. Two launches: the GEMV with A's rows as extra programs (fp32 partials of
+  both), then the finish (their sums in index order, + B h, one rounding to x's dtype). Off
+  rows are `dense_call`'s bits; the sums of A x are over x and A rounded to `cd_a` (x's 16-bit
+  dtype when A has it too, else fp32: `lora.kernel.dot_policy`)."""
+  m, d_in = x.shape
+  n_mats, d_out, w_in = stack.shape
+  n_ad, rank, a_in = a_stack.shape
+  if w_in != d_in or a_in != d_in or d_in % DENSE_UNIT:
+    raise ValueError(f"dense lora gemv: x {x.shape}, stack {stack.shape} and A {a_stack.shape}"
+                     f" need a shared `in` that is a multiple of {DENSE_UNIT}")
+  if b_stack.shape != (n_ad, d_out, rank) or on.shape != (m,):
+    raise ValueError(f"dense lora gemv: B {b_stack.shape} and on {on.shape} must be "
+                     f"[{n_ad}, {d_out}, {rank}] and [{m}]")
+  bo, unroll, ks = dense_defaults(d_out, d_in, interpret=interpret)
+  bo = block_out or bo
+  if block_in is not None:
+    unroll = _dense_unroll(d_in // DENSE_UNIT, block_in)
+  ks = int(k_split or ks)
+  units = d_in // DENSE_UNIT
+  if (units // unroll) % ks:
+    raise ValueError(f"dense lora gemv: k_split={ks} does not divide the loop steps")
+  if compiler_params is None and not interpret:
+    compiler_params = triton_params()
+  dt = jnp.dtype(x.dtype)
+  half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  cd = dt if dt in half else jnp.dtype(_F32)
+  cd_a = dt if dt in half and jnp.dtype(a_stack.dtype) == dt else jnp.dtype(_F32)
+  bo_a = min(bo, max(1, pl.next_power_of_2(rank))) if interpret else bo
+  tw = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=d_out, block_out=bo,
+              unroll=unroll, k_split=ks, out_tiles=pl.cdiv(d_out, bo), cd=cd, out_dtype=_F32)
+  ta = tw._replace(d_out=rank, block_out=bo_a, out_tiles=pl.cdiv(rank, bo_a), cd=cd_a)
+  idx = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0, n_mats - 1)
+  lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
+  xv = x.reshape(1, m, units, DENSE_UNIT)
+  yp, hp = pl.pallas_call(
+      functools.partial(_lora_rows_kernel, tw=tw, ta=ta),
+      grid=((tw.out_tiles + ta.out_tiles) * ks, 1),
+      out_shape=(jax.ShapeDtypeStruct((ks, m, d_out), _F32),
+                 jax.ShapeDtypeStruct((ks, m, rank), _F32)),
+      in_specs=[_WHOLE] * 5, out_specs=(_WHOLE, _WHOLE),
+      interpret=interpret, compiler_params=compiler_params, name="qgemv_dense_lora_rows",
+  )(idx, lidx, xv, stack.reshape(n_mats, d_out, units, DENSE_UNIT),
+    a_stack.reshape(n_ad, rank, units, DENSE_UNIT))
+  fb = finish_block or (min(1024, pl.next_power_of_2(d_out)) if interpret else 128)
+  t = Finish(m=m, d_out=d_out, block_out=fb, k_split=ks, rank=rank,
+             rank_pad=max(1, pl.next_power_of_2(rank)), out_dtype=dt,
+             scaled=rank_scale is not None)
+  args = [lidx, on.astype(jnp.int32), yp, hp, b_stack]
+  if rank_scale is not None:
+    args.append(rank_scale.astype(_F32))
+  return pl.pallas_call(
+      functools.partial(_lora_finish_kernel, t=t),
+      grid=(pl.cdiv(d_out, fb),),
+      out_shape=jax.ShapeDtypeStruct((m, d_out), dt),
+      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
+      interpret=interpret, compiler_params=compiler_params, name="lora_finish",
+  )(*args)

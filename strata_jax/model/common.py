@@ -128,17 +128,20 @@ def rope_neox(x, positions, n_rot, base):
   return out.astype(x.dtype)
 
 
-def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=None):
+def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=None,
+                   dense_lora="after"):
   """The mixer output projection with the LoRA hook.
 
-  x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None; switch [B] int32;
+  x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None, or DRefs of the adapter's
+  stacks at the layer (`Forms.dense_lora="gemv"`); switch [B] int32;
   row_scale [B, R] float32 or None: each row's scale of every rank column (the adapter table:
   adapters stacked on R chosen per row), None for one stacked set at unit scale.
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
   `implementation`: the LoRA kernel's (`Forms.lora_impl`). A quantised `w` (QRef) runs the
-  LoRA delta inside the quantised matmul (`qmatmul_lora`) instead, and so does a dense `w`
-  (DRef) for the rows its in-place GEMV takes (`dense_matmul_lora`) with "pallas_interpret";
-  otherwise the delta follows the GEMV (faster on the H200: `bench_model.py`).
+  LoRA delta inside the quantised matmul (`qmatmul_lora`) instead; a dense `w` (DRef) with
+  `dense_lora` "gemv", for the rows its in-place GEMV takes, computes A x in the GEMV's launch
+  and B h in one finishing kernel, the adapter read in place (`dense_matmul_lora`); otherwise
+  the delta follows the GEMV.
 
   With one row (B == 1: a prefill chunk, or a one-slot decode) the row's scales are folded
   into B's columns (one [D, R] multiply) and the plain kernel runs, so the large-N prefill
@@ -147,6 +150,18 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   if lora_a is None:
     return linear(x, w)
   B, T, _ = x.shape
+  if isinstance(lora_a, DRef):   # the adapter's stacks at the layer
+    if dense_lora == "gemv" and isinstance(w, DRef):
+      from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
+      x2 = x.reshape(B * T, -1)
+      if quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation):
+        rank_scale = None if row_scale is None else jnp.repeat(row_scale, T, axis=0)
+        y = quant_api.dense_matmul_lora(
+            x2, w.w, w.index, lora_a.w, lora_b.w, jnp.repeat(switch.astype(jnp.int32), T),
+            rank_scale=rank_scale, lora_index=lora_a.index, implementation=w.implementation)
+        return y.reshape(B, T, -1)
+    take = lambda r: lax.dynamic_index_in_dim(r.w, r.index, 0, False)
+    lora_a, lora_b = take(lora_a), take(lora_b)
   rank_scale = None
   if row_scale is not None:
     if B == 1:
@@ -162,15 +177,6 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
         x2, q, lora_a, lora_b, on, rank_scale=rank_scale, index=i, implementation=impl, **kw),
         groups)
     return y.reshape(B, T, -1)
-  # Only the interpreter takes the dense epilogue: at the one row the in-place GEMV takes
-  # (api.DENSE_ROWS_MAX), it cost 4.59 us a layer on the H200 against 3.22 for the delta after
-  # the GEMV (bench_model.json, run 17), so "auto" adds it after.
-  if isinstance(w, DRef) and implementation == "pallas_interpret":
-    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
-    if quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation):
-      y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a, lora_b, on,
-                                      rank_scale=rank_scale, implementation=w.implementation)
-      return y.reshape(B, T, -1)
   y = linear(x, w)
   from pallas_kernels.lora import api as lora_api  # noqa: PLC0415 (kernel package loads lazily)
   out = lora_api.lora_apply(y.reshape(B * T, -1), x2, lora_a, lora_b, on,

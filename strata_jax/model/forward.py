@@ -194,8 +194,15 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   gdn_p = _blocks(gdn_d, n_blocks)
   attn_p = _blocks(attn_d, n_blocks)
   n_g, n_a = block_types.count(GDN), block_types.count(ATTN)
+  # Under `Forms.dense_lora="gemv"` (with the in-place GEMV) the adapter's stacks stay whole
+  # too, and each projection gets DRefs of its layer's pair, which the LoRA rows kernel reads
+  # in place; otherwise each block's pairs are the scan's xs.
+  lora_whole = (lora is not None and cfg.forms.dense_weights == "kernel"
+                and cfg.forms.dense_lora == "gemv")
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
+  if lora_whole:
+    lora_g = lora_a = None
   # The adapter table: each row's scale per rank column [B, R] (None: one stacked set, unit
   # scales), looked up once per step from the row's switch.
   row_scale = None
@@ -221,12 +228,16 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
       if kind == ATTN:
         p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai, attn_w)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
+        if lora_whole:
+          la_i = (DRef(lora.attn_a, blk * n_a + ai), DRef(lora.attn_b, blk * n_a + ai))
         y, kc, vc = attn_mixer(cfg, p, h, kc, vc, pos, n_new, *la_i, switch,
                                row_scale=row_scale, layer=blk * n_a + ai)
         ai += 1
       else:
         p = _layer(cfg, gp, gdn_q, gi, blk * n_g + gi, gdn_w)
         lg_i = (lg[0][gi], lg[1][gi]) if lg is not None else (None, None)
+        if lora_whole:
+          lg_i = (DRef(lora.gdn_a, blk * n_g + gi), DRef(lora.gdn_b, blk * n_g + gi))
         if ssm_in_carry:
           y, conv, ssm_all = gdn_mixer(cfg, p, h, conv_in[gi], ssm_all, n_new, *lg_i, switch,
                                        row_scale=row_scale, layer=blk * n_g + gi)
