@@ -26,7 +26,7 @@ CHOICES: dict[str, tuple] = {
     # always computes the adapter. Off rows are bit-identical to no adapter either way.
     "lora_branch": ("cond", "select"),
     # the LoRA delta: "auto" = XLA below 512 rows on the GPU, a kernel above (Mosaic or Triton).
-    # Where the in-place dense GEMV takes the row, `dense_lora` decides how the delta is added.
+    # Where the in-place dense GEMV takes the row, `gemv_lora` decides how the delta is added.
     "lora_impl": ("auto", "xla", "pallas", "mosaic", "pallas_interpret"),
     # prefill's chunked delta rule: "auto" = the chunk-parallel Pallas kernel on the GPU
     # ("pallas_parallel": intra-chunk work for all chunks at once, the state pass fused with
@@ -88,15 +88,15 @@ CHOICES: dict[str, tuple] = {
     # bench_engine_b1_dgemv.json, _b1_profile.json). With three engines in one process its
     # batch-1 program ran slower (152-167 tok/s, bench_engine_run13/14.json; cause unknown).
     "dense_weights": ("auto", "scan", "in_place", "kernel"),
-    # the LoRA delta on a projection the in-place GEMV takes (`dense_weights="kernel"`, a
-    # decode step's single row): "after" = the LoRA ops after the GEMV (`lora_impl`'s, on the
-    # layer's A and B sliced from the scan); "gemv" = A's rows computed in the GEMV's own
-    # launch and B h, the switch's select and the split sums in one finishing kernel, both
-    # reading the adapter's stacks in place at the layer (`pallas_kernels.quant.
-    # dense_matmul_lora`); off rows are the plain GEMV's bits either way. "auto" = "after" on
-    # the GPU until "gemv" is timed there, "gemv" elsewhere (the interpreter keeps it under
-    # test wherever a test names the in-place GEMV).
-    "dense_lora": ("auto", "after", "gemv"),
+    # the LoRA delta on a projection a few-row GEMV kernel takes (the in-place dense GEMV of
+    # `dense_weights="kernel"`, a decode step's single row): "apart" = the LoRA ops after the
+    # GEMV (`lora_impl`'s, on the layer's A and B sliced from the scan); "rows" = A's rows
+    # computed in the GEMV's own launch and B h, the switch's select and the split sums in one
+    # finishing kernel, both reading the adapter's stacks in place at the layer
+    # (`pallas_kernels.quant.dense_matmul_lora`); off rows are the plain GEMV's bits either
+    # way. "auto" = "apart" on the GPU until "rows" is timed there, "rows" elsewhere (the
+    # interpreter keeps it under test wherever a test names the in-place GEMV).
+    "gemv_lora": ("auto", "apart", "rows"),
     # the router's top-k: "auto" = "pallas" on the GPU (the one-launch kernel,
     # pallas_kernels/moe/topk.py: 163 us of the 80B-A3B Q4_K_M batch-1 step where `lax.top_k`'s
     # sort took 259, and the step 4.48 against 4.55 ms; decode_probe_a80b_run8_topk.json),
@@ -119,7 +119,7 @@ class Forms:
   quant_groups: str = "auto"
   matmul_precision: str = "auto"
   dense_weights: str = "auto"
-  dense_lora: str = "auto"
+  gemv_lora: str = "auto"
   moe_topk: str = "auto"
 
   def __post_init__(self):
@@ -153,7 +153,7 @@ class Forms:
         quant_impl=auto(self.quant_impl, "pallas", "xla"),
         quant_groups=auto(self.quant_groups, "fused", "switch"),
         dense_weights=auto(self.dense_weights, "kernel", "scan"),
-        dense_lora=auto(self.dense_lora, "after", "gemv"),
+        gemv_lora=auto(self.gemv_lora, "apart", "rows"),
         moe_topk=auto(self.moe_topk, "pallas", "xla"),
         matmul_precision=precision)
 

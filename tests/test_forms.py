@@ -44,7 +44,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert Forms(gdn_chunked="pallas").resolve("gpu", jnp.bfloat16).gdn_pallas_chunk == 32
   assert Forms(gdn_pallas_chunk=16).resolve("gpu", jnp.bfloat16).gdn_pallas_chunk == 16
   assert (gpu.quant_impl, gpu.quant_groups, gpu.dense_weights) == ("pallas", "fused", "kernel")
-  assert (gpu.dense_lora, cpu.dense_lora) == ("after", "gemv")
+  assert (gpu.gemv_lora, cpu.gemv_lora) == ("apart", "rows")
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
   assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
@@ -124,16 +124,16 @@ def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit
   assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
 
 
-def test_dense_lora_gemv_takes_the_adapter_into_the_gemv_launch_and_after_keeps_its_ops():
-  """At one row with the in-place GEMV, `dense_lora="gemv"` computes the adapter in the
+def test_gemv_lora_rows_take_the_adapter_into_the_gemv_launch_and_apart_keeps_its_ops():
+  """At one row with the in-place GEMV, `gemv_lora="rows"` computes the adapter in the
   GEMV's launch and the finishing kernel: no LoRA dot and no slice of the adapter's stacks in
-  the program; "after" keeps the LoRA ops (h = A x, then B h) after the plain GEMV."""
+  the program; "apart" keeps the LoRA ops (h = A x, then B h) after the plain GEMV."""
   model = tiny_model()
   lora = random_lora(rank=5).params   # a rank no other dimension of TINY has
 
-  def decode_jaxpr(dense_lora):
+  def decode_jaxpr(gemv_lora):
     forms = Forms(dense_weights="kernel", quant_impl="pallas_interpret", lora_impl="xla",
-                  dense_lora=dense_lora).resolve(jax.default_backend(), jnp.float32)
+                  gemv_lora=gemv_lora).resolve(jax.default_backend(), jnp.float32)
     cfg = dataclasses.replace(TINY, forms=forms)
     return jax.make_jaxpr(lambda p, s: steps.decode(
         cfg, p, lora, s, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32),
@@ -144,7 +144,7 @@ def test_dense_lora_gemv_takes_the_adapter_into_the_gemv_launch_and_after_keeps_
                and any(5 in v.aval.shape for v in (*e.invars, *e.outvars))
                for e in eqns(jaxpr.jaxpr, into_kernels=False))
 
-  gemv, after = decode_jaxpr("gemv"), decode_jaxpr("after")
+  gemv, after = decode_jaxpr("rows"), decode_jaxpr("apart")
   assert lora_ops(gemv, "dot_general") == 0 and lora_ops(after, "dot_general") > 0
   assert lora_ops(gemv, "dynamic_slice") == 0, "an adapter slice in the gemv form"
   assert "qgemv_dense_lora_rows" in str(gemv) and "lora_finish" in str(gemv)
@@ -152,10 +152,10 @@ def test_dense_lora_gemv_takes_the_adapter_into_the_gemv_launch_and_after_keeps_
 
 
 @pytest.mark.parametrize("table", [False, True])
-def test_dense_lora_gemv_off_is_the_bare_model_and_on_is_the_after_forms_numbers(table):
-  """One decode row through the gemv form with `lora_branch="select"` (so a switched-off row
+def test_gemv_lora_rows_off_is_the_bare_model_and_on_is_the_apart_forms_numbers(table):
+  """One decode row through the rows form with `lora_branch="select"` (so a switched-off row
   runs the adapter kernels too, its switch 0): off gives the no-adapter program's logits bit
-  for bit, on gives the "after" form's logits within fp32 summation order; with an adapter
+  for bit, on gives the "apart" form's logits within fp32 summation order; with an adapter
   table (rank columns scaled per row) as well. On a GPU the kernels are compiled."""
   model = tiny_model()
   lora = random_lora(rank=6).params
@@ -163,10 +163,10 @@ def test_dense_lora_gemv_off_is_the_bare_model_and_on_is_the_after_forms_numbers
     lora = dataclasses.replace(lora, table=jnp.asarray(
         [[0, 0, 0, 0, 0, 0], [0, 0, 0, 0.7, 0.7, 0.7]], jnp.float32))
 
-  def run(dense_lora, adapter, switch):
+  def run(gemv_lora, adapter, switch):
     kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
     forms = Forms(dense_weights="kernel", quant_impl=kernels, lora_impl="xla",
-                  lora_branch="select", dense_lora=dense_lora)
+                  lora_branch="select", gemv_lora=gemv_lora)
     cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), jnp.float32))
     state = init_state(cfg, 1, 64)
     logits = []
@@ -177,11 +177,11 @@ def test_dense_lora_gemv_off_is_the_bare_model_and_on_is_the_after_forms_numbers
       logits.append(np.asarray(out))
     return np.stack(logits)
 
-  bare = run("gemv", None, 0)
-  assert np.array_equal(run("gemv", lora, 0), bare), "switched off differs from no adapter"
-  on, after = run("gemv", lora, 1), run("after", lora, 1)
+  bare = run("rows", None, 0)
+  assert np.array_equal(run("rows", lora, 0), bare), "switched off differs from no adapter"
+  on, after = run("rows", lora, 1), run("apart", lora, 1)
   assert not np.allclose(on, bare)
-  assert_close(on, after, rel=DENSE_GEMV_REL_FP32, what="gemv vs after, adapter on")
+  assert_close(on, after, rel=DENSE_GEMV_REL_FP32, what="rows vs apart, adapter on")
 
 
 def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_matrix():

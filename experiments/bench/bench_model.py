@@ -46,7 +46,7 @@ flags.DEFINE_integer("compile_threads", 6, "programs compiled at once")
 flags.DEFINE_bool("single_step", True, "also time decode stepped from Python (batch 1)")
 flags.DEFINE_string("lora_impl", "", "Forms.lora_impl for the adapter programs ('' = default)")
 flags.DEFINE_string("lora_alt_impl", "xla", "a second LoRA implementation (or a forms spec "
-                    "NAME=VALUE,..., e.g. dense_lora=gemv) timed beside "
+                    "NAME=VALUE,..., e.g. gemv_lora=rows) timed beside "
                     "the default at decode and at --lora_tokens (variants off@IMPL, on@IMPL; "
                     "'' = none; xla: at batch 1 on the GPU the LoRA ops after the dense GEMV "
                     "instead of its fused epilogue)")
@@ -112,7 +112,7 @@ class Bench:
 
   def with_lora_impl(self, impl):
     """The model config with `impl` as its LoRA implementation (forms are static config), or,
-    for a forms spec `NAME=VALUE,...` (e.g. `dense_lora=gemv`), with those forms changed."""
+    for a forms spec `NAME=VALUE,...` (e.g. `gemv_lora=rows`), with those forms changed."""
     from strata_jax.forms import parse_forms
     forms = (parse_forms(impl, base=self.cfg.forms) if "=" in impl
              else dataclasses.replace(self.cfg.forms, lora_impl=impl))

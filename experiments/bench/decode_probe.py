@@ -73,8 +73,8 @@ FORM_VARIANTS = {
     "topk": {"moe_topk": "pallas"},
     "xlatopk": {"moe_topk": "xla"},
     "gdnparallel": {"gdn_chunked": "pallas_parallel"},
-    "gemvlora": {"dense_lora": "gemv"},
-    "afterlora": {"dense_lora": "after"},
+    "lorarows": {"gemv_lora": "rows"},
+    "loraapart": {"gemv_lora": "apart"},
 }
 
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # On the device, one call (~9 min): what the session of 2026-12-03 (third) measures, after the
-# LoRA rows joined the in-place dense GEMV's launch (`Forms.dense_lora="gemv"`).
+# LoRA rows joined the in-place dense GEMV's launch (`Forms.gemv_lora="rows"`).
 #  1. SECTIONS=tests: the new kernels compiled (the dense LoRA rows' `gpu` cases in
 #     test_quant_kernel.py) and the forms and switch tests compiled for the GPU (off
-#     bit-identity through the gemv form, its numbers against "after"; TEST_CAP=);
-#  2. SECTIONS=model: bench_model.py's decode at batch 1 and 8, with `dense_lora=gemv` timed
-#     beside the default ("after") at batch 1: the LoRA cost per layer, on and off;
-#  3. SECTIONS=probe: decode_probe.py at batch 1, adapter on, "after" against "gemv", with the
-#     gemv program's kernel profile;
-#  4. SECTIONS=engine: bench_engine.py at batch 1 with --forms dense_lora=gemv (the Engine and
+#     bit-identity through the rows form, its numbers against "apart"; TEST_CAP=);
+#  2. SECTIONS=model: bench_model.py's decode at batch 1 and 8, with `gemv_lora=rows` timed
+#     beside the default ("apart") at batch 1: the LoRA cost per layer, on and off;
+#  3. SECTIONS=probe: decode_probe.py at batch 1, adapter on, "apart" against "rows", with the
+#     rows program's kernel profile;
+#  4. SECTIONS=engine: bench_engine.py at batch 1 with --forms gemv_lora=rows (the Engine and
 #     its decode_greedy reference in one process).
 # Results in $OUT (copy them to experiments/results/device/).
 set -uo pipefail
@@ -27,18 +27,18 @@ if want tests; then
 fi
 if want model; then
   timeout ${MODEL_CAP:-200} python3 experiments/bench/bench_model.py --sections decode \
-    --batches 1,8 --alt_batches 1 --lora_alt_impl dense_lora=gemv --dump_hlo "" \
+    --batches 1,8 --alt_batches 1 --lora_alt_impl gemv_lora=rows --dump_hlo "" \
     --kernels_json experiments/results/bench_kernels.json \
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
   echo "bench_model done $(( $(date +%s) - t0 )) s"
 fi
 if want probe; then
   timeout ${PROBE_CAP:-120} python3 experiments/bench/decode_probe.py \
-    --variants afterlora@on,gemvlora@on --batches 1 --n_steps 32 --reps 7 \
-    --profile gemvlora@on --out $OUT/decode_probe_gemvlora.json 2>&1 | grep '"variant"' | cut -c1-200
+    --variants loraapart@on,lorarows@on --batches 1 --n_steps 32 --reps 7 \
+    --profile lorarows@on --out $OUT/decode_probe_lorarows.json 2>&1 | grep '"variant"' | cut -c1-200
   echo "probe done $(( $(date +%s) - t0 )) s"
 fi
 want engine && timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
-  --forms dense_lora=gemv --out $OUT/bench_engine_b1_gemv.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300
+  --forms gemv_lora=rows --out $OUT/bench_engine_b1_gemv.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

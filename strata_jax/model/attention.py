@@ -59,4 +59,4 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache.astype(jnp.float32)).reshape(B, T, H, Hd)
   out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype).reshape(B, T, H * Hd)
   return (out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl,
-                         row_scale, cfg.forms.dense_lora), k_all, v_all)
+                         row_scale, cfg.forms.gemv_lora), k_all, v_all)

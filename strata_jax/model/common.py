@@ -129,17 +129,17 @@ def rope_neox(x, positions, n_rot, base):
 
 
 def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=None,
-                   dense_lora="after"):
+                   gemv_lora="apart"):
   """The mixer output projection with the LoRA hook.
 
   x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None, or DRefs of the adapter's
-  stacks at the layer (`Forms.dense_lora="gemv"`); switch [B] int32;
+  stacks at the layer (`Forms.gemv_lora="rows"`); switch [B] int32;
   row_scale [B, R] float32 or None: each row's scale of every rank column (the adapter table:
   adapters stacked on R chosen per row), None for one stacked set at unit scale.
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
   `implementation`: the LoRA kernel's (`Forms.lora_impl`). A quantised `w` (QRef) runs the
   LoRA delta inside the quantised matmul (`qmatmul_lora`) instead; a dense `w` (DRef) with
-  `dense_lora` "gemv", for the rows its in-place GEMV takes, computes A x in the GEMV's launch
+  `gemv_lora` "rows", for the rows its in-place GEMV takes, computes A x in the GEMV's launch
   and B h in one finishing kernel, the adapter read in place (`dense_matmul_lora`); otherwise
   the delta follows the GEMV.
 
@@ -151,7 +151,7 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
     return linear(x, w)
   B, T, _ = x.shape
   if isinstance(lora_a, DRef):   # the adapter's stacks at the layer
-    if dense_lora == "gemv" and isinstance(w, DRef):
+    if gemv_lora == "rows" and isinstance(w, DRef):
       from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
       x2 = x.reshape(B * T, -1)
       if quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation):

@@ -178,4 +178,4 @@ def _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale=None):
   o = rms_norm(o, p.norm, cfg.rms_eps).astype(jnp.float32)                   # [B, T, Hv, Dv]
   o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, Hv * Dv)
   return out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl, row_scale,
-                        cfg.forms.dense_lora)
+                        cfg.forms.gemv_lora)
