@@ -236,6 +236,10 @@ def _program(refs, pid, g, t: Blocks):
 def _groups_kernel(*refs, ts):
   """One launch over a mixed-type stack: part `group` (read from memory) runs its program."""
   pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
+  _groups_program(refs, pid, g, ts)
+
+
+def _groups_program(refs, pid, g, ts):
   group_ref, idx_ref, *rest = refs
   tail = rest[-4:] if ts[0].lora else rest[-1:]  # (LoRA refs,) output
   start = 0
@@ -397,22 +401,71 @@ def sum_partials(parts):
   return total
 
 
-# The LoRA rows in the GEMV's launch (`dense_lora_call`): the adapter's down projection
-# h = A x is R more output rows of the same few-row product, so it rides in the projection's
-# launch as extra programs reading the adapter's A stack in place; the partial sums of both
-# then go to one finishing kernel that adds them in order, adds B h (B read in place) on the
-# rows whose switch is on, and rounds once. A decode step's adapted projection is two launches
-# (the GEMV and the finish), where the plain projection is two as well (the GEMV and XLA's sum
-# of its split partials) and the LoRA ops after the GEMV add the slices of A and B, two dots
+# The LoRA rows in the GEMV's launch: the adapter's down projection h = A x is R more output
+# rows of the same few-row product, so it rides in the projection's launch as extra programs
+# reading the adapter's A stack in place; the partial sums of both then go to one finishing
+# kernel that adds them in order, adds B h (B read in place) on the rows whose switch is on,
+# and rounds once. A decode step's adapted projection is two launches (the GEMV and the
+# finish), where the plain projection with split sums is two as well (the GEMV and XLA's sum
+# of its partials) and the LoRA ops apart from the GEMV add the slices of A and B, the dots
 # and a select.
-def _lora_rows_kernel(idx_ref, lidx_ref, x_ref, w_ref, a_ref, yp_ref, hp_ref, *, tw, ta):
+def _lora_rows_kernel(*refs, n_main, main, main_tiles, ta):
+  """Grid (main_tiles + A's tiles) x k_split: `main(refs, pid, g)` (the weight's program,
+  writing the first output) for the first main_tiles of each share of `in`, A's dense
+  program (the second output) for the rest."""
   pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
-  tiles = tw.out_tiles + ta.out_tiles
+  main_refs = list(refs[:n_main])
+  lidx_ref, xa_ref, a_ref, yp_ref, hp_ref = refs[n_main:]
+  tiles = main_tiles + ta.out_tiles
   ks, j = pid // tiles, pid % tiles
-  pl.when(j < tw.out_tiles)(lambda: _program(
-      [idx_ref, x_ref, w_ref, yp_ref], ks * tw.out_tiles + j, g, tw))
-  pl.when(j >= tw.out_tiles)(lambda: _program(
-      [lidx_ref, x_ref, a_ref, hp_ref], ks * ta.out_tiles + (j - tw.out_tiles), g, ta))
+  pl.when(j < main_tiles)(lambda: main([*main_refs, yp_ref], ks * main_tiles + j, g))
+  pl.when(j >= main_tiles)(lambda: _program(
+      [lidx_ref, xa_ref, a_ref, hp_ref], ks * ta.out_tiles + (j - main_tiles), g, ta))
+
+
+def _a_unroll(units, k_split, block_in=512):
+  """A's units of 32 columns a loop step: block_in's worth, fewer until k_split divides the
+  steps (A's share of `in` is then the weight's)."""
+  u = _dense_unroll(units, block_in)
+  while u > 1 and (units // u) % k_split:
+    u //= 2
+  return u
+
+
+def lora_rows_call(main, main_args, main_tiles, x, a_stack, lidx, *, d_out, k_split,
+                   block_out, interpret, compiler_params, name):
+  """(yp [k_split, M, d_out], hp [k_split, M, R]) fp32 partial sums: `main` over
+  `main_args` (the weight's program and inputs, its out_dtype fp32), and h = A x with A =
+  a_stack[lidx] [R, in] read in place, both in one launch. x [M, in]: A's products are over
+  x and A rounded to x's 16-bit dtype when A has it too, else fp32 (`lora.kernel.dot_policy`)."""
+  m, d_in = x.shape
+  n_ad, rank, a_in = a_stack.shape
+  if a_in != d_in or d_in % DENSE_UNIT:
+    raise ValueError(f"lora rows: x {x.shape} and A {a_stack.shape} need a shared `in` "
+                     f"that is a multiple of {DENSE_UNIT}")
+  units = d_in // DENSE_UNIT
+  unroll = _a_unroll(units, k_split)
+  if (units // unroll) % k_split:
+    raise ValueError(f"lora rows: k_split={k_split} does not divide A's loop steps")
+  dt = jnp.dtype(x.dtype)
+  half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  cd_a = dt if dt in half and jnp.dtype(a_stack.dtype) == dt else jnp.dtype(_F32)
+  bo_a = min(block_out, max(1, pl.next_power_of_2(rank))) if interpret else block_out
+  ta = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=rank, block_out=bo_a,
+              unroll=unroll, k_split=k_split, out_tiles=pl.cdiv(rank, bo_a), cd=cd_a,
+              out_dtype=_F32)
+  lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
+  args = [*main_args, lidx, x.reshape(1, m, units, DENSE_UNIT),
+          a_stack.reshape(n_ad, rank, units, DENSE_UNIT)]
+  return pl.pallas_call(
+      functools.partial(_lora_rows_kernel, n_main=len(main_args), main=main,
+                        main_tiles=main_tiles, ta=ta),
+      grid=((main_tiles + ta.out_tiles) * k_split, 1),
+      out_shape=(jax.ShapeDtypeStruct((k_split, m, d_out), _F32),
+                 jax.ShapeDtypeStruct((k_split, m, rank), _F32)),
+      in_specs=[_WHOLE] * len(args), out_specs=(_WHOLE, _WHOLE),
+      interpret=interpret, compiler_params=compiler_params, name=name,
+  )(*args)
 
 
 class Finish(NamedTuple):
@@ -425,6 +478,7 @@ class Finish(NamedTuple):
   rank_pad: int
   out_dtype: object
   scaled: bool
+  scale: float = 1.0
 
 
 def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finish):
@@ -450,6 +504,8 @@ def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finis
     if t.scaled:
       h = h * masked_load(rs_ref.at[ri, pl.ds(0, t.rank_pad)], r_in)
     delta = jnp.sum(bt * h[None, :], axis=1)  # [bo]
+    if t.scale != 1.0:
+      delta = delta * t.scale
     # A select, never y + 0 * delta: an off row keeps the plain projection's bits.
     val = jnp.where(on_ref[ri] != 0, (y + delta).astype(t.out_dtype), y.astype(t.out_dtype))
     view = o_ref.at[ri, pl.ds(o0, t.block_out)]
@@ -461,6 +517,33 @@ def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finis
       pltriton.store(view, val, mask=o_ok)
 
 
+def lora_finish(yp, hp, b_stack, lidx, on, rank_scale=None, *, out_dtype, scale=1.0,
+                block=None, interpret=False, compiler_params=None):
+  """y [M, out] in out_dtype from `lora_rows_call`'s partials: y = sum(yp), h = sum(hp) (each
+  in index order, as `sum_partials`), times rank_scale [M, R] when given; on rows
+  round(y + scale * B h) with B = b_stack[lidx] [out, R] read in place, off rows round(y)."""
+  ks, m, d_out = yp.shape
+  n_ad, b_out, rank = b_stack.shape
+  if b_out != d_out or hp.shape != (ks, m, rank) or on.shape != (m,):
+    raise ValueError(f"lora finish: B {b_stack.shape}, h {hp.shape} and on {on.shape} must "
+                     f"be [L, {d_out}, R], [{ks}, {m}, R] and [{m}]")
+  fb = block or (min(1024, pl.next_power_of_2(d_out)) if interpret else 128)
+  t = Finish(m=m, d_out=d_out, block_out=fb, k_split=ks, rank=rank,
+             rank_pad=max(1, pl.next_power_of_2(rank)), out_dtype=jnp.dtype(out_dtype),
+             scaled=rank_scale is not None, scale=float(scale))
+  lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
+  args = [lidx, on.astype(jnp.int32), yp, hp, b_stack]
+  if rank_scale is not None:
+    args.append(rank_scale.astype(_F32))
+  return pl.pallas_call(
+      functools.partial(_lora_finish_kernel, t=t),
+      grid=(pl.cdiv(d_out, fb),),
+      out_shape=jax.ShapeDtypeStruct((m, d_out), t.out_dtype),
+      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
+      interpret=interpret, compiler_params=compiler_params, name="lora_finish",
+  )(*args)
+
+
 def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, *,
                     block_out=None, block_in=None, k_split=None, finish_block=None,
                     interpret=False, compiler_params=None):
@@ -468,59 +551,35 @@ def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, 
   rank_scale [M, R] when given), with A = a_stack[lidx] [R, in] and B = b_stack[lidx]
   [out, R] read in place, like the weight: x [M, in] (one group), idx and lidx [1] int32,
   on [M] int32. Two launches: the GEMV with A's rows as extra programs (fp32 partials of
-  both), then the finish (their sums in index order, + B h, one rounding to x's dtype). Off
-  rows are `dense_call`'s bits; the sums of A x are over x and A rounded to `cd_a` (x's 16-bit
-  dtype when A has it too, else fp32: `lora.kernel.dot_policy`)."""
+  both, `lora_rows_call`), then `lora_finish`. Off rows are `dense_call`'s bits."""
   m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
-  n_ad, rank, a_in = a_stack.shape
-  if w_in != d_in or a_in != d_in or d_in % DENSE_UNIT:
-    raise ValueError(f"dense lora gemv: x {x.shape}, stack {stack.shape} and A {a_stack.shape}"
-                     f" need a shared `in` that is a multiple of {DENSE_UNIT}")
-  if b_stack.shape != (n_ad, d_out, rank) or on.shape != (m,):
-    raise ValueError(f"dense lora gemv: B {b_stack.shape} and on {on.shape} must be "
-                     f"[{n_ad}, {d_out}, {rank}] and [{m}]")
+  if w_in != d_in or d_in % DENSE_UNIT:
+    raise ValueError(f"dense lora gemv: x {x.shape} and stack {stack.shape} need a shared "
+                     f"`in` that is a multiple of {DENSE_UNIT}")
+  if b_stack.shape != (a_stack.shape[0], d_out, a_stack.shape[1]) or on.shape != (m,):
+    raise ValueError(f"dense lora gemv: A {a_stack.shape}, B {b_stack.shape} and on "
+                     f"{on.shape} must be [L, R, {d_in}], [L, {d_out}, R] and [{m}]")
   bo, unroll, ks = dense_defaults(d_out, d_in, interpret=interpret)
   bo = block_out or bo
-  if block_in is not None:
-    unroll = _dense_unroll(d_in // DENSE_UNIT, block_in)
-  ks = int(k_split or ks)
   units = d_in // DENSE_UNIT
+  if block_in is not None:
+    unroll = _dense_unroll(units, block_in)
+  ks = int(k_split or ks)
   if (units // unroll) % ks:
     raise ValueError(f"dense lora gemv: k_split={ks} does not divide the loop steps")
   if compiler_params is None and not interpret:
     compiler_params = triton_params()
   dt = jnp.dtype(x.dtype)
-  half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  cd = dt if dt in half else jnp.dtype(_F32)
-  cd_a = dt if dt in half and jnp.dtype(a_stack.dtype) == dt else jnp.dtype(_F32)
-  bo_a = min(bo, max(1, pl.next_power_of_2(rank))) if interpret else bo
+  cd = dt if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(_F32)
   tw = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=d_out, block_out=bo,
               unroll=unroll, k_split=ks, out_tiles=pl.cdiv(d_out, bo), cd=cd, out_dtype=_F32)
-  ta = tw._replace(d_out=rank, block_out=bo_a, out_tiles=pl.cdiv(rank, bo_a), cd=cd_a)
   idx = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0, n_mats - 1)
-  lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
-  xv = x.reshape(1, m, units, DENSE_UNIT)
-  yp, hp = pl.pallas_call(
-      functools.partial(_lora_rows_kernel, tw=tw, ta=ta),
-      grid=((tw.out_tiles + ta.out_tiles) * ks, 1),
-      out_shape=(jax.ShapeDtypeStruct((ks, m, d_out), _F32),
-                 jax.ShapeDtypeStruct((ks, m, rank), _F32)),
-      in_specs=[_WHOLE] * 5, out_specs=(_WHOLE, _WHOLE),
-      interpret=interpret, compiler_params=compiler_params, name="qgemv_dense_lora_rows",
-  )(idx, lidx, xv, stack.reshape(n_mats, d_out, units, DENSE_UNIT),
-    a_stack.reshape(n_ad, rank, units, DENSE_UNIT))
-  fb = finish_block or (min(1024, pl.next_power_of_2(d_out)) if interpret else 128)
-  t = Finish(m=m, d_out=d_out, block_out=fb, k_split=ks, rank=rank,
-             rank_pad=max(1, pl.next_power_of_2(rank)), out_dtype=dt,
-             scaled=rank_scale is not None)
-  args = [lidx, on.astype(jnp.int32), yp, hp, b_stack]
-  if rank_scale is not None:
-    args.append(rank_scale.astype(_F32))
-  return pl.pallas_call(
-      functools.partial(_lora_finish_kernel, t=t),
-      grid=(pl.cdiv(d_out, fb),),
-      out_shape=jax.ShapeDtypeStruct((m, d_out), dt),
-      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
-      interpret=interpret, compiler_params=compiler_params, name="lora_finish",
-  )(*args)
+  main_args = [idx, x.reshape(1, m, units, DENSE_UNIT),
+               stack.reshape(n_mats, d_out, units, DENSE_UNIT)]
+  yp, hp = lora_rows_call(functools.partial(_program, t=tw), main_args, tw.out_tiles, x,
+                          a_stack, lidx, d_out=d_out, k_split=ks, block_out=bo,
+                          interpret=interpret, compiler_params=compiler_params,
+                          name="qgemv_dense_lora_rows")
+  return lora_finish(yp, hp, b_stack, lidx, on, rank_scale, out_dtype=dt, block=finish_block,
+                     interpret=interpret, compiler_params=compiler_params)
