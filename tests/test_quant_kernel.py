@@ -751,6 +751,93 @@ def test_mixed_stack_in_one_launch_gives_each_parts_own_numbers(n, dtype):
   assert "cond" not in _xla_primitives(closed.jaxpr)
 
 
+@pytest.mark.parametrize("qtype,n,dtype", [("q4_k", 1, F32), ("q6_k", 2, BF16),
+                                            ("q8_0", 3, F32), ("mixed", 1, F32)])
+def test_qmatmul_lora_rows_read_the_adapter_stacks_in_place(qtype, n, dtype):
+  """`qmatmul_lora` with stacks and `lora_index` for a few rows: A's rows in the quantised
+  GEMV's launch and the finish (the groups kernel for a mixed-type stack), no slice of the
+  adapter's stacks in the program; off rows are `qmatmul`'s bits, on rows within the float64
+  product's tolerance (rank scales applied to h), the same numbers as the pair taken out."""
+  rank, lay = 12, 2
+  if qtype == "mixed":
+    w, group, index = _parts(), jnp.int32(1), jnp.int32(2)
+    w64 = None
+  else:
+    qt, w64 = _weight(qtype)
+    w, group, index = jax.device_put(qt), None, jnp.int32(1)
+  d_in = (w[0] if isinstance(w, tuple) else w).shape[-1]
+  x = jnp.asarray(_x(n, d_in, dtype))
+  pairs = [_lora(n, d_in, OUT, rank, dtype, "mixed", seed=40 + i) for i in range(3)]
+  a_st = jnp.asarray(np.stack([p[0] for p in pairs]))
+  b_st = jnp.asarray(np.stack([p[1] for p in pairs]))
+  on = jnp.asarray(pairs[0][2] if n > 1 else np.ones(1, np.int32))
+  rs = jnp.asarray(np.random.default_rng(3).uniform(0, 2, (n, rank)).astype(np.float32))
+  kw = dict(implementation="pallas_interpret", index=index, group=group)
+  f = jax.jit(lambda x, li, on: qmatmul_lora(x, w, a_st, b_st, on, rank_scale=rs,
+                                             lora_index=li, **kw))
+  got = np.asarray(f(x, jnp.int32(lay), on))
+  jaxpr = str(jax.make_jaxpr(f)(x, jnp.int32(lay), on))
+  assert "lora_rows" in jaxpr and "lora_finish" in jaxpr
+  dt = "f32" if dtype == F32 else "bf16"   # no pair of the stacks is taken out
+  assert f"{dt}[{rank},{d_in}]" not in jaxpr and f"{dt}[{OUT},{rank}]" not in jaxpr
+  plain = np.asarray(qmatmul(x, w, **kw))
+  off = np.asarray(on) == 0
+  assert np.array_equal(bits(got[off]), bits(plain[off])), "off rows differ from qmatmul"
+  all_off = np.asarray(f(x, jnp.int32(lay), jnp.zeros_like(on)))
+  assert np.array_equal(bits(all_off), bits(plain)), "switched off differs from qmatmul"
+  pair = np.asarray(qmatmul_lora(x, w, a_st[lay], b_st[lay], on, rank_scale=rs, **kw))
+  assert_close(got[~off], pair[~off], rel=_tol(dtype), what=f"{qtype} rows vs pair")
+  if w64 is not None:
+    f64 = np.float64
+    a, b = np.asarray(a_st[lay], f64), np.asarray(b_st[lay], f64)
+    xf = np.asarray(x, f64)
+    want = _want(np.asarray(x), w64[1]) + ((xf @ a.T) * np.asarray(rs)) @ b.T
+    assert_close(got[~off], want[~off], rel=_tol(dtype), what=f"{qtype} lora rows N{n}")
+
+
+def test_qmatmul_lora_rows_leave_many_rows_and_xla_to_the_pair():
+  """More rows than the "blocks" form takes, or "xla": the pair at lora_index is taken out
+  and the call is `qmatmul_lora` on it, bit for bit."""
+  qt, _ = _weight("q4_k")
+  w = jax.device_put(qt)
+  rank, n = 8, ROWS_MAX + 1
+  x = jnp.asarray(_x(n, qt.shape[-1], F32))
+  pairs = [_lora(n, qt.shape[-1], OUT, rank, F32, "mixed", seed=50 + i) for i in range(2)]
+  a_st = jnp.asarray(np.stack([p[0] for p in pairs]))
+  b_st = jnp.asarray(np.stack([p[1] for p in pairs]))
+  on = jnp.asarray(pairs[0][2])
+  for impl, rows in (("pallas_interpret", x), ("xla", x[:1])):
+    kw = dict(implementation=impl, index=jnp.int32(1))
+    got = qmatmul_lora(rows, w, a_st, b_st, on[:rows.shape[0]], lora_index=jnp.int32(1), **kw)
+    want = qmatmul_lora(rows, w, a_st[1], b_st[1], on[:rows.shape[0]], **kw)
+    assert np.array_equal(bits(got), bits(want))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k"])
+def test_gpu_qmatmul_lora_rows(qtype):
+  """ssm_out's shape (2048 x 4096) compiled at one row, bf16, rank 64: the on row within the
+  float64 product's tolerance, the off row `qmatmul`'s bits."""
+  raw = random_raw(qtype, (2, 2048, 4096), seed=11)
+  qt = jax.device_put(pack(raw, qtype, (2, 2048, 4096)))
+  w64 = gguf_dequantize(raw, qtype).astype(np.float64)
+  x = _x(1, 4096, BF16)
+  a, b, _ = _lora(1, 4096, 2048, 64, BF16, "all")
+  a_st, b_st = (jnp.asarray(np.stack([np.zeros_like(v), v])) for v in (a, b))
+  kw = dict(implementation="pallas", index=jnp.int32(1))
+  plain = np.asarray(qmatmul(jnp.asarray(x), qt, **kw))
+  for on in (np.ones(1, np.int32), np.zeros(1, np.int32)):
+    got = np.asarray(qmatmul_lora(jnp.asarray(x), qt, a_st, b_st, jnp.asarray(on),
+                                  lora_index=jnp.int32(1), **kw))
+    if on[0]:
+      f64 = np.float64
+      want = _want(x, w64[1]) + (np.asarray(x, f64) @ a.astype(f64).T) @ b.astype(f64).T
+      assert_close(got, want, rel=_tol(BF16), what=f"gpu {qtype} lora rows on")
+    else:
+      assert np.array_equal(bits(got), bits(plain))
+
+
 def _xla_primitives(jaxpr):
   """Primitive names of a jaxpr and its nested jaxprs, not looking inside Pallas kernels."""
   names = set()

@@ -193,3 +193,33 @@ def test_fused_groups_give_the_predicated_numbers_bit_for_bit(tmp_path):
   pred = _run_mixed(_with_forms(keep, quant_impl="pallas_interpret", quant_groups="predicated"))
   fused = _run_mixed(_with_forms(keep, quant_impl="pallas_interpret", quant_groups="fused"))
   assert np.array_equal(pred, fused)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["q4_k", "mixed"])
+def test_lora_rows_on_quantised_stacks_keep_off_and_match_apart(tmp_path, mixed):
+  """`gemv_lora="rows"` on kept quantised weights (by the kernels, under the interpreter):
+  the decode steps' adapted projections compute A x in the quantised GEMV's launch (with a
+  mixed-type stack, the fused groups launch) and B h in the finish. Switched off, every
+  logit is "apart"'s bit for bit (the prompt's rows take the pair either way); switched on,
+  "apart"'s logits within the keep-vs-dequantize tolerance, with the same tokens."""
+  if mixed:
+    keep = _mixed_model(tmp_path, "keep")
+    cfg = keep.cfg
+  else:
+    keep = read_model_gguf(_write(tmp_path / "q4k.gguf", T.Q4_K), weights="keep")
+    cfg = CFG
+  lora = pad_lora_rank(random_lora(cfg, rank=4, scale=0.05).params, 64)
+  forms = dict(quant_impl="pallas_interpret", quant_groups="fused", lora_branch="select")
+  rows = _with_forms(keep, gemv_lora="rows", **forms)
+  apart = _with_forms(keep, gemv_lora="apart", **forms)
+  off_r, _ = _run(rows, lora, 0)
+  off_a, _ = _run(apart, lora, 0)
+  assert np.array_equal(off_r, off_a)
+  on_r, seq_r = _run(rows, lora, 1)
+  on_a, seq_a = _run(apart, lora, 1)
+  assert_close(on_r, on_a, abs_=QUANT_KEEP_LOGITS_ABS_FP32, what="rows vs apart, on")
+  assert seq_r == seq_a and not np.array_equal(on_r, off_r)
+  jaxpr = str(jax.make_jaxpr(lambda p, s: steps.decode(
+      rows.cfg, p, lora, s, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
+      jnp.ones(1, jnp.int32)))(rows.params, init_state(rows.cfg, 1, 32, jnp.float32)))
+  assert "lora_rows" in jaxpr and "lora_finish" in jaxpr

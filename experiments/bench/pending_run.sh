@@ -21,7 +21,7 @@ if want tests; then
   export JAX_PLATFORMS=cuda STRATA_TEST_PROGRESS_LOG=$OUT/gpu_test_progress_lora.tsv
   timeout ${TEST_CAP:-200} python3 -m pytest -p no:cacheprovider -W ignore -q -rfs -n 8 \
     tests/test_forms.py tests/test_lora_switch.py "tests/test_quant_kernel.py::test_gpu_dense_gemv_lora_rows" \
-    "tests/test_quant_kernel.py::test_gpu_dense_gemv" 2>&1 | tee $OUT/gpu_tests_lora.log | tail -4
+    "tests/test_quant_kernel.py::test_gpu_dense_gemv" "tests/test_quant_kernel.py::test_gpu_qmatmul_lora_rows" 2>&1 | tee $OUT/gpu_tests_lora.log | tail -4
   unset JAX_PLATFORMS
   echo "tests done $(( $(date +%s) - t0 )) s"
 fi

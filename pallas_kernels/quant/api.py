@@ -21,10 +21,12 @@ from pallas_kernels.quant.kernel import (
     ROWS_MAX,
     epilogue_outside,
     groups_tiling,
+    qmatmul_groups_lora_rows,
     qmatmul_groups_pallas,
+    qmatmul_lora_rows,
     qmatmul_pallas,
 )
-from pallas_kernels.quant.layout import QTensor, flat
+from pallas_kernels.quant.layout import BLOCK, QTensor, flat
 from pallas_kernels.quant.reference import dequantize, select_matrix
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
@@ -268,12 +270,16 @@ def _lora_h(x, a, rank_scale=None):
 
 def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
                  implementation="auto", precision=None, lora_down="h", tiles=None,
-                 active=None, group=None):
+                 active=None, group=None, lora_index=None):
   """y = W x + where(on, scale * B (A x)) per row: a select, so off rows are `qmatmul`'s.
 
   Args:
     x: [N, in]; w: QTensor [..., out, in]; index: as `qmatmul`.
-    a: [R, in] LoRA A; b: [out, R] LoRA B (adapter scales folded in).
+    a: [R, in] LoRA A; b: [out, R] LoRA B (adapter scales folded in). With `lora_index`
+      (int32, traced OK): stacks [..., R, in] and [..., out, R] and the pair at that index.
+      A few rows with the kernels and the default tiling then take the LoRA rows form (A's
+      rows in the GEMV's launch, B h and the select in one finishing kernel, the stacks read
+      in place: `kernel.qmatmul_lora_rows`); any other call takes the pair out first.
     on: [N] bool / int32 switch per row.
     rank_scale: [N, R] float per-row scale of each rank column (h = x @ A^T times it before
       B, as `pallas_kernels.lora`), or None (all ones); needs lora_down="h".
@@ -290,6 +296,12 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
   _check(x, w, index, group)
   n, d_in = x.shape
   d_out = (w[0] if isinstance(w, tuple) else w).shape[-2]
+  if lora_index is not None:
+    y = _lora_rows(x, w, a, b, on, rank_scale, scale, index, group, lora_index,
+                   implementation, tiles, active)
+    if y is not None:
+      return y
+    a, b = _lora_pair(a, b, lora_index)
   if a.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, a.shape[0]):
     raise ValueError(f"quant: LoRA a {a.shape} must be [R, {d_in}] and b {b.shape} "
                      f"[{d_out}, R]")
@@ -343,6 +355,39 @@ def qmatmul_lora(x, w, a, b, on, *, rank_scale=None, scale=1.0, index=None,
   y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=d_out,
                      precision=precision, active=active, **kw, **_kernel_kw(impl, tiles))
   return y[0]
+
+
+def _lora_rows(x, w, a, b, on, rank_scale, scale, index, group, lora_index, implementation,
+               tiles, active):
+  """`qmatmul_lora`'s LoRA rows form (stacks a, b read at lora_index in place), or None when
+  the call is not a few rows of the kernels' "blocks" form with its default tiling."""
+  impl = resolve(implementation)
+  n, d_in = x.shape
+  parts = w if isinstance(w, tuple) else (w,)
+  d_out = parts[0].shape[-2]
+  if impl == "xla" or n > ROWS_MAX or tiles or active is not None or d_in % DENSE_UNIT:
+    return None
+  a_st, b_st = (v.reshape(-1, *v.shape[-2:]) for v in (a, b))
+  if (a_st.shape[2] != d_in or b_st.shape != (a_st.shape[0], d_out, a_st.shape[1])
+      or on.shape != (n,)):
+    raise ValueError(f"quant: LoRA stacks a {a.shape}, b {b.shape} must be [..., R, {d_in}] "
+                     f"and [..., {d_out}, R], on {on.shape} [{n}]")
+  if rank_scale is not None and rank_scale.shape != (n, a_st.shape[1]):
+    raise ValueError(f"quant: rank_scale {rank_scale.shape} must be [N, R] = "
+                     f"[{n}, {a_st.shape[1]}]")
+  kw = dict(scale=scale, interpret=impl == "pallas_interpret")
+  lidx = jnp.asarray(lora_index, jnp.int32)
+  on = on.astype(jnp.int32)
+  if isinstance(w, tuple):
+    if not _one_launch(w, n, d_out, d_in, impl, tiles):
+      return None
+    return qmatmul_groups_lora_rows(x, tuple(flat(p) for p in w), group, _index(w[0], index),
+                                    a_st, b_st, lidx, on, rank_scale,
+                                    qtypes=tuple(p.qtype for p in w), d_out=d_out, **kw)
+  if d_in % BLOCK[w.qtype]:
+    return None
+  return qmatmul_lora_rows(x, flat(w), _index(w, index), a_st, b_st, lidx, on, rank_scale,
+                           qtype=w.qtype, d_out=d_out, **kw)
 
 
 def _expert_rows(idx, layer, n_layers, n_experts):

@@ -583,3 +583,47 @@ def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, 
                           name="qgemv_dense_lora_rows")
   return lora_finish(yp, hp, b_stack, lidx, on, rank_scale, out_dtype=dt, block=finish_block,
                      interpret=interpret, compiler_params=compiler_params)
+
+
+def blocks_lora_call(x, planes, idx, a_stack, b_stack, lidx, on, rank_scale=None, *, qtype,
+                     d_out, block_out, unroll, k_split, cd, out_dtype, scale=1.0,
+                     interpret=False, compiler_params=None):
+  """`blocks_call` on one group (x [M, in], idx [1]) with the LoRA delta in two launches: the
+  "blocks" program of `qtype` with A's rows beside it (`lora_rows_call`), then `lora_finish`.
+  Off rows are the plain call's bits when its split partials are added by `sum_partials`."""
+  m, d_in = x.shape
+  units = d_in // _BLOCK[qtype]
+  tw = Blocks(qtype=qtype, groups=1, m=m, units=units, d_out=d_out, block_out=block_out,
+              unroll=unroll, k_split=k_split, out_tiles=pl.cdiv(d_out, block_out), cd=cd,
+              out_dtype=_F32)
+  views = plane_views(planes, qtype, units)
+  main_args = [idx, x.reshape(1, m, units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype])]
+  yp, hp = lora_rows_call(functools.partial(_program, t=tw), main_args, tw.out_tiles, x,
+                          a_stack, lidx, d_out=d_out, k_split=k_split, block_out=block_out,
+                          interpret=interpret, compiler_params=compiler_params,
+                          name=f"qgemv_{qtype}_lora_rows")
+  return lora_finish(yp, hp, b_stack, lidx, on, rank_scale, out_dtype=out_dtype, scale=scale,
+                     interpret=interpret, compiler_params=compiler_params)
+
+
+def groups_lora_call(x, parts, group, idx, a_stack, b_stack, lidx, on, rank_scale=None, *,
+                     d_out, block_out, k_split, cd, out_dtype, scale=1.0, interpret=False,
+                     compiler_params=None):
+  """`groups_call` on one group (x [M, in]) with the LoRA delta as `blocks_lora_call`: every
+  part's program and A's rows in one launch, then `lora_finish`."""
+  m, d_in = x.shape
+  n_out = pl.cdiv(d_out, block_out)
+  ts, main_args = [], [jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx]
+  for qtype, planes, unroll in parts:
+    units = d_in // _BLOCK[qtype]
+    ts.append(Blocks(qtype=qtype, groups=1, m=m, units=units, d_out=d_out,
+                     block_out=block_out, unroll=unroll, k_split=k_split, out_tiles=n_out,
+                     cd=cd, out_dtype=_F32))
+    views = plane_views(planes, qtype, units)
+    main_args += [x.reshape(1, m, units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype])]
+  yp, hp = lora_rows_call(functools.partial(_groups_program, ts=tuple(ts)), main_args, n_out,
+                          x, a_stack, lidx, d_out=d_out, k_split=k_split,
+                          block_out=block_out, interpret=interpret,
+                          compiler_params=compiler_params, name="qgemv_groups_lora_rows")
+  return lora_finish(yp, hp, b_stack, lidx, on, rank_scale, out_dtype=out_dtype, scale=scale,
+                     interpret=interpret, compiler_params=compiler_params)

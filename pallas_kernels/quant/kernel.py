@@ -623,8 +623,8 @@ def qmatmul_pallas(x, planes, idx, *, qtype, d_out, on=None, a=None, h=None, b=N
     y = gemv.blocks_call(x, planes, idx, qtype=qtype, d_out=d_out, block_out=bo,
                          unroll=unroll, k_split=k_split, cd=cd, out_dtype=od, active=active,
                          interpret=interpret, compiler_params=params, **lora_kw)
-    if k_split > 1:
-      y = jnp.sum(y.reshape(k_split, groups, m, d_out), axis=0).astype(od)
+    if k_split > 1:   # in index order, as the LoRA rows' finish (`qmatmul_lora_rows`)
+      y = gemv.sum_partials(y.reshape(k_split, groups, m, d_out)).astype(od)
     return y
   if active is not None:
     t = t._replace(gated=True)
@@ -689,6 +689,47 @@ def qmatmul_groups_pallas(x, parts, group, idx, *, qtypes, d_out, on=None, h=Non
                        block_out=bo, k_split=k_split, cd=cd, out_dtype=od,
                        interpret=interpret, compiler_params=params, on=on, h=h, b=b,
                        scale=scale)
-  if k_split > 1:
-    y = jnp.sum(y.reshape(k_split, groups, m, d_out), axis=0).astype(od)
+  if k_split > 1:   # in index order, as the LoRA rows' finish (`qmatmul_lora_rows`)
+    y = gemv.sum_partials(y.reshape(k_split, groups, m, d_out)).astype(od)
   return y
+
+
+def qmatmul_lora_rows(x, planes, idx, a_stack, b_stack, lidx, on, rank_scale=None, *, qtype,
+                      d_out, scale=1.0, interpret=False, num_warps=None, num_stages=None):
+  """y [M, out] = x W^T + where(on, scale * B (A x)) for a few rows x [M, in] (M <= ROWS_MAX)
+  in the "blocks" form's default tiling, W = planes[idx] and the adapter's A = a_stack[lidx]
+  [R, in], B = b_stack[lidx] [out, R] all read in place: A's rows join the GEMV's launch,
+  then one finishing kernel (gemv.blocks_lora_call). Off rows are `qmatmul_pallas`'s bits."""
+  m, d_in = x.shape
+  n_mats = check_planes(planes, qtype, d_out, d_in)
+  bo, bk, k_split = blocks_defaults(d_out, d_in, qtype, interpret=interpret)
+  cd = jnp.dtype(x.dtype) if jnp.dtype(x.dtype) in _HALF else jnp.dtype(_F32)
+  idx = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0, n_mats - 1)
+  params = None if interpret else gemv.triton_params(num_warps, num_stages)
+  return gemv.blocks_lora_call(x, planes, idx, a_stack, b_stack, lidx, on, rank_scale,
+                               qtype=qtype, d_out=d_out, block_out=bo,
+                               unroll=_unroll(qtype, d_in, bk), k_split=k_split, cd=cd,
+                               out_dtype=x.dtype, scale=scale, interpret=interpret,
+                               compiler_params=params)
+
+
+def qmatmul_groups_lora_rows(x, parts, group, idx, a_stack, b_stack, lidx, on,
+                             rank_scale=None, *, qtypes, d_out, scale=1.0, interpret=False,
+                             num_warps=None, num_stages=None):
+  """`qmatmul_lora_rows` over a mixed-type stack (as `qmatmul_groups_pallas`: part `group`,
+  matrix idx [1] in it): every part's program and A's rows in one launch, then the finish."""
+  m, d_in = x.shape
+  sizes = [check_planes(p, q, d_out, d_in) for q, p in zip(qtypes, parts)]
+  tiling = groups_tiling(qtypes, d_out, d_in, interpret=interpret)
+  if tiling is None:
+    raise ValueError(f"quant kernel: the parts {qtypes} have different tilings")
+  bo, k_split, unrolls = tiling
+  cd = jnp.dtype(x.dtype) if jnp.dtype(x.dtype) in _HALF else jnp.dtype(_F32)
+  group = jnp.asarray(group, jnp.int32)
+  idx = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0,
+                 jnp.asarray(sizes, jnp.int32)[group] - 1)
+  params = None if interpret else gemv.triton_params(num_warps, num_stages)
+  return gemv.groups_lora_call(x, tuple(zip(qtypes, parts, unrolls)), group, idx, a_stack,
+                               b_stack, lidx, on, rank_scale, d_out=d_out, block_out=bo,
+                               k_split=k_split, cd=cd, out_dtype=x.dtype, scale=scale,
+                               interpret=interpret, compiler_params=params)

@@ -138,10 +138,11 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   adapters stacked on R chosen per row), None for one stacked set at unit scale.
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
   `implementation`: the LoRA kernel's (`Forms.lora_impl`). A quantised `w` (QRef) runs the
-  LoRA delta inside the quantised matmul (`qmatmul_lora`) instead; a dense `w` (DRef) with
-  `gemv_lora` "rows", for the rows its in-place GEMV takes, computes A x in the GEMV's launch
-  and B h in one finishing kernel, the adapter read in place (`dense_matmul_lora`); otherwise
-  the delta follows the GEMV.
+  LoRA delta inside the quantised matmul (`qmatmul_lora`) instead; with `gemv_lora` "rows"
+  (the adapter's stacks as DRefs), a few rows of the quantised GEMV or of the in-place dense
+  GEMV compute A x in the GEMV's launch and B h in one finishing kernel, the adapter read in
+  place (`qmatmul_lora`'s and `dense_matmul_lora`'s LoRA rows form); otherwise the delta
+  follows the GEMV.
 
   With one row (B == 1: a prefill chunk, or a one-slot decode) the row's scales are folded
   into B's columns (one [D, R] multiply) and the plain kernel runs, so the large-N prefill
@@ -151,15 +152,22 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
     return linear(x, w)
   B, T, _ = x.shape
   if isinstance(lora_a, DRef):   # the adapter's stacks at the layer
-    if gemv_lora == "rows" and isinstance(w, DRef):
-      from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
-      x2 = x.reshape(B * T, -1)
-      if quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation):
-        rank_scale = None if row_scale is None else jnp.repeat(row_scale, T, axis=0)
-        y = quant_api.dense_matmul_lora(
-            x2, w.w, w.index, lora_a.w, lora_b.w, jnp.repeat(switch.astype(jnp.int32), T),
-            rank_scale=rank_scale, lora_index=lora_a.index, implementation=w.implementation)
-        return y.reshape(B, T, -1)
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
+    x2 = x.reshape(B * T, -1)
+    on = jnp.repeat(switch.astype(jnp.int32), T)
+    rank_scale = None if row_scale is None else jnp.repeat(row_scale, T, axis=0)
+    if gemv_lora == "rows" and is_quant(w):   # the rows form where it applies, else the pair
+      qt, index, impl, groups = _qparts(w)
+      y = quant_call(qt, index, lambda q, i, **kw: quant_api.qmatmul_lora(
+          x2, q, lora_a.w, lora_b.w, on, rank_scale=rank_scale, index=i, implementation=impl,
+          lora_index=lora_a.index, **kw), groups)
+      return y.reshape(B, T, -1)
+    if (gemv_lora == "rows" and isinstance(w, DRef)
+        and quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation)):
+      y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a.w, lora_b.w, on,
+                                      rank_scale=rank_scale, lora_index=lora_a.index,
+                                      implementation=w.implementation)
+      return y.reshape(B, T, -1)
     take = lambda r: lax.dynamic_index_in_dim(r.w, r.index, 0, False)
     lora_a, lora_b = take(lora_a), take(lora_b)
   rank_scale = None

@@ -194,11 +194,14 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   gdn_p = _blocks(gdn_d, n_blocks)
   attn_p = _blocks(attn_d, n_blocks)
   n_g, n_a = block_types.count(GDN), block_types.count(ATTN)
-  # Under `Forms.gemv_lora="rows"` (with the in-place GEMV) the adapter's stacks stay whole
-  # too, and each projection gets DRefs of its layer's pair, which the LoRA rows kernel reads
-  # in place; otherwise each block's pairs are the scan's xs.
-  lora_whole = (lora is not None and cfg.forms.dense_weights == "kernel"
-                and cfg.forms.gemv_lora == "rows")
+  # Under `Forms.gemv_lora="rows"`, where an output projection can run a few-row GEMV kernel
+  # (the in-place dense GEMV, or quantised stacks with the kernels), the adapter's stacks stay
+  # whole too, and each projection gets DRefs of its layer's pair, which the LoRA rows
+  # kernels read in place; otherwise each block's pairs are the scan's xs.
+  quant_out = cfg.forms.quant_impl != "xla" and any(
+      _is_q(getattr(q, "out", None)) for q in (gdn_q, attn_q))
+  lora_whole = (lora is not None and cfg.forms.gemv_lora == "rows"
+                and (cfg.forms.dense_weights == "kernel" or quant_out))
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
   if lora_whole:
