@@ -653,13 +653,14 @@ def test_dense_lora_reads_the_adapter_stacks_in_place_at_the_layer(n, dtype, k_s
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_dense_lora_rows_lower_to_triton_for_the_gpu(dtype):
   """Both launches of the LoRA rows path (the GEMV with A's rows, the finish) lower to
-  Triton for the GPU, at ssm_out's shape with split sums and the rank-scale table."""
+  Triton for the GPU, at ssm_out's shape with split sums, the rank-scale table and the
+  bench's rank 50 (masked rank tiles)."""
   from pallas_kernels.quant.gemv import dense_lora_call
   f = lambda x, w, i, a, b, li, on, rs: dense_lora_call(x, w, i, a, b, li, on, rs, k_split=4)
   args = (jnp.ones((1, 4096), dtype), jnp.ones((3, 2048, 4096), dtype),
-          jnp.zeros((1,), jnp.int32), jnp.ones((2, 64, 4096), dtype),
-          jnp.ones((2, 2048, 64), dtype), jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32),
-          jnp.ones((1, 64), F32))
+          jnp.zeros((1,), jnp.int32), jnp.ones((2, 50, 4096), dtype),
+          jnp.ones((2, 2048, 50), dtype), jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32),
+          jnp.ones((1, 50), F32))
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 2
 
