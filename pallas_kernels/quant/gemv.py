@@ -124,6 +124,16 @@ def masked_load(view, mask):
   return pltriton.load(view, mask=mask, other=zero)
 
 
+def masked_store(view, val, mask):
+  """Store into a ref view; where `mask` (None: everywhere) is false, leave it."""
+  if mask is None:
+    view[...] = val
+  elif pltriton is None:  # pragma: no cover - interpret-only fallback
+    view[...] = jnp.where(mask, val, view[...])
+  else:
+    pltriton.store(view, val, mask=mask)
+
+
 def _expand(v, ndim):
   """[bo] -> [bo, 1, ..., 1] of rank ndim."""
   return v[(slice(None),) + (None,) * (ndim - 1)]
@@ -223,14 +233,7 @@ def _program(refs, pid, g, t: Blocks):
     accs = _lora_epilogue(accs, on_ref, h_ref, b_ref, ks, o0, o_ok, t)
   out = ks * t.groups + g
   for r in range(t.m):
-    view = o_ref.at[out, jnp.int32(r), pl.ds(o0, bo)]
-    val = accs[r].astype(t.out_dtype)
-    if o_ok is None:
-      view[...] = val
-    elif pltriton is None:  # pragma: no cover
-      view[...] = jnp.where(o_ok, val, view[...])
-    else:
-      pltriton.store(view, val, mask=o_ok)
+    masked_store(o_ref.at[out, jnp.int32(r), pl.ds(o0, bo)], accs[r].astype(t.out_dtype), o_ok)
 
 
 def _groups_kernel(*refs, ts):
@@ -508,13 +511,7 @@ def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finis
       delta = delta * t.scale
     # A select, never y + 0 * delta: an off row keeps the plain projection's bits.
     val = jnp.where(on_ref[ri] != 0, (y + delta).astype(t.out_dtype), y.astype(t.out_dtype))
-    view = o_ref.at[ri, pl.ds(o0, t.block_out)]
-    if o_ok is None:
-      view[...] = val
-    elif pltriton is None:  # pragma: no cover
-      view[...] = jnp.where(o_ok, val, view[...])
-    else:
-      pltriton.store(view, val, mask=o_ok)
+    masked_store(o_ref.at[ri, pl.ds(o0, t.block_out)], val, o_ok)
 
 
 def lora_finish(yp, hp, b_stack, lidx, on, rank_scale=None, *, out_dtype, scale=1.0,
