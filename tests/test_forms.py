@@ -124,12 +124,10 @@ def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit
   assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_gemv_lora_rows_take_the_adapter_into_gemv_kernels_and_apart_keeps_its_ops(n):
-  """`gemv_lora="rows"`: at one row the in-place GEMV's launch computes A x and the finishing
-  kernel B h; at three rows (XLA's product) the GEMV program computes A x alone, then the same
-  finish. Either way no LoRA dot and no slice of the adapter's stacks in the program; "apart"
-  keeps the LoRA ops (h = A x, then B h) after the projection."""
+def test_gemv_lora_rows_take_the_adapter_into_the_gemv_launch_and_apart_keeps_its_ops():
+  """At one row with the in-place GEMV, `gemv_lora="rows"` computes the adapter in the
+  GEMV's launch and the finishing kernel: no LoRA dot and no slice of the adapter's stacks in
+  the program; "apart" keeps the LoRA ops (h = A x, then B h) after the plain GEMV."""
   model = tiny_model()
   lora = random_lora(rank=5).params   # a rank no other dimension of TINY has
 
@@ -138,58 +136,52 @@ def test_gemv_lora_rows_take_the_adapter_into_gemv_kernels_and_apart_keeps_its_o
                   gemv_lora=gemv_lora).resolve(jax.default_backend(), jnp.float32)
     cfg = dataclasses.replace(TINY, forms=forms)
     return jax.make_jaxpr(lambda p, s: steps.decode(
-        cfg, p, lora, s, jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.int32), jnp.ones(n, jnp.int32),
-        branch="on"))(model.params, init_state(cfg, n, 64))
+        cfg, p, lora, s, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32),
+        branch="on"))(model.params, init_state(cfg, 1, 64))
 
   def lora_ops(jaxpr, name):
     return sum(e.primitive.name == name
                and any(5 in v.aval.shape for v in (*e.invars, *e.outvars))
                for e in eqns(jaxpr.jaxpr, into_kernels=False))
 
-  rows, apart = decode_jaxpr("rows"), decode_jaxpr("apart")
-  assert lora_ops(rows, "dot_general") == 0 and lora_ops(apart, "dot_general") > 0
-  assert lora_ops(rows, "dynamic_slice") == 0, "an adapter slice in the rows form"
-  assert "lora_finish" in str(rows) and "lora_finish" not in str(apart)
-  assert ("qgemv_dense_lora_rows" in str(rows)) == (n == 1)
+  gemv, after = decode_jaxpr("rows"), decode_jaxpr("apart")
+  assert lora_ops(gemv, "dot_general") == 0 and lora_ops(after, "dot_general") > 0
+  assert lora_ops(gemv, "dynamic_slice") == 0, "an adapter slice in the gemv form"
+  assert "qgemv_dense_lora_rows" in str(gemv) and "lora_finish" in str(gemv)
+  assert "qgemv_dense_lora_rows" not in str(after)
 
 
-@pytest.mark.parametrize("switches,table", [((1,), False), ((1,), True), ((1, 0, 1), False),
-                                            ((0, 1), True)])
-def test_gemv_lora_rows_off_is_the_bare_model_and_on_is_the_apart_forms_numbers(switches, table):
-  """Decode rows through the rows form with `lora_branch="select"` (so a switched-off row runs
-  the adapter kernels too, its switch 0): one row takes the adapter into the in-place GEMV's
-  launch, several rows (XLA's product) get A x by the GEMV program and the same finish. Off
-  rows give the no-adapter program's logits bit for bit, on rows the "apart" form's within
-  fp32 summation order; with an adapter table (rank columns scaled per row) as well. On a GPU
-  the kernels are compiled."""
+@pytest.mark.parametrize("table", [False, True])
+def test_gemv_lora_rows_off_is_the_bare_model_and_on_is_the_apart_forms_numbers(table):
+  """One decode row through the rows form with `lora_branch="select"` (so a switched-off row
+  runs the adapter kernels too, its switch 0): off gives the no-adapter program's logits bit
+  for bit, on gives the "apart" form's logits within fp32 summation order; with an adapter
+  table (rank columns scaled per row) as well. On a GPU the kernels are compiled."""
   model = tiny_model()
   lora = random_lora(rank=6).params
   if table:   # two adapters of 3 columns each; switch 1 takes the second at scale 0.7
     lora = dataclasses.replace(lora, table=jnp.asarray(
         [[0, 0, 0, 0, 0, 0], [0, 0, 0, 0.7, 0.7, 0.7]], jnp.float32))
-  n = len(switches)
 
   def run(gemv_lora, adapter, switch):
     kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
     forms = Forms(dense_weights="kernel", quant_impl=kernels, lora_impl="xla",
                   lora_branch="select", gemv_lora=gemv_lora)
     cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), jnp.float32))
-    state = init_state(cfg, n, 64)
+    state = init_state(cfg, 1, 64)
     logits = []
     for tok in (5, 9, 13):
       out, state = jax.jit(steps.decode, static_argnums=0)(
-          cfg, model.params, adapter, state, jnp.full((n,), tok, jnp.int32),
-          jnp.asarray(switch, jnp.int32), jnp.ones(n, jnp.int32))
+          cfg, model.params, adapter, state, jnp.asarray([tok], jnp.int32),
+          jnp.asarray([switch], jnp.int32), jnp.ones(1, jnp.int32))
       logits.append(np.asarray(out))
-    return np.stack(logits, axis=1)   # [n, steps, V]
+    return np.stack(logits)
 
-  off = np.asarray(switches) == 0
-  bare = run("rows", None, [0] * n)
-  assert np.array_equal(run("rows", lora, [0] * n), bare), "switched off differs from no adapter"
-  got, apart = run("rows", lora, switches), run("apart", lora, switches)
-  assert np.array_equal(got[off], bare[off]), "an off row differs from no adapter"
-  assert not np.allclose(got[~off], bare[~off])
-  assert_close(got[~off], apart[~off], rel=DENSE_GEMV_REL_FP32, what="rows vs apart, on rows")
+  bare = run("rows", None, 0)
+  assert np.array_equal(run("rows", lora, 0), bare), "switched off differs from no adapter"
+  on, after = run("rows", lora, 1), run("apart", lora, 1)
+  assert not np.allclose(on, bare)
+  assert_close(on, after, rel=DENSE_GEMV_REL_FP32, what="rows vs apart, adapter on")
 
 
 def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_matrix():

@@ -663,46 +663,6 @@ def test_dense_lora_rows_lower_to_triton_for_the_gpu(dtype):
           jnp.ones((1, 50), F32))
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 2
-  from pallas_kernels.quant.gemv import lora_apply_rows
-  g = lambda base, x, a, b, li, on, rs: lora_apply_rows(base, x, a, b, li, on, rs)
-  text = jax.jit(g).trace(jnp.ones((8, 2048), dtype), jnp.ones((8, 4096), dtype), *args[3:5],
-                          *args[5:6], jnp.ones((8,), jnp.int32), jnp.ones((8, 50), F32)
-                          ).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("xla.gpu.triton") == 2
-
-
-@pytest.mark.parametrize("n,dtype", [(3, F32), (8, BF16)])
-def test_lora_rows_apply_adds_the_delta_to_a_finished_base_and_keeps_off_rows(n, dtype):
-  """`lora_rows_apply` (h = A x by the GEMV program, A read in place; the finish on a base
-  XLA computed): on rows equal `lora_xla` on the pair within the kernel tolerance, off rows
-  are the base bit for bit, rank scales apply to h; more than LORA_ROWS_MAX rows take the
-  pair and `lora_xla`, bit for bit."""
-  from pallas_kernels.lora.api import lora_xla
-  from pallas_kernels.quant.api import LORA_ROWS_MAX, lora_rows_apply
-  rng = np.random.default_rng(12)
-  rank, lay, d_in = 12, 1, 96
-  x = jnp.asarray(_x(n, d_in, dtype))
-  base = jnp.asarray(np.asarray(jnp.asarray(rng.standard_normal((n, OUT)), dtype)))
-  pairs = [_lora(n, d_in, OUT, rank, dtype, "mixed", seed=60 + i) for i in range(3)]
-  a_st = jnp.asarray(np.stack([p[0] for p in pairs]))
-  b_st = jnp.asarray(np.stack([p[1] for p in pairs]))
-  on = jnp.asarray(pairs[0][2])
-  rs = jnp.asarray(rng.uniform(0, 2, (n, rank)).astype(np.float32))
-  f = jax.jit(lambda base, x, li: lora_rows_apply(base, x, a_st, b_st, on, lora_index=li,
-                                                  rank_scale=rs,
-                                                  implementation="pallas_interpret"))
-  got = np.asarray(f(base, x, jnp.int32(lay)))
-  assert "lora_finish" in str(jax.make_jaxpr(f)(base, x, jnp.int32(lay)))
-  off = np.asarray(on) == 0
-  assert np.array_equal(bits(got[off]), bits(np.asarray(base)[off]))
-  want = np.asarray(lora_xla(base, x, a_st[lay], b_st[lay], on, rs))
-  assert_close(got[~off], want[~off], rel=_tol(dtype), what=f"lora rows N{n}")
-  many = LORA_ROWS_MAX + 1
-  xm, bm = jnp.tile(x[:1], (many, 1)), jnp.tile(base[:1], (many, 1))
-  onm = jnp.ones(many, jnp.int32)
-  got_m = lora_rows_apply(bm, xm, a_st, b_st, onm, lora_index=jnp.int32(lay),
-                          implementation="pallas_interpret")
-  assert np.array_equal(bits(got_m), bits(lora_xla(bm, xm, a_st[lay], b_st[lay], onm)))
 
 
 def test_dense_lora_rank_scale_and_many_rows_take_the_reference():

@@ -6,8 +6,8 @@
 #     test_quant_kernel.py) and the forms, switch and greedy-decode tests compiled for the GPU
 #     (off bit-identity through the rows form, its numbers against "apart"; TEST_CAP=);
 #  2. SECTIONS=model: bench_model.py's decode at batch 1 and 8 (default: "apart"), with
-#     `gemv_lora=rows` timed beside it at both: the LoRA cost per layer, on and off;
-#  3. SECTIONS=probe: decode_probe.py at batch 1 and 8, adapter on, "apart" against "rows", with the
+#     `gemv_lora=rows` timed beside it at batch 1: the LoRA cost per layer, on and off;
+#  3. SECTIONS=probe: decode_probe.py at batch 1, adapter on, "apart" against "rows", with the
 #     rows program's kernel profile;
 #  4. SECTIONS=engine: bench_engine.py at batch 1 with --forms gemv_lora=rows (the Engine and
 #     its decode_greedy reference in one process).
@@ -30,14 +30,14 @@ if want tests; then
 fi
 if want model; then
   timeout ${MODEL_CAP:-200} python3 experiments/bench/bench_model.py --sections decode \
-    --batches 1,8 --alt_batches 1,8 --lora_alt_impl gemv_lora=rows --dump_hlo "" \
+    --batches 1,8 --alt_batches 1 --lora_alt_impl gemv_lora=rows --dump_hlo "" \
     --kernels_json experiments/results/bench_kernels.json \
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
   echo "bench_model done $(( $(date +%s) - t0 )) s"
 fi
 if want probe; then
   timeout ${PROBE_CAP:-120} python3 experiments/bench/decode_probe.py \
-    --variants loraapart@on,lorarows@on --batches 1,8 --n_steps 32 --reps 7 \
+    --variants loraapart@on,lorarows@on --batches 1 --n_steps 32 --reps 7 \
     --profile lorarows@on --out $OUT/decode_probe_lorarows.json 2>&1 | grep '"variant"' | cut -c1-200
   echo "probe done $(( $(date +%s) - t0 )) s"
 fi

@@ -16,14 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.lora.kernel import dot_policy
-from pallas_kernels.quant.gemv import (
-    DENSE_UNIT,
-    LORA_ROWS_MAX,
-    dense_call,
-    dense_lora_call,
-    lora_apply_rows,
-    triton_params,
-)
+from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, dense_lora_call, triton_params
 from pallas_kernels.quant.kernel import (
     ROWS_MAX,
     epilogue_outside,
@@ -264,30 +257,6 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
       jnp.asarray(0 if lora_index is None else lora_index, jnp.int32), on.astype(jnp.int32),
       rank_scale, interpret=impl == "pallas_interpret",
       compiler_params=triton_params(warps, stages) if impl == "pallas" else None, **tk)
-
-
-def lora_rows_fit(n, d_in, implementation="auto"):
-  """Whether `lora_rows_apply` runs its kernels for n rows of width d_in."""
-  return resolve(implementation) != "xla" and 0 < n <= LORA_ROWS_MAX and d_in % DENSE_UNIT == 0
-
-
-def lora_rows_apply(base, x, a, b, on, *, lora_index, rank_scale=None, implementation="auto"):
-  """where(on, base + B (A x), base) per row, with A and B the pair `lora_index` (int32, traced
-  OK) of the adapter's stacks a [..., R, in], b [..., out, R], read in place: h = A x by the
-  few-row GEMV program, then the LoRA finish on `base` (gemv.lora_apply_rows; two launches,
-  no slice of the stacks). For the rows `lora_rows_fit` takes; otherwise the pair is taken
-  out and `lora_xla` runs. Off rows are `base` bit for bit."""
-  as3d = lambda s: s.reshape(-1, *s.shape[-2:])
-  a_st, b_st = as3d(a), as3d(b)
-  if not lora_rows_fit(*x.shape, implementation):
-    from pallas_kernels.lora.api import lora_xla  # noqa: PLC0415
-    pa, pb = _lora_pair(a_st, b_st, lora_index)
-    return lora_xla(base, x, pa, pb, on, rank_scale)
-  impl = resolve(implementation)
-  return lora_apply_rows(base, x, a_st, b_st, jnp.asarray(lora_index, jnp.int32),
-                         on.astype(jnp.int32), rank_scale,
-                         interpret=impl == "pallas_interpret",
-                         compiler_params=triton_params() if impl == "pallas" else None)
 
 
 def _lora_h(x, a, rank_scale=None):

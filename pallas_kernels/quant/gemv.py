@@ -476,8 +476,7 @@ class Finish(NamedTuple):
   m: int
   d_out: int
   block_out: int
-  k_split: int  # y's partials
-  h_split: int  # h's partials
+  k_split: int
   rank: int
   rank_pad: int
   out_dtype: object
@@ -500,13 +499,10 @@ def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finis
   bt = bt.astype(_F32)  # [bo, Rp]
   for r in range(t.m):
     ri = jnp.int32(r)
-    part = lambda k: masked_load(yp_ref.at[jnp.int32(k), ri, pl.ds(o0, t.block_out)],
-                                 o_ok).astype(_F32)
-    y = part(0)
-    for k in range(1, t.k_split):  # in index order, as `sum_partials`
-      y = y + part(k)
+    y = masked_load(yp_ref.at[jnp.int32(0), ri, pl.ds(o0, t.block_out)], o_ok)
     h = masked_load(hp_ref.at[jnp.int32(0), ri, pl.ds(0, t.rank_pad)], r_in)
-    for k in range(1, t.h_split):
+    for k in range(1, t.k_split):  # in index order, as `sum_partials`
+      y = y + masked_load(yp_ref.at[jnp.int32(k), ri, pl.ds(o0, t.block_out)], o_ok)
       h = h + masked_load(hp_ref.at[jnp.int32(k), ri, pl.ds(0, t.rank_pad)], r_in)
     if t.scaled:
       h = h * masked_load(rs_ref.at[ri, pl.ds(0, t.rank_pad)], r_in)
@@ -520,17 +516,16 @@ def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finis
 
 def lora_finish(yp, hp, b_stack, lidx, on, rank_scale=None, *, out_dtype, scale=1.0,
                 block=None, interpret=False, compiler_params=None):
-  """y [M, out] in out_dtype from partial sums yp [ks, M, out] (fp32, or one partial of any
-  float dtype: a finished base) and hp [hs, M, R] fp32: y = sum(yp), h = sum(hp) (each in
-  index order, as `sum_partials`), times rank_scale [M, R] when given; on rows
+  """y [M, out] in out_dtype from `lora_rows_call`'s partials: y = sum(yp), h = sum(hp) (each
+  in index order, as `sum_partials`), times rank_scale [M, R] when given; on rows
   round(y + scale * B h) with B = b_stack[lidx] [out, R] read in place, off rows round(y)."""
   ks, m, d_out = yp.shape
   n_ad, b_out, rank = b_stack.shape
-  if b_out != d_out or hp.shape[1:] != (m, rank) or on.shape != (m,):
+  if b_out != d_out or hp.shape != (ks, m, rank) or on.shape != (m,):
     raise ValueError(f"lora finish: B {b_stack.shape}, h {hp.shape} and on {on.shape} must "
-                     f"be [L, {d_out}, R], [S, {m}, R] and [{m}]")
+                     f"be [L, {d_out}, R], [{ks}, {m}, R] and [{m}]")
   fb = block or (min(1024, pl.next_power_of_2(d_out)) if interpret else 128)
-  t = Finish(m=m, d_out=d_out, block_out=fb, k_split=ks, h_split=hp.shape[0], rank=rank,
+  t = Finish(m=m, d_out=d_out, block_out=fb, k_split=ks, rank=rank,
              rank_pad=max(1, pl.next_power_of_2(rank)), out_dtype=jnp.dtype(out_dtype),
              scaled=rank_scale is not None, scale=float(scale))
   lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
@@ -628,35 +623,4 @@ def groups_lora_call(x, parts, group, idx, a_stack, b_stack, lidx, on, rank_scal
                           block_out=block_out, interpret=interpret,
                           compiler_params=compiler_params, name="qgemv_groups_lora_rows")
   return lora_finish(yp, hp, b_stack, lidx, on, rank_scale, out_dtype=out_dtype, scale=scale,
-                     interpret=interpret, compiler_params=compiler_params)
-
-
-# A few rows whose projection is not a GEMV kernel (more rows than the in-place dense GEMV
-# takes): h = A x by the same "blocks" program alone, A read in place at the layer, then the
-# finish on the projection's finished output. Two launches, no slice of A or B copied.
-LORA_ROWS_MAX = 8  # the program keeps one accumulator per row
-
-
-def lora_apply_rows(base, x, a_stack, b_stack, lidx, on, rank_scale=None, *, interpret=False,
-                    compiler_params=None):
-  """where(on, round(base + B (A x)), base) per row, for base [M, out], x [M, in] (M <=
-  LORA_ROWS_MAX; `in` a multiple of 32) and the pair lidx [1] of the adapter's stacks a_stack
-  [L, R, in], b_stack [L, out, R], read in place. h = A x: fp32 sums over x and A rounded to
-  x's 16-bit dtype when A has it too, else fp32; times rank_scale [M, R] when given."""
-  m, d_in = x.shape
-  n_ad, rank, a_in = a_stack.shape
-  if a_in != d_in or d_in % DENSE_UNIT or m > LORA_ROWS_MAX:
-    raise ValueError(f"lora rows: x {x.shape} and A {a_stack.shape} need a shared `in` that "
-                     f"is a multiple of {DENSE_UNIT}, and at most {LORA_ROWS_MAX} rows")
-  if compiler_params is None and not interpret:
-    compiler_params = triton_params()
-  dt = jnp.dtype(x.dtype)
-  half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  cd_a = dt if dt in half and jnp.dtype(a_stack.dtype) == dt else jnp.dtype(_F32)
-  bo, unroll, ks = dense_defaults(rank, d_in, interpret=interpret)
-  lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
-  hp = blocks_call(x[None], {"w": a_stack}, lidx, qtype=DENSE, d_out=rank, block_out=bo,
-                   unroll=unroll, k_split=ks, cd=cd_a, out_dtype=_F32, interpret=interpret,
-                   compiler_params=compiler_params)
-  return lora_finish(base[None], hp, b_stack, lidx, on, rank_scale, out_dtype=base.dtype,
                      interpret=interpret, compiler_params=compiler_params)

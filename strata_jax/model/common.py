@@ -141,9 +141,8 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   LoRA delta inside the quantised matmul (`qmatmul_lora`) instead; with `gemv_lora` "rows"
   (the adapter's stacks as DRefs), a few rows of the quantised GEMV or of the in-place dense
   GEMV compute A x in the GEMV's launch and B h in one finishing kernel, the adapter read in
-  place (`qmatmul_lora`'s and `dense_matmul_lora`'s LoRA rows form); up to 8 rows of a dense
-  `w` that XLA multiplies get A x by the GEMV program and the same finish
-  (`lora_rows_apply`); otherwise the delta follows the projection.
+  place (`qmatmul_lora`'s and `dense_matmul_lora`'s LoRA rows form); otherwise the delta
+  follows the GEMV.
 
   With one row (B == 1: a prefill chunk, or a one-slot decode) the row's scales are folded
   into B's columns (one [D, R] multiply) and the plain kernel runs, so the large-N prefill
@@ -163,17 +162,12 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
           x2, q, lora_a.w, lora_b.w, on, rank_scale=rank_scale, index=i, implementation=impl,
           lora_index=lora_a.index, **kw), groups)
       return y.reshape(B, T, -1)
-    if gemv_lora == "rows" and isinstance(w, DRef):
-      if quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation):
-        y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a.w, lora_b.w, on,
-                                        rank_scale=rank_scale, lora_index=lora_a.index,
-                                        implementation=w.implementation)
-        return y.reshape(B, T, -1)
-      if quant_api.lora_rows_fit(B * T, x2.shape[1], w.implementation):   # XLA's product
-        y = quant_api.lora_rows_apply(linear(x, w).reshape(B * T, -1), x2, lora_a.w, lora_b.w,
-                                      on, lora_index=lora_a.index, rank_scale=rank_scale,
+    if (gemv_lora == "rows" and isinstance(w, DRef)
+        and quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation)):
+      y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a.w, lora_b.w, on,
+                                      rank_scale=rank_scale, lora_index=lora_a.index,
                                       implementation=w.implementation)
-        return y.reshape(B, T, -1)
+      return y.reshape(B, T, -1)
     take = lambda r: lax.dynamic_index_in_dim(r.w, r.index, 0, False)
     lora_a, lora_b = take(lora_a), take(lora_b)
   rank_scale = None
