@@ -89,14 +89,20 @@ CHOICES: dict[str, tuple] = {
     # batch-1 program ran slower (152-167 tok/s, bench_engine_run13/14.json; cause unknown).
     "dense_weights": ("auto", "scan", "in_place", "kernel"),
     # the LoRA delta on a projection a few-row GEMV kernel takes (the in-place dense GEMV of
-    # `dense_weights="kernel"`, a decode step's single row): "apart" = the LoRA ops after the
-    # GEMV (`lora_impl`'s, on the layer's A and B sliced from the scan); "rows" = A's rows
-    # computed in the GEMV's own launch and B h, the switch's select and the split sums in one
-    # finishing kernel, both reading the adapter's stacks in place at the layer
-    # (`pallas_kernels.quant.dense_matmul_lora`); off rows are the plain GEMV's bits either
-    # way. "auto" = "apart" on the GPU until "rows" is timed there, "rows" elsewhere (the
-    # interpreter keeps it under test wherever a test names the in-place GEMV).
-    "gemv_lora": ("auto", "apart", "rows"),
+    # `dense_weights="kernel"` at a decode step's single row, or the quantised "blocks" GEMV
+    # up to 4 rows): "apart" = beside the GEMV (dense: `lora_impl`'s LoRA ops after it, on the
+    # layer's A and B sliced from the scan; quantised: h = A x in XLA, B h in the GEMV's
+    # epilogue); "rows" = A's rows computed in the GEMV's own launch, and B h, the switch's
+    # select and the split sums in one finishing kernel, the adapter's stacks read in place at
+    # the layer (`pallas_kernels.quant.dense_matmul_lora`, `qmatmul_lora(lora_index=)`);
+    # "rows_dense" = "rows" for the dense GEMV, "apart" for the quantised one. Off rows are
+    # the plain GEMV's bits in every form. "auto" = "rows_dense" on the GPU: on the H200,
+    # bench-a3b bf16 at batch 1, adapter on, the LoRA cost 3.01 us a layer with "rows" against
+    # 3.90 "apart" (experiments/results/device/bench_model_decode_run23_lorarows.json), while
+    # the 80B-A3B Q4_K_M step took 4.70 ms with "rows" against 4.64 "apart"
+    # (decode_probe_a80b_run9_lorarows.json); "rows" elsewhere (the interpreter keeps both
+    # kernels under test wherever a test names the GEMV kernels).
+    "gemv_lora": ("auto", "apart", "rows", "rows_dense"),
     # the router's top-k: "auto" = "pallas" on the GPU (the one-launch kernel,
     # pallas_kernels/moe/topk.py: 163 us of the 80B-A3B Q4_K_M batch-1 step where `lax.top_k`'s
     # sort took 259, and the step 4.48 against 4.55 ms; decode_probe_a80b_run8_topk.json),
@@ -153,7 +159,7 @@ class Forms:
         quant_impl=auto(self.quant_impl, "pallas", "xla"),
         quant_groups=auto(self.quant_groups, "fused", "switch"),
         dense_weights=auto(self.dense_weights, "kernel", "scan"),
-        gemv_lora=auto(self.gemv_lora, "apart", "rows"),
+        gemv_lora=auto(self.gemv_lora, "rows_dense", "rows"),
         moe_topk=auto(self.moe_topk, "pallas", "xla"),
         matmul_precision=precision)
 

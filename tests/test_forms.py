@@ -44,7 +44,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert Forms(gdn_chunked="pallas").resolve("gpu", jnp.bfloat16).gdn_pallas_chunk == 32
   assert Forms(gdn_pallas_chunk=16).resolve("gpu", jnp.bfloat16).gdn_pallas_chunk == 16
   assert (gpu.quant_impl, gpu.quant_groups, gpu.dense_weights) == ("pallas", "fused", "kernel")
-  assert (gpu.gemv_lora, cpu.gemv_lora) == ("apart", "rows")
+  assert (gpu.gemv_lora, cpu.gemv_lora) == ("rows_dense", "rows")   # measured: forms.py
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
   assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says

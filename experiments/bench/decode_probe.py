@@ -161,6 +161,10 @@ def main():
     cfg, params = model.cfg, model.params
   else:
     cfg = common.model_config(common.TINY if args.tiny else common.BENCH_A3B)
+    # the forms an Engine on this backend runs (as load_model's): unresolved, "auto" would mean
+    # "scan" to the layer scan (run 23's bench-a3b variants compared two identical programs)
+    import dataclasses
+    cfg = dataclasses.replace(cfg, forms=cfg.forms.resolve(jax.default_backend(), dtype))
     params = common.device_params(cfg, dtype)
   lora = common.device_lora(cfg, common.LORA_RANK, dtype)
   print(f"params {time.perf_counter() - t0:.1f}s", flush=True)

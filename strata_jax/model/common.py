@@ -133,16 +133,15 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   """The mixer output projection with the LoRA hook.
 
   x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None, or DRefs of the adapter's
-  stacks at the layer (`Forms.gemv_lora="rows"`); switch [B] int32;
+  stacks at the layer (`Forms.gemv_lora` "rows" / "rows_dense"); switch [B] int32;
   row_scale [B, R] float32 or None: each row's scale of every rank column (the adapter table:
   adapters stacked on R chosen per row), None for one stacked set at unit scale.
   Rows with the switch off get the base projection exactly (a select, never `+ 0·delta`).
   `implementation`: the LoRA kernel's (`Forms.lora_impl`). A quantised `w` (QRef) runs the
-  LoRA delta inside the quantised matmul (`qmatmul_lora`) instead; with `gemv_lora` "rows"
-  (the adapter's stacks as DRefs), a few rows of the quantised GEMV or of the in-place dense
-  GEMV compute A x in the GEMV's launch and B h in one finishing kernel, the adapter read in
-  place (`qmatmul_lora`'s and `dense_matmul_lora`'s LoRA rows form); otherwise the delta
-  follows the GEMV.
+  LoRA delta inside the quantised matmul (`qmatmul_lora`) instead. With the adapter's stacks
+  as DRefs, `gemv_lora` "rows" computes A x in the few-row GEMV's own launch and B h in one
+  finishing kernel, the adapter read in place, for the quantised GEMV and the in-place dense
+  GEMV ("rows_dense": for the dense one only); otherwise the delta follows the GEMV.
 
   With one row (B == 1: a prefill chunk, or a one-slot decode) the row's scales are folded
   into B's columns (one [D, R] multiply) and the plain kernel runs, so the large-N prefill
@@ -162,7 +161,7 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
           x2, q, lora_a.w, lora_b.w, on, rank_scale=rank_scale, index=i, implementation=impl,
           lora_index=lora_a.index, **kw), groups)
       return y.reshape(B, T, -1)
-    if (gemv_lora == "rows" and isinstance(w, DRef)
+    if (gemv_lora in ("rows", "rows_dense") and isinstance(w, DRef)
         and quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation)):
       y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a.w, lora_b.w, on,
                                       rank_scale=rank_scale, lora_index=lora_a.index,

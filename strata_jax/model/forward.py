@@ -200,8 +200,10 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   # kernels read in place; otherwise each block's pairs are the scan's xs.
   quant_out = cfg.forms.quant_impl != "xla" and any(
       _is_q(getattr(q, "out", None)) for q in (gdn_q, attn_q))
-  lora_whole = (lora is not None and cfg.forms.gemv_lora == "rows"
-                and (cfg.forms.dense_weights == "kernel" or quant_out))
+  rows = cfg.forms.gemv_lora
+  lora_whole = lora is not None and (
+      (rows in ("rows", "rows_dense") and cfg.forms.dense_weights == "kernel")
+      or (rows == "rows" and quant_out))
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
   if lora_whole:
