@@ -194,16 +194,19 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   gdn_p = _blocks(gdn_d, n_blocks)
   attn_p = _blocks(attn_d, n_blocks)
   n_g, n_a = block_types.count(GDN), block_types.count(ATTN)
-  # Under `Forms.gemv_lora="rows"`, where an output projection can run a few-row GEMV kernel
-  # (the in-place dense GEMV, or quantised stacks with the kernels), the adapter's stacks stay
-  # whole too, and each projection gets DRefs of its layer's pair, which the LoRA rows
-  # kernels read in place; otherwise each block's pairs are the scan's xs.
-  quant_out = cfg.forms.quant_impl != "xla" and any(
-      _is_q(getattr(q, "out", None)) for q in (gdn_q, attn_q))
+  # Under `Forms.gemv_lora` "rows" / "rows_dense", a program whose output projections run a
+  # few-row GEMV kernel with the adapter's rows (the in-place dense GEMV's one row; "rows":
+  # also the quantised GEMV's few rows) keeps the adapter's stacks whole, and each projection
+  # gets DRefs of its layer's pair, which those kernels read in place; every other program
+  # (more rows, prefill) takes each block's pairs as the scan's xs, as before.
+  from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+  n_rows = x.shape[0] * x.shape[1]
+  quant_rows = (cfg.forms.quant_impl != "xla" and n_rows <= quant_api.ROWS_MAX
+                and any(_is_q(getattr(q, "out", None)) for q in (gdn_q, attn_q)))
+  dense_rows = cfg.forms.dense_weights == "kernel" and n_rows <= quant_api.DENSE_ROWS_MAX
   rows = cfg.forms.gemv_lora
   lora_whole = lora is not None and (
-      (rows in ("rows", "rows_dense") and cfg.forms.dense_weights == "kernel")
-      or (rows == "rows" and quant_out))
+      (rows in ("rows", "rows_dense") and dense_rows) or (rows == "rows" and quant_rows))
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
   if lora_whole:
