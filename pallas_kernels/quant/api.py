@@ -157,10 +157,15 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
   return y[0]
 
 
+def _stack3(a):
+  """[..., rows, cols] -> [S, rows, cols], the leading dims flattened (a free reshape)."""
+  return a.reshape(-1, *a.shape[-2:])
+
+
 def dense_reference(x, stack, index):
   """x [N, in] @ stack[index]^T, the XLA path of `dense_matmul`: the matrix taken at the
   (traced) index, one dot returning x's dtype (fp32 accumulation), as the model's `linear`."""
-  w = lax.dynamic_index_in_dim(stack.reshape(-1, *stack.shape[-2:]), index, 0, False)
+  w = lax.dynamic_index_in_dim(_stack3(stack), index, 0, False)
   return lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=x.dtype)
 
 
@@ -196,9 +201,8 @@ def _dense_kernel(x, stack, index, impl, tiles):
   tk = dict(tiles or {})
   warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
   params = triton_params(warps, stages) if impl == "pallas" else None
-  flat_stack = stack.reshape(-1, *stack.shape[-2:])
   idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
-  return dense_call(x[None], flat_stack, idx, interpret=impl == "pallas_interpret",
+  return dense_call(x[None], _stack3(stack), idx, interpret=impl == "pallas_interpret",
                     compiler_params=params, **tk)[0]
 
 
@@ -207,7 +211,7 @@ def _lora_pair(a, b, lora_index):
   at `lora_index` (taken by XLA)."""
   if lora_index is None:
     return a, b
-  take = lambda s: lax.dynamic_index_in_dim(s.reshape(-1, *s.shape[-2:]), lora_index, 0, False)
+  take = lambda s: lax.dynamic_index_in_dim(_stack3(s), lora_index, 0, False)
   return take(a), take(b)
 
 
@@ -215,7 +219,7 @@ def dense_lora_reference(x, stack, index, a, b, on, *, rank_scale=None, lora_ind
   """`dense_matmul_lora` in XLA: the base product's fp32 sum plus B (A x) on the on rows,
   rounded once; off rows are `dense_reference`'s."""
   a, b = _lora_pair(a, b, lora_index)
-  w = lax.dynamic_index_in_dim(stack.reshape(-1, *stack.shape[-2:]), index, 0, False)
+  w = lax.dynamic_index_in_dim(_stack3(stack), index, 0, False)
   acc = lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=_F32)
   h = _lora_h(x, a, rank_scale)
   delta = lax.dot_general(h, b.astype(_F32), _NT, precision=_HI, preferred_element_type=_F32)
@@ -251,9 +255,8 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
   impl = resolve(implementation)
   tk = dict(tiles or {})
   warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
-  as3d = lambda s: s.reshape(-1, *s.shape[-2:])
   return dense_lora_call(
-      x, as3d(stack), jnp.asarray(index, jnp.int32), as3d(a_stack), as3d(b_stack),
+      x, _stack3(stack), jnp.asarray(index, jnp.int32), _stack3(a_stack), _stack3(b_stack),
       jnp.asarray(0 if lora_index is None else lora_index, jnp.int32), on.astype(jnp.int32),
       rank_scale, interpret=impl == "pallas_interpret",
       compiler_params=triton_params(warps, stages) if impl == "pallas" else None, **tk)
@@ -367,7 +370,7 @@ def _lora_rows(x, w, a, b, on, rank_scale, scale, index, group, lora_index, impl
   d_out = parts[0].shape[-2]
   if impl == "xla" or n > ROWS_MAX or tiles or active is not None or d_in % DENSE_UNIT:
     return None
-  a_st, b_st = (v.reshape(-1, *v.shape[-2:]) for v in (a, b))
+  a_st, b_st = _stack3(a), _stack3(b)
   if (a_st.shape[2] != d_in or b_st.shape != (a_st.shape[0], d_out, a_st.shape[1])
       or on.shape != (n,)):
     raise ValueError(f"quant: LoRA stacks a {a.shape}, b {b.shape} must be [..., R, {d_in}] "

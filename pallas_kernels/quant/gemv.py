@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.lora.kernel import dot_policy
 from pallas_kernels.quant.layout import BLOCK, PLANES
 
 try:  # the Triton lowering, as kernel.py
@@ -132,6 +133,15 @@ def masked_store(view, val, mask):
     view[...] = jnp.where(mask, val, view[...])
   else:
     pltriton.store(view, val, mask=mask)
+
+
+def _tile_mask(row_ok, col_ok, rows, cols):
+  """[rows, cols] mask from per-row / per-column masks (None: all in), or None if both are."""
+  if row_ok is None and col_ok is None:
+    return None
+  row_ok = jnp.ones((rows,), jnp.bool_) if row_ok is None else row_ok
+  col_ok = jnp.ones((cols,), jnp.bool_) if col_ok is None else col_ok
+  return row_ok[:, None] & col_ok[None, :]
 
 
 def _expand(v, ndim):
@@ -264,11 +274,7 @@ def _lora_epilogue(accs, on_ref, h_ref, b_ref, ks, o0, o_ok, t: Blocks):
     any_on = any_on | v
 
   def with_delta(accs):
-    mask = None
-    if o_ok is not None or r_in is not None:
-      rows = o_ok if o_ok is not None else jnp.ones((t.block_out,), jnp.bool_)
-      cols = r_in if r_in is not None else jnp.ones((rp,), jnp.bool_)
-      mask = rows[:, None] & cols[None, :]
+    mask = _tile_mask(o_ok, r_in, t.block_out, rp)
     bt = masked_load(b_ref.at[pl.ds(o0, t.block_out), pl.ds(0, rp)], mask).astype(_F32)
     out = []
     for r in range(t.m):
@@ -364,6 +370,24 @@ def dense_defaults(d_out, d_in, *, groups=1, interpret=False):
   return bo, unroll, ks
 
 
+def _dense_tiling(d_out, d_in, *, groups=1, block_out=None, block_in=None, k_split=None,
+                  interpret=False):
+  """(block_out, unroll, k_split) of a dense GEMV call: `dense_defaults` with what was given."""
+  bo, unroll, ks = dense_defaults(d_out, d_in, groups=groups, interpret=interpret)
+  if block_in is not None:
+    unroll = _dense_unroll(d_in // DENSE_UNIT, block_in)
+  ks = int(k_split or ks)
+  if (d_in // DENSE_UNIT // unroll) % ks:
+    raise ValueError(f"dense gemv: k_split={ks} does not divide the loop steps")
+  return block_out or bo, unroll, ks
+
+
+def _dense_cd(dtype):
+  """The dense GEMV's compute dtype: x's if 16-bit, else fp32 (exact IEEE products)."""
+  dt = jnp.dtype(dtype)
+  return dt if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(_F32)
+
+
 def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
                interpret=False, compiler_params=None):
   """y[g] = x[g] @ stack[idx[g]]^T for x [G, M, in] and a float stack [S, out, in] (in a
@@ -375,17 +399,11 @@ def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
   if w_in != d_in or d_in % DENSE_UNIT:
     raise ValueError(f"dense gemv: x {x.shape} and stack {stack.shape} need a shared `in` "
                      f"that is a multiple of {DENSE_UNIT}")
-  bo, unroll, ks = dense_defaults(d_out, d_in, groups=groups, interpret=interpret)
-  bo = block_out or bo
-  if block_in is not None:
-    unroll = _dense_unroll(d_in // DENSE_UNIT, block_in)
-  ks = int(k_split or ks)
-  if (d_in // DENSE_UNIT // unroll) % ks:
-    raise ValueError(f"dense gemv: k_split={ks} does not divide the loop steps")
+  bo, unroll, ks = _dense_tiling(d_out, d_in, groups=groups, block_out=block_out,
+                                 block_in=block_in, k_split=k_split, interpret=interpret)
   if compiler_params is None and not interpret:
     compiler_params = triton_params()
-  dt = jnp.dtype(x.dtype)
-  cd = dt if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(_F32)
+  dt, cd = jnp.dtype(x.dtype), _dense_cd(x.dtype)
   idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
   y = blocks_call(x, {"w": stack}, idx, qtype=DENSE, d_out=d_out, block_out=bo,
                   unroll=unroll, k_split=ks, cd=cd, out_dtype=dt, interpret=interpret,
@@ -450,9 +468,7 @@ def lora_rows_call(main, main_args, main_tiles, x, a_stack, lidx, *, d_out, k_sp
   unroll = _a_unroll(units, k_split)
   if (units // unroll) % k_split:
     raise ValueError(f"lora rows: k_split={k_split} does not divide A's loop steps")
-  dt = jnp.dtype(x.dtype)
-  half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  cd_a = dt if dt in half and jnp.dtype(a_stack.dtype) == dt else jnp.dtype(_F32)
+  cd_a = jnp.dtype(dot_policy(x.dtype, a_stack.dtype)[0])
   bo_a = min(block_out, max(1, pl.next_power_of_2(rank))) if interpret else block_out
   ta = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=rank, block_out=bo_a,
               unroll=unroll, k_split=k_split, out_tiles=pl.cdiv(rank, bo_a), cd=cd_a,
@@ -489,11 +505,7 @@ def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finis
   o0 = pl.program_id(0) * t.block_out
   o_ok = (o0 + jnp.arange(t.block_out)) < t.d_out if t.d_out % t.block_out else None
   r_in = (jnp.arange(t.rank_pad) < t.rank) if t.rank != t.rank_pad else None
-  mask = None
-  if o_ok is not None or r_in is not None:
-    rows = o_ok if o_ok is not None else jnp.ones((t.block_out,), jnp.bool_)
-    cols = r_in if r_in is not None else jnp.ones((t.rank_pad,), jnp.bool_)
-    mask = rows[:, None] & cols[None, :]
+  mask = _tile_mask(o_ok, r_in, t.block_out, t.rank_pad)
   lay = lidx_ref[0]
   bt = masked_load(b_ref.at[lay, pl.ds(o0, t.block_out), pl.ds(0, t.rank_pad)], mask)
   bt = bt.astype(_F32)  # [bo, Rp]
@@ -557,18 +569,12 @@ def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, 
   if b_stack.shape != (a_stack.shape[0], d_out, a_stack.shape[1]) or on.shape != (m,):
     raise ValueError(f"dense lora gemv: A {a_stack.shape}, B {b_stack.shape} and on "
                      f"{on.shape} must be [L, R, {d_in}], [L, {d_out}, R] and [{m}]")
-  bo, unroll, ks = dense_defaults(d_out, d_in, interpret=interpret)
-  bo = block_out or bo
+  bo, unroll, ks = _dense_tiling(d_out, d_in, block_out=block_out, block_in=block_in,
+                                 k_split=k_split, interpret=interpret)
   units = d_in // DENSE_UNIT
-  if block_in is not None:
-    unroll = _dense_unroll(units, block_in)
-  ks = int(k_split or ks)
-  if (units // unroll) % ks:
-    raise ValueError(f"dense lora gemv: k_split={ks} does not divide the loop steps")
   if compiler_params is None and not interpret:
     compiler_params = triton_params()
-  dt = jnp.dtype(x.dtype)
-  cd = dt if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(_F32)
+  dt, cd = jnp.dtype(x.dtype), _dense_cd(x.dtype)
   tw = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=d_out, block_out=bo,
               unroll=unroll, k_split=ks, out_tiles=pl.cdiv(d_out, bo), cd=cd, out_dtype=_F32)
   idx = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0, n_mats - 1)

@@ -207,10 +207,9 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   rows = cfg.forms.gemv_lora
   lora_whole = lora is not None and (
       (rows in ("rows", "rows_dense") and dense_rows) or (rows == "rows" and quant_rows))
-  lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if lora is not None else None
-  lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if lora is not None else None
-  if lora_whole:
-    lora_g = lora_a = None
+  scanned = lora is not None and not lora_whole
+  lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if scanned else None
+  lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if scanned else None
   # The adapter table: each row's scale per rank column [B, R] (None: one stacked set, unit
   # scales), looked up once per step from the row's switch.
   row_scale = None
