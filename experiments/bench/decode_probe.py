@@ -138,7 +138,8 @@ def main():
   ap.add_argument("--tiny", action="store_true")
   ap.add_argument("--max_seq", type=int, default=512, help="K/V capacity of the decode state")
   ap.add_argument("--prefill", type=int, default=0)
-  ap.add_argument("--profile", default="", help="variant whose decode call is traced")
+  ap.add_argument("--profile", default="",
+                  help="comma list of variants whose decode calls are traced")
   ap.add_argument("--gdn_op", type=int, default=0, help="also time the chunked ops at this T")
   ap.add_argument("--gguf", default="", help="a model file (make_gguf.py) instead of bench-a3b's "
                   "random bf16 weights; its quantised weights stay quantised (--weights keep)")
@@ -211,9 +212,9 @@ def main():
           out.block_until_ready()
           times.append(time.perf_counter() - t)
         med = statistics.median(times)
-        if variant == args.profile:
+        if variant in args.profile.split(","):
           res[f"profile_{variant}_b{B}"] = common.profile_call(
-              lambda: compiled(params, lp, state, toks, sw, act), args.n_steps)
+              lambda: compiled(params, lp, state, toks, sw, act), args.n_steps, top=200)
         row = dict(variant=variant, batch=B, ms_per_step=med / args.n_steps * 1e3,
                    tok_s=B * args.n_steps / med, spread=(max(times) - min(times)) / med,
                    compile_s=t_compile, hlo=counts, tokens=out[:4, 0].tolist())
