@@ -103,6 +103,14 @@ CHOICES: dict[str, tuple] = {
     # (decode_probe_a80b_run9_lorarows.json); "rows" elsewhere (the interpreter keeps both
     # kernels under test wherever a test names the GEMV kernels).
     "gemv_lora": ("auto", "apart", "rows", "rows_dense"),
+    # 2 to 64 rows (a decode batch, a verify step) of a 16-bit matrix kept whole under
+    # `dense_weights="kernel"`: "dot" = the tensor-core tiles that read the layer's matrix in
+    # place (`pallas_kernels/quant/dense_dot.py`), "xla" = XLA's dot on the indexed matrix,
+    # which XLA copies out of the stack first (at batch 8 on the H200 those copies took 1.74
+    # of bench-a3b's 8.54 ms a step: experiments/results/device/
+    # decode_probe_lora_profile_run24.json). "auto" = "dot" (the interpreter on CPU, where
+    # it only runs when a test names the kernel forms). Same numbers to summation order.
+    "dense_few": ("auto", "dot", "xla"),
     # the router's top-k: "auto" = "pallas" on the GPU (the one-launch kernel,
     # pallas_kernels/moe/topk.py: 163 us of the 80B-A3B Q4_K_M batch-1 step where `lax.top_k`'s
     # sort took 259, and the step 4.48 against 4.55 ms; decode_probe_a80b_run8_topk.json),
@@ -127,6 +135,7 @@ class Forms:
   dense_weights: str = "auto"
   gemv_lora: str = "auto"
   moe_topk: str = "auto"
+  dense_few: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -161,6 +170,7 @@ class Forms:
         dense_weights=auto(self.dense_weights, "kernel", "scan"),
         gemv_lora=auto(self.gemv_lora, "rows_dense", "rows"),
         moe_topk=auto(self.moe_topk, "pallas", "xla"),
+        dense_few=auto(self.dense_few, "dot", "dot"),
         matmul_precision=precision)
 
   def jax_precision(self, compute_dtype) -> str | None:

@@ -21,6 +21,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             reading each layer's matrix in place (Forms.dense_weights="kernel")
   qrows     the quantised GEMVs (a few rows) by the "rows" form, one sub-block a load, as
             before the "blocks" form (pallas_kernels/quant/gemv.py) became their default
+  fewxla/fewdot  2 to 64 rows of the whole-kept dense matrices by XLA (slice copy, dot) or by
+            the in-place tensor-core kernel (Forms.dense_few)
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
             the Pallas kernels that dequantise in place (Forms.quant_impl)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
@@ -75,6 +77,8 @@ FORM_VARIANTS = {
     "gdnparallel": {"gdn_chunked": "pallas_parallel"},
     "lorarows": {"gemv_lora": "rows"},
     "loraapart": {"gemv_lora": "apart"},
+    "fewxla": {"dense_few": "xla"},
+    "fewdot": {"dense_few": "dot"},
 }
 
 

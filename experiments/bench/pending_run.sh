@@ -16,6 +16,23 @@ source "$(dirname "$0")/device_env.sh"
 export STRATA_BENCH_RESULTS=$OUT
 left() { echo $(( ${CAP:-570} - ($(date +%s) - t0) )); }
 want() { [[ ",${SECTIONS:-tests,probe,gdn}," == *",$1,"* ]]; }
+# Second call: SECTIONS=ddtests,sweep,ddprobe (the tensor-core few-row kernel, dense_dot.py).
+if want ddtests; then
+  JAX_PLATFORMS=cuda timeout ${TEST_CAP:-120} python3 -m pytest -p no:cacheprovider -W ignore \
+    -q -rfs -n 4 tests/test_dense_dot_kernel.py 2>&1 | tee $OUT/gpu_tests_dense_dot.log | tail -3
+  echo "ddtests done $(( $(date +%s) - t0 )) s"
+fi
+if want sweep; then
+  timeout ${SWEEP_CAP:-200} python3 experiments/bench/dense_dot_sweep.py --budget-s 150 \
+    --out $OUT/dense_dot_sweep.json 2>&1 | grep -e "^best" -e rror | cut -c1-200
+  echo "sweep done $(( $(date +%s) - t0 )) s"
+fi
+if want ddprobe; then
+  timeout ${PROBE_CAP:-200} python3 experiments/bench/decode_probe.py \
+    --variants base,fewxla --batches ${DD_BATCHES:-8,32} --n_steps 16 --reps 5 \
+    --profile base --out $OUT/decode_probe_dense_dot.json 2>&1 | grep '"variant"' | cut -c1-220
+  echo "ddprobe done $(( $(date +%s) - t0 )) s"
+fi
 if want tests; then
   GPU_SET=model CAP=${TEST_CAP:-200} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
   echo "tests done $(( $(date +%s) - t0 )) s"

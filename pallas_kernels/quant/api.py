@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.lora.kernel import dot_policy
+from pallas_kernels.quant import dense_dot
 from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, dense_lora_call, triton_params
 from pallas_kernels.quant.kernel import (
     ROWS_MAX,
@@ -181,20 +182,45 @@ def dense_kernel_rows(n, d_in, implementation="auto", rows_max=None):
   return resolve(implementation) != "xla" and 0 < n <= rows_max and d_in % DENSE_UNIT == 0
 
 
-def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max=None):
+# How 2 to `dense_dot.ROWS_MAX` rows of a 16-bit weight stack are multiplied (`few`,
+# `Forms.dense_few`): "dot" = the tensor-core tiles of dense_dot.py reading the matrix in
+# place; "xla" = `dense_reference` (XLA copies the matrix out of the stack, then dots).
+FEW = ("dot", "xla")
+
+
+def dense_dot_rows(n, x_dtype, stack_dtype, implementation="auto", few="dot"):
+  """Whether `dense_matmul` runs the in-place tensor-core kernel for n rows (more than the
+  GEMV takes, at most dense_dot.ROWS_MAX; x and the stack of one 16-bit dtype)."""
+  if few not in FEW:
+    raise ValueError(f"dense matmul: few={few!r}; expected one of {FEW}")
+  return (few == "dot" and resolve(implementation) != "xla" and 1 < n <= dense_dot.ROWS_MAX
+          and jnp.dtype(x_dtype) == jnp.dtype(stack_dtype)
+          and jnp.dtype(x_dtype) in dense_dot.HALF)
+
+
+def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max=None,
+                 few="dot"):
   """y = x @ stack[index]^T for a plain float weight stack [..., out, in] (leading dims
   flattened; `index` int32, traced OK) and a few rows x [N, in], in x's dtype.
 
   With the kernels (N <= rows_max, default DENSE_ROWS_MAX, at most ROWS_MAX; `in` a multiple
-  of 32) the "blocks" GEMV of gemv.py reads matrix `index` in place (no slice copy);
-  otherwise, and with "xla", `dense_reference`.
-  The kernel's sums are fp32 over products of the weights and x rounded to the compute dtype
+  of 32) the "blocks" GEMV of gemv.py reads matrix `index` in place (no slice copy); from
+  there to dense_dot.ROWS_MAX rows of a 16-bit x and stack (`few` "dot"), dense_dot.py's
+  tensor-core tiles read it in place; otherwise, and with "xla", `dense_reference`.
+  The kernels' sums are fp32 over products of the weights and x rounded to the compute dtype
   (x's if 16-bit, else fp32): the reference's numbers to summation order.
   tiles: optional {block_out, block_in, k_split, num_warps, num_stages}.
   """
-  if not dense_kernel_rows(*x.shape, implementation, rows_max):
-    return dense_reference(x, stack, index)
-  return _dense_kernel(x, stack, index, resolve(implementation), tiles)
+  if dense_kernel_rows(*x.shape, implementation, rows_max):
+    return _dense_kernel(x, stack, index, resolve(implementation), tiles)
+  if dense_dot_rows(x.shape[0], x.dtype, stack.dtype, implementation, few):
+    impl = resolve(implementation)
+    tk = dict(tiles or {})
+    warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
+    params = triton_params(warps, stages) if impl == "pallas" else None
+    return dense_dot.dense_dot_call(x, _stack3(stack), index, compiler_params=params,
+                                    interpret=impl == "pallas_interpret", **tk)
+  return dense_reference(x, stack, index)
 
 
 def _dense_kernel(x, stack, index, impl, tiles):

@@ -30,12 +30,14 @@ class QRef:
 @dataclasses.dataclass(frozen=True)
 class DRef:
   """Matrix `index` (int32, traced) of a plain float weight stack [L, out, in], multiplied by
-  `pallas_kernels.quant.dense_matmul` with `implementation` (`Forms.quant_impl`): a few rows
-  by the in-place GEMV kernel, more by XLA on the indexed matrix (`Forms.dense_weights=
+  `pallas_kernels.quant.dense_matmul` with `implementation` (`Forms.quant_impl`): one row
+  by the in-place GEMV kernel, up to 64 by the in-place tensor-core kernel when `few`
+  (`Forms.dense_few`) is "dot", more by XLA on the indexed matrix (`Forms.dense_weights=
   "kernel"`). Made inside the traced step; not a pytree."""
   w: object
   index: object
   implementation: str = "auto"
+  few: str = "dot"
 
 
 def is_quant(w) -> bool:
@@ -93,7 +95,7 @@ def linear(x, w):
   if isinstance(w, DRef):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
     x2 = x.reshape(-1, x.shape[-1])
-    y = quant_api.dense_matmul(x2, w.w, w.index, implementation=w.implementation)
+    y = quant_api.dense_matmul(x2, w.w, w.index, implementation=w.implementation, few=w.few)
     return y.reshape(*x.shape[:-1], y.shape[-1])
   if is_quant(w):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)

@@ -1,0 +1,139 @@
+"""Pallas kernel: y = x @ W^T for a few rows (2 to `ROWS_MAX`) and a plain 16-bit weight
+stack read in place, on the tensor cores.
+
+Why: inside the decode step's layer scan, XLA multiplies a matrix taken at a traced layer
+index by copying it out of the stack first (a dynamic-slice fusion, then the dot). At batch 8
+on bench-a3b those copies took 1.74 of the step's 8.54 ms on the H200
+(experiments/results/device/decode_probe_lora_profile_run24.json, `loop_dynamic_slice_fusion`
+rows). The one-row GEMV (`gemv.dense_call`) reads in place but multiplies on the CUDA cores,
+one row at a time, and lost to XLA at 4 rows.
+
+Shapes: x [M, in] (M <= ROWS_MAX), stack [S, out, in], idx [1] int32 (the matrix), y [M, out]
+in x's dtype. Grid: out tiles x k_split. Program (ks * tiles + j) reads matrix idx[0] in place
+(`ref.at[s, rows, cols]`, a pointer offset), walks its 1/k_split share of `in` in
+[block_out, block_in] weight tiles, and multiplies each with the matching [rows_pad,
+block_in] tile of x by one `tl.dot` (rows padded to 16, the least a dot takes; the padded
+rows are masked loads of zeros, never stored), summing in fp32. With k_split > 1 each
+program writes an fp32 partial sum and `gemv.sum_partials` adds them in index order.
+
+Numerics: both operands in x's 16-bit dtype, exact products summed in fp32 (the tensor
+cores' order), rounded once: XLA's dot's numbers to summation order. 16-bit x only (an fp32
+dot on the tensor cores would be TF32); `api.dense_matmul` sends fp32 rows to XLA.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.quant.gemv import (_WHOLE, _tile_mask, masked_load, masked_store,
+                                       sum_partials, triton_params)
+
+_F32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # lhs @ rhs^T
+_MIN_TILE = 16  # tl.dot needs every dim >= 16
+ROWS_MAX = 64
+HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class Tiling(NamedTuple):
+  """Static description of one call."""
+  m: int
+  rows_pad: int
+  d_in: int
+  d_out: int
+  block_out: int
+  block_in: int
+  k_split: int
+  out_tiles: int
+  out_dtype: object
+
+
+def defaults(m, d_out, d_in, *, interpret=False):
+  """(block_out, block_in, k_split): 64 x 256 weight tiles, `in` split (up to 8 ways, while
+  each share keeps 2 or more loop steps) until the grid has 256 programs, two per SM of an
+  H200. Interpret: one big tile (the interpreter's cost is per program)."""
+  if interpret:
+    return (min(256, max(_MIN_TILE, pl.next_power_of_2(d_out))),
+            _largest_block(d_in, 2048), 1)
+  bo, bk = 64, _largest_block(d_in, 256)
+  tiles, steps, ks = -(-d_out // bo), d_in // bk, 1
+  while ks < 8 and tiles * ks < 256 and steps % (2 * ks) == 0 and steps // (2 * ks) >= 2:
+    ks *= 2
+  return bo, bk, ks
+
+
+def _largest_block(d_in, want):
+  """The largest power of 2 <= want (>= 16) dividing d_in."""
+  b = want
+  while b > _MIN_TILE and d_in % b:
+    b //= 2
+  if d_in % b:
+    raise ValueError(f"dense dot: `in` = {d_in} is not a multiple of {_MIN_TILE}")
+  return b
+
+
+def _kernel(idx_ref, x_ref, w_ref, o_ref, *, t: Tiling):
+  pid = pl.program_id(0)
+  bo, bk, rp = t.block_out, t.block_in, t.rows_pad
+  ks, j = pid // t.out_tiles, pid % t.out_tiles
+  o0 = j * bo
+  o_ok = (o0 + jnp.arange(bo)) < t.d_out if t.d_out % bo else None
+  r_ok = jnp.arange(rp) < t.m if t.m != rp else None
+  x_mask = _tile_mask(r_ok, None, rp, bk)
+  w_mask = _tile_mask(o_ok, None, bo, bk)
+  s = idx_ref[0]
+  n = t.d_in // bk // t.k_split
+
+  def body(step, acc):
+    k0 = (ks * n + step) * bk
+    xk = masked_load(x_ref.at[pl.ds(0, rp), pl.ds(k0, bk)], x_mask)
+    wk = masked_load(w_ref.at[s, pl.ds(o0, bo), pl.ds(k0, bk)], w_mask)
+    return acc + lax.dot_general(xk, wk, _NT, preferred_element_type=_F32)
+
+  acc = lax.fori_loop(0, n, body, jnp.zeros((rp, bo), _F32))
+  view = (o_ref.at[ks, pl.ds(0, rp), pl.ds(o0, bo)] if t.k_split > 1
+          else o_ref.at[pl.ds(0, rp), pl.ds(o0, bo)])
+  masked_store(view, acc.astype(t.out_dtype), _tile_mask(r_ok, o_ok, rp, bo))
+
+
+def dense_dot_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
+                   interpret=False, compiler_params=None):
+  """y = x @ stack[idx]^T for x [M, in] (16-bit, M <= ROWS_MAX) and a stack [S, out, in] of
+  x's dtype, matrix idx ([1] or scalar int32, traced OK, clipped) read in place."""
+  m, d_in = x.shape
+  n_mats, d_out, w_in = stack.shape
+  if w_in != d_in or stack.dtype != x.dtype or jnp.dtype(x.dtype) not in HALF:
+    raise ValueError(f"dense dot: x {x.shape} {x.dtype} and stack {stack.shape} {stack.dtype}"
+                     " need a shared `in` and one 16-bit dtype")
+  if not 0 < m <= ROWS_MAX:
+    raise ValueError(f"dense dot: {m} rows; it takes 1 to {ROWS_MAX}")
+  bo, bk, ks = defaults(m, d_out, d_in, interpret=interpret)
+  bo, ks = block_out or bo, int(k_split or ks)
+  bk = _largest_block(d_in, block_in) if block_in else bk
+  if (d_in // bk) % ks:
+    raise ValueError(f"dense dot: k_split={ks} does not divide the {d_in // bk} loop steps")
+  t = Tiling(m=m, rows_pad=max(_MIN_TILE, pl.next_power_of_2(m)), d_in=d_in, d_out=d_out,
+             block_out=bo, block_in=bk, k_split=ks, out_tiles=pl.cdiv(d_out, bo),
+             out_dtype=jnp.dtype(x.dtype) if ks == 1 else jnp.dtype(_F32))
+  if compiler_params is None and not interpret:
+    compiler_params = triton_params()
+  idx = jnp.clip(jnp.reshape(jnp.asarray(idx, jnp.int32), (1,)), 0, n_mats - 1)
+  out_shape = (ks, m, d_out) if ks > 1 else (m, d_out)
+  y = pl.pallas_call(
+      functools.partial(_kernel, t=t),
+      grid=(t.out_tiles * ks,),
+      out_shape=jax.ShapeDtypeStruct(out_shape, t.out_dtype),
+      in_specs=[_WHOLE] * 3, out_specs=_WHOLE,
+      interpret=interpret, compiler_params=compiler_params, name="dense_dot",
+  )(idx, x, stack)
+  return sum_partials(y).astype(x.dtype) if ks > 1 else y
+
+
+def dense_dot_reference(x, stack, idx):
+  """The same product in jnp: the matrix taken at idx, one dot in x's dtype (fp32 sums)."""
+  w = lax.dynamic_index_in_dim(stack, jnp.clip(jnp.asarray(idx, jnp.int32).reshape(()), 0,
+                                                stack.shape[0] - 1), 0, False)
+  return lax.dot_general(x, w, _NT, preferred_element_type=x.dtype)

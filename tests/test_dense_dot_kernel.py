@@ -1,0 +1,125 @@
+"""The few-row tensor-core product over a 16-bit weight stack read in place
+(pallas_kernels/quant/dense_dot.py): interpret-mode parity against float64 and the jnp
+reference (odd row counts, ragged output tiles, split sums, a traced index), how
+`dense_matmul` routes rows to it, its refusals, its Triton lowering, and the compiled kernel
+under the `gpu` marker."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import KERNEL_REL, assert_close
+
+from pallas_kernels.quant import dense_dot
+from pallas_kernels.quant.dense_dot import dense_dot_call, dense_dot_reference
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _case(m, d_out, d_in, dtype, n_mats=3, seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((m, d_in)), dtype)
+  stack = jnp.asarray(rng.standard_normal((n_mats, d_out, d_in)), dtype)
+  return x, stack
+
+
+def _want(x, stack, i):
+  return np.asarray(x, np.float64) @ np.asarray(stack[i], np.float64).T
+
+
+@pytest.mark.parametrize("m,d_out,d_in,tiles", [
+    (2, 64, 64, {}),                                           # the least rows, one tile
+    (3, 100, 96, {}),                                          # odd rows, ragged out tile
+    (8, 72, 256, dict(block_out=16, block_in=32, k_split=4)),  # split sums, ragged out
+    (17, 48, 128, dict(block_out=32, block_in=64, k_split=2)),  # rows past one 16-row dot
+    (64, 40, 64, dict(block_out=16, block_in=16)),             # ROWS_MAX rows
+])
+def test_dense_dot_matches_float64_and_the_reference(m, d_out, d_in, tiles):
+  x, stack = _case(m, d_out, d_in, BF16, seed=m)
+  f = jax.jit(lambda x, s, i: dense_dot_call(x, s, i, interpret=True, **tiles))
+  got = f(x, stack, jnp.int32(2))
+  assert got.shape == (m, d_out) and got.dtype == BF16
+  assert_close(got, _want(x, stack, 2), rel=KERNEL_REL["bfloat16"], what=f"dense dot M{m}")
+  ref = dense_dot_reference(x, stack, jnp.int32(2))
+  assert_close(got, np.asarray(ref, np.float64), rel=KERNEL_REL["bfloat16"],
+               what=f"dense dot vs reference M{m}")
+
+
+def test_dense_dot_reads_the_traced_index_in_place_and_clips_it():
+  """The matrix at a traced index, with no slice of the stack in the program; an index past
+  the stack reads its last matrix (as XLA's dynamic index)."""
+  x, stack = _case(5, 32, 64, F16, n_mats=4, seed=7)
+  f = jax.jit(lambda x, s, i: dense_dot_call(x, s, i, interpret=True))
+  for i, want_i in ((1, 1), (3, 3), (9, 3)):
+    got = f(x, stack, jnp.int32(i))
+    assert_close(got, _want(x, stack, want_i), rel=KERNEL_REL["float16"], what=f"index {i}")
+  jaxpr = str(jax.make_jaxpr(lambda x, s, i: dense_dot_call(x, s, i, interpret=True))(
+      x, stack, jnp.int32(1)))
+  assert "dynamic_slice" not in jaxpr.split("pallas_call")[0]
+
+
+def test_dense_dot_refuses_fp32_mixed_dtypes_and_too_many_rows():
+  x, stack = _case(4, 32, 64, BF16)
+  with pytest.raises(ValueError, match="16-bit dtype"):
+    dense_dot_call(x.astype(F32), stack.astype(F32), 0, interpret=True)
+  with pytest.raises(ValueError, match="16-bit dtype"):
+    dense_dot_call(x, stack.astype(F16), 0, interpret=True)
+  big = jnp.zeros((dense_dot.ROWS_MAX + 1, 64), BF16)
+  with pytest.raises(ValueError, match="rows"):
+    dense_dot_call(big, stack, 0, interpret=True)
+  with pytest.raises(ValueError, match="k_split=3 does not divide"):
+    dense_dot_call(x, stack, 0, interpret=True, block_in=16, k_split=3)
+
+
+def test_defaults_fill_the_grid_by_splitting_in_and_keep_two_steps_a_share():
+  bo, bk, ks = dense_dot.defaults(8, 2048, 4096)   # bench-a3b's ssm_out: 32 tiles
+  assert (bo, bk) == (64, 256) and ks == 8 and 4096 // bk // ks >= 2
+  assert dense_dot.defaults(8, 12288, 2048) == (64, 256, 1)   # 192 tiles: no split
+  assert dense_dot.defaults(8, 512, 2048)[2] == 4   # 8 tiles, 8 steps: 2 a share
+
+
+def test_dense_matmul_routes_a_few_16_bit_rows_to_the_dot_and_the_rest_to_xla():
+  """One row: the GEMV; 2 to ROWS_MAX rows of a 16-bit stack: the tensor-core kernel (few
+  "dot"), XLA's reference with few "xla", for fp32 and past ROWS_MAX; XLA is bit for bit
+  `dense_reference` there."""
+  from pallas_kernels.quant import dense_matmul, dense_reference
+  rng = np.random.default_rng(3)
+  kernels = lambda f, *a: [k for k in ("qgemv_dense", "dense_dot") if k in str(
+      jax.make_jaxpr(f)(*a))]
+  for n, dtype, few, want in ((1, BF16, "dot", ["qgemv_dense"]), (4, BF16, "dot", ["dense_dot"]),
+                              (4, BF16, "xla", []), (4, F32, "dot", []),
+                              (dense_dot.ROWS_MAX + 1, BF16, "dot", [])):
+    stack = jnp.asarray(rng.standard_normal((3, 24, 64)), dtype)
+    x = jnp.asarray(rng.standard_normal((n, 64)), dtype)
+    f = lambda x, s, few=few: dense_matmul(x, s, jnp.int32(2), implementation="pallas_interpret",
+                                           few=few)
+    assert kernels(f, x, stack) == want, (n, dtype, few)
+    if not want:
+      assert np.array_equal(np.asarray(f(x, stack)), np.asarray(dense_reference(x, stack, 2)))
+    else:
+      assert_close(f(x, stack), _want(x, stack, 2), rel=KERNEL_REL[np.dtype(dtype).name],
+                   what=f"dense_matmul N{n}")
+  with pytest.raises(ValueError, match="few='tiles'"):
+    dense_matmul(x, stack, 0, implementation="pallas_interpret", few="tiles")
+
+
+def test_dense_dot_lowers_to_triton_for_the_gpu():
+  f = lambda x, w, i: dense_dot_call(x, w, i, k_split=2)
+  low = jax.jit(f).trace(jnp.ones((8, 1024), BF16), jnp.ones((3, 40, 1024), BF16),
+                         jnp.zeros((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
+@pytest.mark.parametrize("m,d_out,d_in", [(2, 8192, 2048), (8, 2048, 4096), (32, 64, 2048),
+                                          (5, 12288, 2048), (64, 512, 2048)])
+def test_gpu_dense_dot(m, d_out, d_in):
+  """Compiled, at bench-a3b's shapes: float64's numbers to the bf16 kernel bound, and the
+  jnp reference's (XLA's dot on the sliced matrix)."""
+  x, stack = _case(m, d_out, d_in, BF16, n_mats=4, seed=m)
+  got = jax.jit(dense_dot_call)(x, stack, jnp.int32(3))
+  assert_close(got, _want(x, stack, 3), rel=KERNEL_REL["bfloat16"], what=f"gpu dense dot M{m}")
+  ref = jax.jit(dense_dot_reference)(x, stack, jnp.int32(3))
+  assert_close(got, np.asarray(ref, np.float64), rel=KERNEL_REL["bfloat16"],
+               what=f"gpu dense dot vs XLA M{m}")
