@@ -74,7 +74,8 @@ def test_dense_dot_refuses_fp32_mixed_dtypes_and_too_many_rows():
 def test_defaults_fill_the_grid_by_splitting_in_and_keep_two_steps_a_share():
   bo, bk, ks = dense_dot.defaults(8, 2048, 4096)   # bench-a3b's ssm_out: 32 tiles
   assert (bo, bk) == (64, 256) and ks == 8 and 4096 // bk // ks >= 2
-  assert dense_dot.defaults(8, 12288, 2048) == (64, 256, 1)   # 192 tiles: no split
+  assert dense_dot.defaults(8, 8192, 2048) == (64, 256, 2)   # 128 tiles: 256 programs
+  assert dense_dot.defaults(8, 16384, 2048) == (64, 256, 1)   # 256 tiles: no split
   assert dense_dot.defaults(8, 512, 2048)[2] == 4   # 8 tiles, 8 steps: 2 a share
 
 

@@ -17,6 +17,19 @@ export STRATA_BENCH_RESULTS=$OUT
 left() { echo $(( ${CAP:-570} - ($(date +%s) - t0) )); }
 want() { [[ ",${SECTIONS:-tests,probe,gdn}," == *",$1,"* ]]; }
 # Second call: SECTIONS=ddtests,sweep,ddprobe (the tensor-core few-row kernel, dense_dot.py).
+# Third call: SECTIONS=tests,model,spec (the GPU model set, bench_model's decode at batch
+# 1/8/32, bench_spec: with dense_dot the default at 2 to 64 rows).
+if want model; then
+  timeout ${MODEL_CAP:-200} python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
+  echo "bench_model done $(( $(date +%s) - t0 )) s"
+fi
+if want spec; then
+  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 --out $OUT/bench_spec.json 2>&1 \
+    | tail -4 | cut -c1-300
+  echo "spec done $(( $(date +%s) - t0 )) s"
+fi
 if want ddtests; then
   JAX_PLATFORMS=cuda timeout ${TEST_CAP:-120} python3 -m pytest -p no:cacheprovider -W ignore \
     -q -rfs -n 4 tests/test_dense_dot_kernel.py 2>&1 | tee $OUT/gpu_tests_dense_dot.log | tail -3
