@@ -101,8 +101,12 @@ CHOICES: dict[str, tuple] = {
     # 3.90 "apart" (experiments/results/device/bench_model_decode_run23_lorarows.json), while
     # the 80B-A3B Q4_K_M step took 4.70 ms with "rows" against 4.64 "apart"
     # (decode_probe_a80b_run9_lorarows.json); "rows" elsewhere (the interpreter keeps both
-    # kernels under test wherever a test names the GEMV kernels).
-    "gemv_lora": ("auto", "apart", "rows", "rows_dense"),
+    # kernels under test wherever a test names the GEMV kernels). Under "rows", "rows_dense"
+    # and "dot", 2 to 64 rows of a 16-bit dense projection that `dense_few="dot"` takes get
+    # the delta inside that kernel's one launch (`pallas_kernels/quant/dense_dot.py`: each
+    # program adds B times its own share's A x); "dot" sends one row there too, instead of
+    # the GEMV.
+    "gemv_lora": ("auto", "apart", "rows", "rows_dense", "dot"),
     # 2 to 64 rows (a decode batch, a verify step) of a 16-bit matrix kept whole under
     # `dense_weights="kernel"`: "dot" = the tensor-core tiles that read the layer's matrix in
     # place (`pallas_kernels/quant/dense_dot.py`), "xla" = XLA's dot on the indexed matrix,

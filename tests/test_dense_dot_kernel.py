@@ -124,3 +124,93 @@ def test_gpu_dense_dot(m, d_out, d_in):
   ref = jax.jit(dense_dot_reference)(x, stack, jnp.int32(3))
   assert_close(got, np.asarray(ref, np.float64), rel=KERNEL_REL["bfloat16"],
                what=f"gpu dense dot vs XLA M{m}")
+
+
+def _lora_case(m, d_out, d_in, rank, on_kind, n_ad=3, seed=11):
+  rng = np.random.default_rng(seed)
+  a = jnp.asarray(0.1 * rng.standard_normal((n_ad, rank, d_in)), BF16)
+  b = jnp.asarray(0.1 * rng.standard_normal((n_ad, d_out, rank)), BF16)
+  on = {"all": np.ones(m), "off": np.zeros(m), "mixed": np.arange(m) % 2 == 0}[on_kind]
+  return a, b, jnp.asarray(on, jnp.int32)
+
+
+def _lora_want(x, stack, i, a, b, li, on, rank_scale=None):
+  x64 = np.asarray(x, np.float64)
+  h = x64 @ np.asarray(a[li], np.float64).T
+  if rank_scale is not None:
+    h = h * np.asarray(rank_scale, np.float64)
+  return _want(x, stack, i) + h @ np.asarray(b[li], np.float64).T, np.asarray(on) != 0
+
+
+@pytest.mark.parametrize("m,k_split,on_kind,scaled", [
+    (5, 1, "mixed", False), (5, 4, "mixed", True), (8, 2, "all", False), (3, 2, "off", False),
+    (1, 1, "all", True), (17, 2, "mixed", False)])
+def test_dense_dot_lora_adds_the_delta_in_one_launch_and_keeps_off_rows_bits(m, k_split,
+                                                                             on_kind, scaled):
+  """On rows: W x + B (A x) (times the rank scales) against float64 and the jnp reference;
+  off rows: the plain kernel's bits, split sums or not; A and B read at a traced index."""
+  d_out, d_in, rank = 72, 128, 12
+  x, stack = _case(m, d_out, d_in, BF16, seed=m + 20)
+  a, b, on = _lora_case(m, d_out, d_in, rank, on_kind)
+  rs = (jnp.asarray(np.random.default_rng(2).uniform(0.5, 2, (m, rank)), F32) if scaled
+        else None)
+  tiles = dict(block_out=16, block_in=32, k_split=k_split)
+  f = jax.jit(lambda x, s, a, b, li, on, rs: dense_dot_call(
+      x, s, jnp.int32(1), lora=(a, b, li, on, rs), interpret=True, **tiles))
+  got = np.asarray(f(x, stack, a, b, jnp.int32(2), on, rs))
+  plain = np.asarray(dense_dot_call(x, stack, jnp.int32(1), interpret=True, **tiles))
+  want, on_rows = _lora_want(x, stack, 1, a, b, 2, on, rs)
+  assert np.array_equal(got[~on_rows].view(np.uint16), plain[~on_rows].view(np.uint16))
+  if on_rows.any():
+    assert_close(got[on_rows], want[on_rows], rel=KERNEL_REL["bfloat16"], what="on rows")
+    ref = np.asarray(dense_dot_reference(x, stack, 1, (a, b, 2, on, rs)), np.float64)
+    assert_close(got[on_rows], ref[on_rows], rel=KERNEL_REL["bfloat16"], what="vs reference")
+    assert not np.array_equal(got[on_rows], plain[on_rows])
+
+
+def test_dense_matmul_lora_takes_2_to_64_rows_into_the_one_launch_kernel():
+  """`dense_matmul_lora` with the adapter's stacks: 5 rows run `dense_dot_lora` alone (no
+  finishing kernel, no slice of A or B outside it); one row runs the GEMV's rows form, or
+  the dot under one_row="dot"; few="xla" and fp32 go to the XLA reference."""
+  from pallas_kernels.quant.api import dense_lora_reference, dense_matmul_lora
+  d_out, d_in, rank = 40, 64, 6
+  a, b, _ = _lora_case(5, d_out, d_in, rank, "all")
+  stack = _case(1, d_out, d_in, BF16, n_mats=2)[1]
+  for n, kw, want in ((5, {}, "dense_dot_lora"), (1, {}, "qgemv_dense_lora_rows"),
+                      (1, dict(one_row="dot"), "dense_dot_lora"), (5, dict(few="xla"), None)):
+    x = _case(n, d_out, d_in, BF16, seed=n)[0]
+    on = jnp.ones((n,), jnp.int32)
+    f = lambda x, s, a, b, kw=kw: dense_matmul_lora(
+        x, s, jnp.int32(1), a, b, on, lora_index=jnp.int32(2),
+        implementation="pallas_interpret", **kw)
+    jaxpr = str(jax.make_jaxpr(f)(x, stack, a, b))
+    outside = jaxpr.split("pallas_call")[0]
+    if want is None:
+      assert "pallas_call" not in jaxpr
+      ref = dense_lora_reference(x, stack, jnp.int32(1), a, b, on, lora_index=jnp.int32(2))
+      assert np.array_equal(np.asarray(f(x, stack, a, b)), np.asarray(ref))
+      continue
+    assert want in jaxpr and (want != "dense_dot_lora" or "lora_finish" not in jaxpr), (n, kw)
+    assert "dynamic_slice" not in outside
+    got = f(x, stack, a, b)
+    assert_close(got, _lora_want(x, stack, 1, a, b, 2, on)[0], rel=KERNEL_REL["bfloat16"],
+                 what=f"dense_matmul_lora N{n} {kw}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
+@pytest.mark.parametrize("m,on_kind", [(8, "mixed"), (1, "all"), (32, "off"), (5, "all")])
+def test_gpu_dense_dot_lora(m, on_kind):
+  """Compiled, at bench-a3b's adapted shape (ssm_out / attn_output, rank 50): on rows against
+  float64, off rows the plain kernel's bits."""
+  d_out, d_in, rank = 2048, 4096, 50
+  x, stack = _case(m, d_out, d_in, BF16, n_mats=3, seed=m)
+  a, b, on = _lora_case(m, d_out, d_in, rank, on_kind, n_ad=4)
+  got = np.asarray(jax.jit(lambda *v: dense_dot_call(
+      v[0], v[1], jnp.int32(2), lora=(v[2], v[3], jnp.int32(3), v[4], None)))(
+          x, stack, a, b, on))
+  plain = np.asarray(jax.jit(dense_dot_call)(x, stack, jnp.int32(2)))
+  want, on_rows = _lora_want(x, stack, 2, a, b, 3, on)
+  assert np.array_equal(got[~on_rows].view(np.uint16), plain[~on_rows].view(np.uint16))
+  if on_rows.any():
+    assert_close(got[on_rows], want[on_rows], rel=KERNEL_REL["bfloat16"], what="gpu on rows")

@@ -17,6 +17,22 @@ export STRATA_BENCH_RESULTS=$OUT
 left() { echo $(( ${CAP:-570} - ($(date +%s) - t0) )); }
 want() { [[ ",${SECTIONS:-tests,probe,gdn}," == *",$1,"* ]]; }
 # Second call: SECTIONS=ddtests,sweep,ddprobe (the tensor-core few-row kernel, dense_dot.py).
+# Fourth call: SECTIONS=lotests,lomodel,spec (the adapter inside dense_dot's launch at 2 to 64
+# rows, and at one row under gemv_lora=dot).
+if want lotests; then
+  JAX_PLATFORMS=cuda timeout ${TEST_CAP:-120} python3 -m pytest -p no:cacheprovider -W ignore \
+    -q -rfs -n 8 tests/test_dense_dot_kernel.py tests/test_forms.py \
+    tests/test_lora_switch.py -k "dense_dot or gemv_lora_rows or mixed_batch or off_is_bit" \
+    2>&1 | tee $OUT/gpu_tests_dense_dot_lora.log | tail -3
+  echo "lotests done $(( $(date +%s) - t0 )) s"
+fi
+if want lomodel; then
+  timeout ${MODEL_CAP:-150} python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches 1 --lora_alt_impl gemv_lora=dot --dump_hlo "" \
+    --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
+  echo "bench_model done $(( $(date +%s) - t0 )) s"
+fi
 # Third call: SECTIONS=tests,model,spec (the GPU model set, bench_model's decode at batch
 # 1/8/32, bench_spec: with dense_dot the default at 2 to 64 rows).
 if want model; then

@@ -253,10 +253,26 @@ def dense_lora_reference(x, stack, index, a, b, on, *, rank_scale=None, lora_ind
                    dense_reference(x, stack, index))
 
 
+def dense_lora_kernel_rows(n, d_in, x_dtype, stack_dtype, implementation="auto", few="dot",
+                           one_row="gemv"):
+  """Whether `dense_matmul_lora` runs a kernel for n rows: the GEMV (one row, `one_row`
+  "gemv") or the tensor-core tiles (2 to dense_dot.ROWS_MAX rows, and one row under `one_row`
+  "dot"; `few` "dot", 16-bit x and stack)."""
+  if one_row == "gemv" and dense_kernel_rows(n, d_in, implementation):
+    return True
+  return dense_dot_rows(max(n, 2) if one_row == "dot" else n, x_dtype, stack_dtype,
+                        implementation, few)
+
+
 def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None,
-                      implementation="auto", tiles=None, rows_max=None):
-  """y = x @ stack[index]^T + where(on, B (A x)) per row, for the few rows `dense_matmul`'s
-  kernel takes (`dense_kernel_rows`; more rows: `dense_lora_reference`).
+                      implementation="auto", tiles=None, rows_max=None, few="dot",
+                      one_row="gemv"):
+  """y = x @ stack[index]^T + where(on, B (A x)) per row, for the rows `dense_matmul`'s
+  kernels take (`dense_lora_kernel_rows`; more rows: `dense_lora_reference`).
+
+  From 2 rows (1 under `one_row` "dot") to dense_dot.ROWS_MAX of a 16-bit x and stack (`few`
+  "dot"), the tensor-core kernel (`dense_dot.dense_dot_call(lora=...)`) does it in one
+  launch: each program adds B times its own share's h = A x to its output tile.
 
   a: [R, in] and b: [out, R]; or, with `lora_index` (int32, traced OK), stacks [..., R, in]
   and [..., out, R] whose pair `lora_index` is read in place, as the weight. The kernel
@@ -275,12 +291,23 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
       or b_stack.shape[:-2] != a_stack.shape[:-2] or on.shape != (n,)):
     raise ValueError(f"dense lora: a {a.shape}, b {b.shape}, on {on.shape} must be "
                      f"[R, {d_in}], [{d_out}, R], [{n}] (stacks of them with lora_index)")
-  if not dense_kernel_rows(n, d_in, implementation, rows_max):
+  gemv_rows = one_row == "gemv" and dense_kernel_rows(n, d_in, implementation, rows_max)
+  dot_rows = not gemv_rows and dense_dot_rows(max(n, 2) if one_row == "dot" else n, x.dtype,
+                                              stack.dtype, implementation, few)
+  if not (gemv_rows or dot_rows):
     return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale,
                                 lora_index=lora_index)
   impl = resolve(implementation)
   tk = dict(tiles or {})
   warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
+  lidx = jnp.asarray(0 if lora_index is None else lora_index, jnp.int32)
+  if dot_rows:
+    tk.pop("finish_block", None)
+    return dense_dot.dense_dot_call(
+        x, _stack3(stack), index, lora=(_stack3(a_stack), _stack3(b_stack), lidx,
+                                        on.astype(jnp.int32), rank_scale),
+        interpret=impl == "pallas_interpret",
+        compiler_params=triton_params(warps, stages) if impl == "pallas" else None, **tk)
   return dense_lora_call(
       x, _stack3(stack), jnp.asarray(index, jnp.int32), _stack3(a_stack), _stack3(b_stack),
       jnp.asarray(0 if lora_index is None else lora_index, jnp.int32), on.astype(jnp.int32),

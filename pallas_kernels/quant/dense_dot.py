@@ -16,6 +16,15 @@ block_in] tile of x by one `tl.dot` (rows padded to 16, the least a dot takes; t
 rows are masked loads of zeros, never stored), summing in fp32. With k_split > 1 each
 program writes an fp32 partial sum and `gemv.sum_partials` adds them in index order.
 
+LoRA (`lora=`): y = W x + where(on, scale * B (A x)) per row, the adapter's A [R, in] and
+B [out, R] read in place from their stacks at `lidx`, in the same launch. Each program also
+sums h_s = x A^T over its own share s of `in` (A's [R, block_in] tile beside each weight
+tile, from L2 after the first program reads it), then adds scale * B_j h_s to its own output
+tile, because W x + B A x = sum over shares of (W_s x_s + B A_s x_s): no second launch and no
+finishing kernel. Rows with on == 0 take the plain acc by a select, so their partial sums,
+and the split sum over them, are the plain call's bit for bit; a program whose rows are all
+off skips A's and B's loads (`lax.cond`). Per-row rank scales [M, R] multiply h_s.
+
 Numerics: both operands in x's 16-bit dtype, exact products summed in fp32 (the tensor
 cores' order), rounded once: XLA's dot's numbers to summation order. 16-bit x only (an fp32
 dot on the tensor cores would be TF32); `api.dense_matmul` sends fp32 rows to XLA.
@@ -28,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.lora.kernel import dot_policy, up_product
 from pallas_kernels.quant.gemv import (_WHOLE, _tile_mask, masked_load, masked_store,
                                        sum_partials, triton_params)
 
@@ -49,6 +59,13 @@ class Tiling(NamedTuple):
   k_split: int
   out_tiles: int
   out_dtype: object
+  lora: bool = False
+  rank: int = 0
+  rank_pad: int = 0
+  scaled: bool = False
+  a_cd: object = None
+  a_precision: object = None
+  scale: float = 1.0
 
 
 def defaults(m, d_out, d_in, *, interpret=False):
@@ -75,9 +92,14 @@ def _largest_block(d_in, want):
   return b
 
 
-def _kernel(idx_ref, x_ref, w_ref, o_ref, *, t: Tiling):
+def _kernel(idx_ref, x_ref, w_ref, *rest, t: Tiling):
+  if t.lora:
+    lidx_ref, on_ref, a_ref, b_ref, *rest = rest
+    rs_ref, o_ref = rest if t.scaled else (None, *rest)
+  else:
+    (o_ref,) = rest
   pid = pl.program_id(0)
-  bo, bk, rp = t.block_out, t.block_in, t.rows_pad
+  bo, bk, rp, rr = t.block_out, t.block_in, t.rows_pad, t.rank_pad
   ks, j = pid // t.out_tiles, pid % t.out_tiles
   o0 = j * bo
   o_ok = (o0 + jnp.arange(bo)) < t.d_out if t.d_out % bo else None
@@ -86,23 +108,57 @@ def _kernel(idx_ref, x_ref, w_ref, o_ref, *, t: Tiling):
   w_mask = _tile_mask(o_ok, None, bo, bk)
   s = idx_ref[0]
   n = t.d_in // bk // t.k_split
+  if t.lora:
+    lay = lidx_ref[0]
+    rank_ok = (jnp.arange(rr) < t.rank) if t.rank != rr else None
+    on = masked_load(on_ref.at[pl.ds(0, rp)], r_ok) != 0  # [rp]; padded rows read 0: off
+    any_on = jnp.max(on.astype(jnp.int32)) > 0
 
-  def body(step, acc):
+  def body(step, carry):
+    acc, h = carry
     k0 = (ks * n + step) * bk
     xk = masked_load(x_ref.at[pl.ds(0, rp), pl.ds(k0, bk)], x_mask)
     wk = masked_load(w_ref.at[s, pl.ds(o0, bo), pl.ds(k0, bk)], w_mask)
-    return acc + lax.dot_general(xk, wk, _NT, preferred_element_type=_F32)
+    acc = acc + lax.dot_general(xk, wk, _NT, preferred_element_type=_F32)
+    if t.lora:
+      def down():
+        ak = masked_load(a_ref.at[lay, pl.ds(0, rr), pl.ds(k0, bk)],
+                         _tile_mask(rank_ok, None, rr, bk))
+        return h + lax.dot_general(xk.astype(t.a_cd), ak.astype(t.a_cd), _NT,
+                                   precision=t.a_precision, preferred_element_type=_F32)
+      h = lax.cond(any_on, down, lambda: h)
+    return acc, h
 
-  acc = lax.fori_loop(0, n, body, jnp.zeros((rp, bo), _F32))
+  h0 = jnp.zeros((rp, rr), _F32) if t.lora else jnp.zeros((), _F32)
+  acc, h = lax.fori_loop(0, n, body, (jnp.zeros((rp, bo), _F32), h0))
+  y = plain = acc.astype(t.out_dtype)
+  if t.lora:
+    def with_lora():
+      hs = h
+      if t.scaled:
+        hs = hs * masked_load(rs_ref.at[pl.ds(0, rp), pl.ds(0, rr)],
+                              _tile_mask(r_ok, rank_ok, rp, rr))
+      bt = masked_load(b_ref.at[lay, pl.ds(o0, bo), pl.ds(0, rr)],
+                       _tile_mask(o_ok, rank_ok, bo, rr))
+      delta = up_product(hs, bt)  # [rp, bo] fp32
+      if t.scale != 1.0:
+        delta = delta * t.scale
+      # A select, never acc + 0 * delta: an off row keeps the plain product's bits.
+      return jnp.where(on[:, None], (acc + delta).astype(t.out_dtype), plain)
+    y = lax.cond(any_on, with_lora, lambda: plain)
   view = (o_ref.at[ks, pl.ds(0, rp), pl.ds(o0, bo)] if t.k_split > 1
           else o_ref.at[pl.ds(0, rp), pl.ds(o0, bo)])
-  masked_store(view, acc.astype(t.out_dtype), _tile_mask(r_ok, o_ok, rp, bo))
+  masked_store(view, y, _tile_mask(r_ok, o_ok, rp, bo))
 
 
-def dense_dot_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
-                   interpret=False, compiler_params=None):
+def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block_in=None,
+                   k_split=None, interpret=False, compiler_params=None):
   """y = x @ stack[idx]^T for x [M, in] (16-bit, M <= ROWS_MAX) and a stack [S, out, in] of
-  x's dtype, matrix idx ([1] or scalar int32, traced OK, clipped) read in place."""
+  x's dtype, matrix idx ([1] or scalar int32, traced OK, clipped) read in place.
+
+  lora: None, or (a_stack [L, R, in], b_stack [L, out, R], lidx int32, on [M] int32,
+  rank_scale [M, R] or None): plus scale * B (A x) on the rows whose switch is on, with
+  A = a_stack[lidx] and B = b_stack[lidx] read in place (module docstring)."""
   m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or stack.dtype != x.dtype or jnp.dtype(x.dtype) not in HALF:
@@ -115,25 +171,59 @@ def dense_dot_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None
   bk = _largest_block(d_in, block_in) if block_in else bk
   if (d_in // bk) % ks:
     raise ValueError(f"dense dot: k_split={ks} does not divide the {d_in // bk} loop steps")
+  lora_kw, lora_args = {}, []
+  if lora is not None:
+    a_stack, b_stack, lidx, on, rank_scale = lora
+    n_ad, rank, a_in = a_stack.shape
+    if a_in != d_in or b_stack.shape != (n_ad, d_out, rank) or on.shape != (m,) or (
+        rank_scale is not None and rank_scale.shape != (m, rank)):
+      raise ValueError(f"dense dot lora: A {a_stack.shape}, B {b_stack.shape}, on {on.shape}"
+                       f" must be [L, R, {d_in}], [L, {d_out}, R], [{m}] (rank_scale [{m}, R])")
+    a_cd, a_prec = dot_policy(x.dtype, a_stack.dtype)
+    lora_kw = dict(lora=True, rank=rank, rank_pad=max(_MIN_TILE, pl.next_power_of_2(rank)),
+                   scaled=rank_scale is not None, a_cd=jnp.dtype(a_cd), a_precision=a_prec,
+                   scale=float(scale))
+    lidx = jnp.clip(jnp.reshape(jnp.asarray(lidx, jnp.int32), (1,)), 0, n_ad - 1)
+    lora_args = [lidx, on.astype(jnp.int32), a_stack, b_stack]
+    if rank_scale is not None:
+      lora_args.append(rank_scale.astype(_F32))
   t = Tiling(m=m, rows_pad=max(_MIN_TILE, pl.next_power_of_2(m)), d_in=d_in, d_out=d_out,
              block_out=bo, block_in=bk, k_split=ks, out_tiles=pl.cdiv(d_out, bo),
-             out_dtype=jnp.dtype(x.dtype) if ks == 1 else jnp.dtype(_F32))
+             out_dtype=jnp.dtype(x.dtype) if ks == 1 else jnp.dtype(_F32), **lora_kw)
   if compiler_params is None and not interpret:
     compiler_params = triton_params()
   idx = jnp.clip(jnp.reshape(jnp.asarray(idx, jnp.int32), (1,)), 0, n_mats - 1)
   out_shape = (ks, m, d_out) if ks > 1 else (m, d_out)
+  args = [idx, x, stack, *lora_args]
   y = pl.pallas_call(
       functools.partial(_kernel, t=t),
       grid=(t.out_tiles * ks,),
       out_shape=jax.ShapeDtypeStruct(out_shape, t.out_dtype),
-      in_specs=[_WHOLE] * 3, out_specs=_WHOLE,
-      interpret=interpret, compiler_params=compiler_params, name="dense_dot",
-  )(idx, x, stack)
+      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
+      interpret=interpret, compiler_params=compiler_params,
+      name="dense_dot_lora" if lora is not None else "dense_dot",
+  )(*args)
   return sum_partials(y).astype(x.dtype) if ks > 1 else y
 
 
-def dense_dot_reference(x, stack, idx):
-  """The same product in jnp: the matrix taken at idx, one dot in x's dtype (fp32 sums)."""
-  w = lax.dynamic_index_in_dim(stack, jnp.clip(jnp.asarray(idx, jnp.int32).reshape(()), 0,
-                                                stack.shape[0] - 1), 0, False)
-  return lax.dot_general(x, w, _NT, preferred_element_type=x.dtype)
+def dense_dot_reference(x, stack, idx, lora=None, scale=1.0):
+  """The same product in jnp: the matrix taken at idx, one dot in x's dtype (fp32 sums); with
+  `lora` (as `dense_dot_call`), the fp32 sum plus scale * B (A x) on the on rows, rounded
+  once, and the plain product on the off rows."""
+  take = lambda st, i: lax.dynamic_index_in_dim(st, jnp.clip(jnp.asarray(i, jnp.int32).reshape(
+      ()), 0, st.shape[0] - 1), 0, False)
+  w = take(stack, idx)
+  plain = lax.dot_general(x, w, _NT, preferred_element_type=x.dtype)
+  if lora is None:
+    return plain
+  a_stack, b_stack, lidx, on, rank_scale = lora
+  a, b = take(a_stack, lidx), take(b_stack, lidx)
+  cd, prec = dot_policy(x.dtype, a.dtype)
+  h = lax.dot_general(x.astype(cd), a.astype(cd), _NT, precision=prec,
+                      preferred_element_type=_F32)
+  if rank_scale is not None:
+    h = h * rank_scale.astype(_F32)
+  delta = lax.dot_general(h, b.astype(_F32), _NT, precision=lax.Precision.HIGHEST,
+                          preferred_element_type=_F32) * scale
+  acc = lax.dot_general(x, w, _NT, preferred_element_type=_F32)
+  return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype), plain)

@@ -163,11 +163,14 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
           x2, q, lora_a.w, lora_b.w, on, rank_scale=rank_scale, index=i, implementation=impl,
           lora_index=lora_a.index, **kw), groups)
       return y.reshape(B, T, -1)
-    if (gemv_lora in ("rows", "rows_dense") and isinstance(w, DRef)
-        and quant_api.dense_kernel_rows(B * T, x2.shape[1], w.implementation)):
+    one_row = "dot" if gemv_lora == "dot" else "gemv"
+    if (gemv_lora in ("rows", "rows_dense", "dot") and isinstance(w, DRef)
+        and quant_api.dense_lora_kernel_rows(B * T, x2.shape[1], x2.dtype, w.w.dtype,
+                                             w.implementation, w.few, one_row)):
       y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a.w, lora_b.w, on,
                                       rank_scale=rank_scale, lora_index=lora_a.index,
-                                      implementation=w.implementation)
+                                      implementation=w.implementation, few=w.few,
+                                      one_row=one_row)
       return y.reshape(B, T, -1)
     take = lambda r: lax.dynamic_index_in_dim(r.w, r.index, 0, False)
     lora_a, lora_b = take(lora_a), take(lora_b)

@@ -195,19 +195,23 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   gdn_p = _blocks(gdn_d, n_blocks)
   attn_p = _blocks(attn_d, n_blocks)
   n_g, n_a = block_types.count(GDN), block_types.count(ATTN)
-  # Under `Forms.gemv_lora` "rows" / "rows_dense", a program whose output projections run a
-  # few-row GEMV kernel with the adapter's rows (the in-place dense GEMV's one row; "rows":
-  # also the quantised GEMV's few rows) keeps the adapter's stacks whole, and each projection
+  # Under `Forms.gemv_lora` "rows" / "rows_dense" / "dot", a program whose output projections
+  # run a few-row kernel with the adapter inside (the in-place dense GEMV's one row, the
+  # tensor-core dense_dot's 2 to 64 rows of a 16-bit model, or its one row under "dot";
+  # "rows": also the quantised GEMV's few rows) keeps the adapter's stacks whole, and each projection
   # gets DRefs of its layer's pair, which those kernels read in place; every other program
   # (more rows, prefill) takes each block's pairs as the scan's xs, as before.
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
   n_rows = x.shape[0] * x.shape[1]
   quant_rows = (cfg.forms.quant_impl != "xla" and n_rows <= quant_api.ROWS_MAX
                 and any(_is_q(getattr(q, "out", None)) for q in (gdn_q, attn_q)))
-  dense_rows = cfg.forms.dense_weights == "kernel" and n_rows <= quant_api.DENSE_ROWS_MAX
   rows = cfg.forms.gemv_lora
+  few = "dot" if cfg.forms.dense_few == "auto" else cfg.forms.dense_few
+  dense_rows = cfg.forms.dense_weights == "kernel" and quant_api.dense_lora_kernel_rows(
+      n_rows, quant_api.DENSE_UNIT, x.dtype, x.dtype, cfg.forms.quant_impl, few,
+      "dot" if rows == "dot" else "gemv")
   lora_whole = lora is not None and (
-      (rows in ("rows", "rows_dense") and dense_rows) or (rows == "rows" and quant_rows))
+      (rows in ("rows", "rows_dense", "dot") and dense_rows) or (rows == "rows" and quant_rows))
   scanned = lora is not None and not lora_whole
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if scanned else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if scanned else None
