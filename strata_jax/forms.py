@@ -104,8 +104,11 @@ CHOICES: dict[str, tuple] = {
     # kernels under test wherever a test names the GEMV kernels). Under "rows", "rows_dense"
     # and "dot", 2 to 64 rows of a 16-bit dense projection that `dense_few="dot"` takes get
     # the delta inside that kernel's one launch (`pallas_kernels/quant/dense_dot.py`: each
-    # program adds B times its own share's A x); "dot" sends one row there too, instead of
-    # the GEMV.
+    # program adds B times its own share's A x: on the H200, bench-a3b rank 50, 5.76 / 4.95
+    # us a layer at batch 8 / 32 against 9.88 / 9.66 with the LoRA ops after the product,
+    # experiments/results/device/bench_model_decode_run27_dotlora.json and _run26_densedot);
+    # "dot" sends one row there too, instead of the GEMV (5.54 against the rows form's 3.20
+    # us a layer at batch 1, run 27: not the default).
     "gemv_lora": ("auto", "apart", "rows", "rows_dense", "dot"),
     # 2 to 64 rows (a decode batch, a verify step) of a 16-bit matrix kept whole under
     # `dense_weights="kernel"`: "dot" = the tensor-core tiles that read the layer's matrix in
