@@ -227,6 +227,16 @@ def now() -> float:
   return time.perf_counter()
 
 
+def median_call_s(call, reps: int) -> float:
+  """Median wall seconds of `reps` calls of `call()`, each waited for."""
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    block(call())
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
 def read_json(path: str) -> dict | None:
   try:
     with open(path) as f:

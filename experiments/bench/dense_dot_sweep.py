@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -117,12 +116,7 @@ def main(argv=None):
                          d_out)(x, w) if v != "xla" else got
           rec["max_rel_vs_xla"] = float(jnp.max(jnp.abs(got - want)) /
                                         (jnp.max(jnp.abs(want)) + 1e-30))
-          ts = []
-          for _ in range(args.reps):
-            t = time.perf_counter()
-            jax.block_until_ready(prog(x, w))
-            ts.append(time.perf_counter() - t)
-          us = statistics.median(ts) / args.iters * 1e6
+          us = common.median_call_s(lambda: prog(x, w), args.reps) / args.iters * 1e6
           rec.update(us=us, TBps=one / (us * 1e-6) / 1e12)
         except Exception as e:  # noqa: BLE001 (a tiling Triton refuses, an invalid split)
           rec.update(error=f"{type(e).__name__}: {str(e)[:200]}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -140,12 +139,7 @@ def main(argv=None):
       try:
         prog = program(call, n_mats, groups, args.iters)
         jax.block_until_ready(prog(x, wt))
-        ts = []
-        for _ in range(args.reps):
-          t = time.perf_counter()
-          jax.block_until_ready(prog(x, wt))
-          ts.append(time.perf_counter() - t)
-        us = statistics.median(ts) / args.iters * 1e6
+        us = common.median_call_s(lambda: prog(x, wt), args.reps) / args.iters * 1e6
         rec.update(us=us, TBps=one * groups / (us * 1e-6) / 1e12)
       except Exception as e:  # noqa: BLE001 (an invalid split or a tiling Triton refuses)
         rec.update(error=f"{type(e).__name__}: {str(e)[:160]}")
