@@ -17,6 +17,21 @@ export STRATA_BENCH_RESULTS=$OUT
 left() { echo $(( ${CAP:-570} - ($(date +%s) - t0) )); }
 want() { [[ ",${SECTIONS:-tests,probe,gdn}," == *",$1,"* ]]; }
 # Second call: SECTIONS=ddtests,sweep,ddprobe (the tensor-core few-row kernel, dense_dot.py).
+# Owed to the next session (SECTIONS=owed, ~9 min): the bf16 dense_dot LoRA model test in its
+# fp32-yardstick form compiled, the Engine at batch 8 / 32 / 1 on dense_dot (greedy, sampled,
+# against its decode_greedy), and the GDN decode's GPU time at batch 32 beside fla's.
+if want owed; then
+  JAX_PLATFORMS=cuda timeout ${TEST_CAP:-100} python3 -m pytest -p no:cacheprovider -W ignore \
+    -q -rfs -n 4 tests/test_forms.py -k "dense_dot_lora" 2>&1 \
+    | tee $OUT/gpu_tests_dense_dot_lora_fp32_yardstick.log | tail -3
+  timeout ${ENGINE_CAP:-330} python3 experiments/bench/bench_engine.py --reps 3 --batches 8,32,1 \
+    --out $OUT/bench_engine_densedot.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
+    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
+  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout $(left) python3 experiments/bench/gdn_probe.py \
+    --batches 32 --profile --profile_batches 32 --skip chunked,layers,sweep,ffi,floor \
+    --out $OUT/gdn_probe_decode_b32.json 2>&1 | grep -e "^decode" -e "done" | cut -c1-300
+fi
 # Fourth call: SECTIONS=lotests,lomodel,spec (the adapter inside dense_dot's launch at 2 to 64
 # rows, and at one row under gemv_lora=dot).
 if want lotests; then
