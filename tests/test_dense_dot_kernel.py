@@ -77,6 +77,13 @@ def test_defaults_fill_the_grid_by_splitting_in_and_keep_two_steps_a_share():
   assert dense_dot.defaults(8, 8192, 2048) == (64, 256, 2)   # 128 tiles: 256 programs
   assert dense_dot.defaults(8, 16384, 2048) == (64, 256, 1)   # 256 tiles: no split
   assert dense_dot.defaults(8, 512, 2048)[2] == 4   # 8 tiles, 8 steps: 2 a share
+  # the measured adapter calls keep 256 columns (batch 8 / 32, rank 50 padded to 64); 64 rows
+  # with an adapter, or a rank past 64, halve them to stay in an SM's shared memory
+  assert dense_dot.defaults(8, 2048, 4096, rank_pad=64)[1] == 256
+  assert dense_dot.defaults(32, 2048, 4096, rank_pad=64)[1] == 256
+  assert dense_dot.defaults(64, 2048, 4096)[1] == 256
+  assert dense_dot.defaults(64, 2048, 4096, rank_pad=64)[1] == 128
+  assert dense_dot.defaults(64, 2048, 4096, rank_pad=512)[1] == 64
 
 
 def test_dense_matmul_routes_a_few_16_bit_rows_to_the_dot_and_the_rest_to_xla():
@@ -199,7 +206,8 @@ def test_dense_matmul_lora_takes_2_to_64_rows_into_the_one_launch_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
-@pytest.mark.parametrize("m,on_kind", [(8, "mixed"), (1, "all"), (32, "off"), (5, "all")])
+@pytest.mark.parametrize("m,on_kind", [(8, "mixed"), (1, "all"), (32, "off"), (5, "all"),
+                                        (64, "mixed")])
 def test_gpu_dense_dot_lora(m, on_kind):
   """Compiled, at bench-a3b's adapted shape (ssm_out / attn_output, rank 50): on rows against
   float64, off rows the plain kernel's bits."""

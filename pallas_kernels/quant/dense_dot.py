@@ -68,14 +68,25 @@ class Tiling(NamedTuple):
   scale: float = 1.0
 
 
-def defaults(m, d_out, d_in, *, interpret=False):
-  """(block_out, block_in, k_split): 64 x 256 weight tiles, `in` split (up to 8 ways, while
-  each share keeps 2 or more loop steps) until the grid has 256 programs, two per SM of an
-  H200. Interpret: one big tile (the interpreter's cost is per program)."""
+# Shared memory a program may plan for (an H200 SM has 227 KiB): the x and weight tiles of
+# each pipelined stage plus the adapter's A tile, which sits under a branch and is loaded once.
+SMEM_BUDGET = 200 * 1024
+STAGES = 3   # gemv.triton_params' default num_stages
+
+
+def defaults(m, d_out, d_in, *, rank_pad=0, interpret=False):
+  """(block_out, block_in, k_split): 64 x 256 weight tiles (`in` tiles halved while the
+  x, weight and A tiles of a program would pass SMEM_BUDGET: 33 to 64 rows with an adapter),
+  `in` split (up to 8 ways, while each share keeps 2 or more loop steps) until the grid has
+  256 programs, two per SM of an H200. Interpret: one big tile (the interpreter's cost is per
+  program)."""
   if interpret:
     return (min(256, max(_MIN_TILE, pl.next_power_of_2(d_out))),
             _largest_block(d_in, 2048), 1)
   bo, bk = 64, _largest_block(d_in, 256)
+  rp = max(_MIN_TILE, pl.next_power_of_2(m))
+  while bk > 32 and ((rp + bo) * STAGES + rank_pad) * bk * 2 > SMEM_BUDGET:
+    bk //= 2
   tiles, steps, ks = -(-d_out // bo), d_in // bk, 1
   while ks < 8 and tiles * ks < 256 and steps % (2 * ks) == 0 and steps // (2 * ks) >= 2:
     ks *= 2
@@ -166,27 +177,28 @@ def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block
                      " need a shared `in` and one 16-bit dtype")
   if not 0 < m <= ROWS_MAX:
     raise ValueError(f"dense dot: {m} rows; it takes 1 to {ROWS_MAX}")
-  bo, bk, ks = defaults(m, d_out, d_in, interpret=interpret)
-  bo, ks = block_out or bo, int(k_split or ks)
-  bk = _largest_block(d_in, block_in) if block_in else bk
-  if (d_in // bk) % ks:
-    raise ValueError(f"dense dot: k_split={ks} does not divide the {d_in // bk} loop steps")
-  lora_kw, lora_args = {}, []
+  lora_kw, lora_args, rank_pad = {}, [], 0
   if lora is not None:
     a_stack, b_stack, lidx, on, rank_scale = lora
     n_ad, rank, a_in = a_stack.shape
+    rank_pad = max(_MIN_TILE, pl.next_power_of_2(rank))
     if a_in != d_in or b_stack.shape != (n_ad, d_out, rank) or on.shape != (m,) or (
         rank_scale is not None and rank_scale.shape != (m, rank)):
       raise ValueError(f"dense dot lora: A {a_stack.shape}, B {b_stack.shape}, on {on.shape}"
                        f" must be [L, R, {d_in}], [L, {d_out}, R], [{m}] (rank_scale [{m}, R])")
     a_cd, a_prec = dot_policy(x.dtype, a_stack.dtype)
-    lora_kw = dict(lora=True, rank=rank, rank_pad=max(_MIN_TILE, pl.next_power_of_2(rank)),
+    lora_kw = dict(lora=True, rank=rank, rank_pad=rank_pad,
                    scaled=rank_scale is not None, a_cd=jnp.dtype(a_cd), a_precision=a_prec,
                    scale=float(scale))
     lidx = jnp.clip(jnp.reshape(jnp.asarray(lidx, jnp.int32), (1,)), 0, n_ad - 1)
     lora_args = [lidx, on.astype(jnp.int32), a_stack, b_stack]
     if rank_scale is not None:
       lora_args.append(rank_scale.astype(_F32))
+  bo, bk, ks = defaults(m, d_out, d_in, rank_pad=rank_pad, interpret=interpret)
+  bo, ks = block_out or bo, int(k_split or ks)
+  bk = _largest_block(d_in, block_in) if block_in else bk
+  if (d_in // bk) % ks:
+    raise ValueError(f"dense dot: k_split={ks} does not divide the {d_in // bk} loop steps")
   t = Tiling(m=m, rows_pad=max(_MIN_TILE, pl.next_power_of_2(m)), d_in=d_in, d_out=d_out,
              block_out=bo, block_in=bk, k_split=ks, out_tiles=pl.cdiv(d_out, bo),
              out_dtype=jnp.dtype(x.dtype) if ks == 1 else jnp.dtype(_F32), **lora_kw)
