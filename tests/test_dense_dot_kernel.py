@@ -10,7 +10,8 @@ import pytest
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels.quant import dense_dot
-from pallas_kernels.quant.dense_dot import dense_dot_call, dense_dot_reference
+from pallas_kernels.quant.api import dense_lora_reference, dense_reference
+from pallas_kernels.quant.dense_dot import dense_dot_call
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 ON_GPU = jax.default_backend() == "gpu"
@@ -40,7 +41,7 @@ def test_dense_dot_matches_float64_and_the_reference(m, d_out, d_in, tiles):
   got = f(x, stack, jnp.int32(2))
   assert got.shape == (m, d_out) and got.dtype == BF16
   assert_close(got, _want(x, stack, 2), rel=KERNEL_REL["bfloat16"], what=f"dense dot M{m}")
-  ref = dense_dot_reference(x, stack, jnp.int32(2))
+  ref = dense_reference(x, stack, jnp.int32(2))
   assert_close(got, np.asarray(ref, np.float64), rel=KERNEL_REL["bfloat16"],
                what=f"dense dot vs reference M{m}")
 
@@ -90,7 +91,7 @@ def test_dense_matmul_routes_a_few_16_bit_rows_to_the_dot_and_the_rest_to_xla():
   """One row: the GEMV; 2 to ROWS_MAX rows of a 16-bit stack: the tensor-core kernel (few
   "dot"), XLA's reference with few "xla", for fp32 and past ROWS_MAX; XLA is bit for bit
   `dense_reference` there."""
-  from pallas_kernels.quant import dense_matmul, dense_reference
+  from pallas_kernels.quant import dense_matmul
   rng = np.random.default_rng(3)
   kernels = lambda f, *a: [k for k in ("qgemv_dense", "dense_dot") if k in str(
       jax.make_jaxpr(f)(*a))]
@@ -128,7 +129,7 @@ def test_gpu_dense_dot(m, d_out, d_in):
   x, stack = _case(m, d_out, d_in, BF16, n_mats=4, seed=m)
   got = jax.jit(dense_dot_call)(x, stack, jnp.int32(3))
   assert_close(got, _want(x, stack, 3), rel=KERNEL_REL["bfloat16"], what=f"gpu dense dot M{m}")
-  ref = jax.jit(dense_dot_reference)(x, stack, jnp.int32(3))
+  ref = jax.jit(dense_reference)(x, stack, jnp.int32(3))
   assert_close(got, np.asarray(ref, np.float64), rel=KERNEL_REL["bfloat16"],
                what=f"gpu dense dot vs XLA M{m}")
 
@@ -170,7 +171,8 @@ def test_dense_dot_lora_adds_the_delta_in_one_launch_and_keeps_off_rows_bits(m, 
   assert np.array_equal(got[~on_rows].view(np.uint16), plain[~on_rows].view(np.uint16))
   if on_rows.any():
     assert_close(got[on_rows], want[on_rows], rel=KERNEL_REL["bfloat16"], what="on rows")
-    ref = np.asarray(dense_dot_reference(x, stack, 1, (a, b, 2, on, rs)), np.float64)
+    ref = np.asarray(dense_lora_reference(x, stack, jnp.int32(1), a, b, on, rank_scale=rs,
+                                          lora_index=jnp.int32(2)), np.float64)
     assert_close(got[on_rows], ref[on_rows], rel=KERNEL_REL["bfloat16"], what="vs reference")
     assert not np.array_equal(got[on_rows], plain[on_rows])
 
@@ -179,7 +181,7 @@ def test_dense_matmul_lora_takes_2_to_64_rows_into_the_one_launch_kernel():
   """`dense_matmul_lora` with the adapter's stacks: 5 rows run `dense_dot_lora` alone (no
   finishing kernel, no slice of A or B outside it); one row runs the GEMV's rows form, or
   the dot under one_row="dot"; few="xla" and fp32 go to the XLA reference."""
-  from pallas_kernels.quant.api import dense_lora_reference, dense_matmul_lora
+  from pallas_kernels.quant.api import dense_matmul_lora
   d_out, d_in, rank = 40, 64, 6
   a, b, _ = _lora_case(5, d_out, d_in, rank, "all")
   stack = _case(1, d_out, d_in, BF16, n_mats=2)[1]

@@ -227,6 +227,14 @@ def now() -> float:
   return time.perf_counter()
 
 
+def add_result(res: dict, rec: dict, path: str) -> None:
+  """Append `rec` to res["results"], print it as a JSON line and rewrite `path`, so a run cut
+  short keeps every measurement made so far."""
+  res["results"].append(rec)
+  print(json.dumps(rec), flush=True)
+  write_json(os.path.abspath(path), res)
+
+
 def median_call_s(call, reps: int) -> float:
   """Median wall seconds of `reps` calls of `call()`, each waited for."""
   times = []

@@ -78,7 +78,8 @@ def main(argv=None):
   import jax.numpy as jnp
   from jax import lax
 
-  from pallas_kernels.quant.dense_dot import dense_dot_call, dense_dot_reference
+  from pallas_kernels.quant.api import dense_reference
+  from pallas_kernels.quant.dense_dot import dense_dot_call
   from pallas_kernels.quant.gemv import triton_params
   t_start = time.perf_counter()
   shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
@@ -100,7 +101,7 @@ def main(argv=None):
           res["out_of_time"] = f"stopped after {args.budget_s} s"
           break
         if v == "xla":
-          call = lambda x, w, i: dense_dot_reference(x, w, i)
+          call = lambda x, w, i: dense_reference(x, w, i)
         else:
           kw = dict(v)
           warps, stages = kw.pop("num_warps", None), kw.pop("num_stages", None)
@@ -112,7 +113,7 @@ def main(argv=None):
         try:
           prog = program(call, n_mats, args.iters, m, d_out)
           got = jax.block_until_ready(prog(x, w))
-          want = program(lambda x, w, i: dense_dot_reference(x, w, i), n_mats, args.iters, m,
+          want = program(lambda x, w, i: dense_reference(x, w, i), n_mats, args.iters, m,
                          d_out)(x, w) if v != "xla" else got
           rec["max_rel_vs_xla"] = float(jnp.max(jnp.abs(got - want)) /
                                         (jnp.max(jnp.abs(want)) + 1e-30))
@@ -120,9 +121,7 @@ def main(argv=None):
           rec.update(us=us, TBps=one / (us * 1e-6) / 1e12)
         except Exception as e:  # noqa: BLE001 (a tiling Triton refuses, an invalid split)
           rec.update(error=f"{type(e).__name__}: {str(e)[:200]}")
-        res["results"].append(rec)
-        print(json.dumps(rec), flush=True)
-        common.write_json(os.path.abspath(args.out), res)
+        common.add_result(res, rec, args.out)
   best = {}
   for r in res["results"]:
     key = f"{r['shape']}@{r['rows']}"

@@ -143,9 +143,7 @@ def main(argv=None):
         rec.update(us=us, TBps=one * groups / (us * 1e-6) / 1e12)
       except Exception as e:  # noqa: BLE001 (an invalid split or a tiling Triton refuses)
         rec.update(error=f"{type(e).__name__}: {str(e)[:160]}")
-      res["results"].append(rec)
-      print(json.dumps(rec), flush=True)
-      common.write_json(os.path.abspath(args.out), res)
+      common.add_result(res, rec, args.out)
   best = {}
   for r in res["results"]:
     if "us" in r and (r["shape"] not in best or r["us"] < best[r["shape"]]["us"]):

@@ -26,7 +26,8 @@ and the split sum over them, are the plain call's bit for bit; a program whose r
 off skips A's and B's loads (`lax.cond`). Per-row rank scales [M, R] multiply h_s.
 
 Numerics: both operands in x's 16-bit dtype, exact products summed in fp32 (the tensor
-cores' order), rounded once: XLA's dot's numbers to summation order. 16-bit x only (an fp32
+cores' order), rounded once: the numbers of XLA's dot to summation order. The jnp oracles
+are `api.dense_reference` and `api.dense_lora_reference`. 16-bit x only (an fp32
 dot on the tensor cores would be TF32); `api.dense_matmul` sends fp32 rows to XLA.
 """
 import functools
@@ -38,12 +39,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.lora.kernel import dot_policy, up_product
-from pallas_kernels.quant.gemv import (_WHOLE, _tile_mask, masked_load, masked_store,
-                                       sum_partials, triton_params)
+from pallas_kernels.quant.gemv import (masked_load, masked_store, sum_partials, tile_mask,
+                                       triton_params)
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # lhs @ rhs^T
 _MIN_TILE = 16  # tl.dot needs every dim >= 16
+_WHOLE = pl.BlockSpec()  # a whole array (a pointer): the kernel indexes it itself
 ROWS_MAX = 64
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -115,8 +117,8 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, t: Tiling):
   o0 = j * bo
   o_ok = (o0 + jnp.arange(bo)) < t.d_out if t.d_out % bo else None
   r_ok = jnp.arange(rp) < t.m if t.m != rp else None
-  x_mask = _tile_mask(r_ok, None, rp, bk)
-  w_mask = _tile_mask(o_ok, None, bo, bk)
+  x_mask = tile_mask(r_ok, None, rp, bk)
+  w_mask = tile_mask(o_ok, None, bo, bk)
   s = idx_ref[0]
   n = t.d_in // bk // t.k_split
   if t.lora:
@@ -134,7 +136,7 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, t: Tiling):
     if t.lora:
       def down():
         ak = masked_load(a_ref.at[lay, pl.ds(0, rr), pl.ds(k0, bk)],
-                         _tile_mask(rank_ok, None, rr, bk))
+                         tile_mask(rank_ok, None, rr, bk))
         return h + lax.dot_general(xk.astype(t.a_cd), ak.astype(t.a_cd), _NT,
                                    precision=t.a_precision, preferred_element_type=_F32)
       h = lax.cond(any_on, down, lambda: h)
@@ -148,9 +150,9 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, t: Tiling):
       hs = h
       if t.scaled:
         hs = hs * masked_load(rs_ref.at[pl.ds(0, rp), pl.ds(0, rr)],
-                              _tile_mask(r_ok, rank_ok, rp, rr))
+                              tile_mask(r_ok, rank_ok, rp, rr))
       bt = masked_load(b_ref.at[lay, pl.ds(o0, bo), pl.ds(0, rr)],
-                       _tile_mask(o_ok, rank_ok, bo, rr))
+                       tile_mask(o_ok, rank_ok, bo, rr))
       delta = up_product(hs, bt)  # [rp, bo] fp32
       if t.scale != 1.0:
         delta = delta * t.scale
@@ -159,7 +161,7 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, t: Tiling):
     y = lax.cond(any_on, with_lora, lambda: plain)
   view = (o_ref.at[ks, pl.ds(0, rp), pl.ds(o0, bo)] if t.k_split > 1
           else o_ref.at[pl.ds(0, rp), pl.ds(o0, bo)])
-  masked_store(view, y, _tile_mask(r_ok, o_ok, rp, bo))
+  masked_store(view, y, tile_mask(r_ok, o_ok, rp, bo))
 
 
 def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block_in=None,
@@ -216,26 +218,3 @@ def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block
       name="dense_dot_lora" if lora is not None else "dense_dot",
   )(*args)
   return sum_partials(y).astype(x.dtype) if ks > 1 else y
-
-
-def dense_dot_reference(x, stack, idx, lora=None, scale=1.0):
-  """The same product in jnp: the matrix taken at idx, one dot in x's dtype (fp32 sums); with
-  `lora` (as `dense_dot_call`), the fp32 sum plus scale * B (A x) on the on rows, rounded
-  once, and the plain product on the off rows."""
-  take = lambda st, i: lax.dynamic_index_in_dim(st, jnp.clip(jnp.asarray(i, jnp.int32).reshape(
-      ()), 0, st.shape[0] - 1), 0, False)
-  w = take(stack, idx)
-  plain = lax.dot_general(x, w, _NT, preferred_element_type=x.dtype)
-  if lora is None:
-    return plain
-  a_stack, b_stack, lidx, on, rank_scale = lora
-  a, b = take(a_stack, lidx), take(b_stack, lidx)
-  cd, prec = dot_policy(x.dtype, a.dtype)
-  h = lax.dot_general(x.astype(cd), a.astype(cd), _NT, precision=prec,
-                      preferred_element_type=_F32)
-  if rank_scale is not None:
-    h = h * rank_scale.astype(_F32)
-  delta = lax.dot_general(h, b.astype(_F32), _NT, precision=lax.Precision.HIGHEST,
-                          preferred_element_type=_F32) * scale
-  acc = lax.dot_general(x, w, _NT, preferred_element_type=_F32)
-  return jnp.where((on != 0)[:, None], (acc + delta).astype(x.dtype), plain)

@@ -135,7 +135,7 @@ def masked_store(view, val, mask):
     pltriton.store(view, val, mask=mask)
 
 
-def _tile_mask(row_ok, col_ok, rows, cols):
+def tile_mask(row_ok, col_ok, rows, cols):
   """[rows, cols] mask from per-row / per-column masks (None: all in), or None if both are."""
   if row_ok is None and col_ok is None:
     return None
@@ -274,7 +274,7 @@ def _lora_epilogue(accs, on_ref, h_ref, b_ref, ks, o0, o_ok, t: Blocks):
     any_on = any_on | v
 
   def with_delta(accs):
-    mask = _tile_mask(o_ok, r_in, t.block_out, rp)
+    mask = tile_mask(o_ok, r_in, t.block_out, rp)
     bt = masked_load(b_ref.at[pl.ds(o0, t.block_out), pl.ds(0, rp)], mask).astype(_F32)
     out = []
     for r in range(t.m):
@@ -505,7 +505,7 @@ def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finis
   o0 = pl.program_id(0) * t.block_out
   o_ok = (o0 + jnp.arange(t.block_out)) < t.d_out if t.d_out % t.block_out else None
   r_in = (jnp.arange(t.rank_pad) < t.rank) if t.rank != t.rank_pad else None
-  mask = _tile_mask(o_ok, r_in, t.block_out, t.rank_pad)
+  mask = tile_mask(o_ok, r_in, t.block_out, t.rank_pad)
   lay = lidx_ref[0]
   bt = masked_load(b_ref.at[lay, pl.ds(o0, t.block_out), pl.ds(0, t.rank_pad)], mask)
   bt = bt.astype(_F32)  # [bo, Rp]
