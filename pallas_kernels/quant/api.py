@@ -188,14 +188,23 @@ def dense_kernel_rows(n, d_in, implementation="auto", rows_max=None):
 FEW = ("dot", "xla")
 
 
-def dense_dot_rows(n, x_dtype, stack_dtype, implementation="auto", few="dot"):
-  """Whether `dense_matmul` runs the in-place tensor-core kernel for n rows (more than the
-  GEMV takes, at most dense_dot.ROWS_MAX; x and the stack of one 16-bit dtype)."""
+def dense_dot_rows(n, x_dtype, stack_dtype, implementation="auto", few="dot", min_rows=2):
+  """Whether `dense_matmul` runs the in-place tensor-core kernel for n rows (min_rows, past
+  what the GEMV takes, to dense_dot.ROWS_MAX; x and the stack of one 16-bit dtype)."""
   if few not in FEW:
     raise ValueError(f"dense matmul: few={few!r}; expected one of {FEW}")
-  return (few == "dot" and resolve(implementation) != "xla" and 1 < n <= dense_dot.ROWS_MAX
+  return (few == "dot" and resolve(implementation) != "xla"
+          and min_rows <= n <= dense_dot.ROWS_MAX
           and jnp.dtype(x_dtype) == jnp.dtype(stack_dtype)
           and jnp.dtype(x_dtype) in dense_dot.HALF)
+
+
+def _kernel_params(impl, tiles):
+  """(tile kwargs, Triton compiler params or None) from `tiles`'s {..., num_warps,
+  num_stages} for the resolved implementation."""
+  tk = dict(tiles or {})
+  warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
+  return tk, triton_params(warps, stages) if impl == "pallas" else None
 
 
 def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max=None,
@@ -215,18 +224,14 @@ def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max
     return _dense_kernel(x, stack, index, resolve(implementation), tiles)
   if dense_dot_rows(x.shape[0], x.dtype, stack.dtype, implementation, few):
     impl = resolve(implementation)
-    tk = dict(tiles or {})
-    warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
-    params = triton_params(warps, stages) if impl == "pallas" else None
+    tk, params = _kernel_params(impl, tiles)
     return dense_dot.dense_dot_call(x, _stack3(stack), index, compiler_params=params,
                                     interpret=impl == "pallas_interpret", **tk)
   return dense_reference(x, stack, index)
 
 
 def _dense_kernel(x, stack, index, impl, tiles):
-  tk = dict(tiles or {})
-  warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
-  params = triton_params(warps, stages) if impl == "pallas" else None
+  tk, params = _kernel_params(impl, tiles)
   idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
   return dense_call(x[None], _stack3(stack), idx, interpret=impl == "pallas_interpret",
                     compiler_params=params, **tk)[0]
@@ -253,22 +258,24 @@ def dense_lora_reference(x, stack, index, a, b, on, *, rank_scale=None, lora_ind
                    dense_reference(x, stack, index))
 
 
-def dense_lora_kernel_rows(n, d_in, x_dtype, stack_dtype, implementation="auto", few="dot",
-                           one_row="gemv"):
-  """Whether `dense_matmul_lora` runs a kernel for n rows: the GEMV (one row, `one_row`
-  "gemv") or the tensor-core tiles (2 to dense_dot.ROWS_MAX rows, and one row under `one_row`
-  "dot"; `few` "dot", 16-bit x and stack)."""
-  if one_row == "gemv" and dense_kernel_rows(n, d_in, implementation):
-    return True
-  return dense_dot_rows(max(n, 2) if one_row == "dot" else n, x_dtype, stack_dtype,
-                        implementation, few)
+def dense_lora_form(n, d_in, x_dtype, stack_dtype, implementation="auto", few="dot",
+                    one_row="gemv", rows_max=None):
+  """Which kernel `dense_matmul_lora` runs for n rows: "gemv" (one row, `one_row` "gemv";
+  `rows_max` as `dense_matmul`), "dot" (the tensor-core tiles: 2 to dense_dot.ROWS_MAX rows,
+  from one row under `one_row` "dot"; `few` "dot", 16-bit x and stack), or None (XLA)."""
+  if one_row == "gemv" and dense_kernel_rows(n, d_in, implementation, rows_max):
+    return "gemv"
+  if dense_dot_rows(n, x_dtype, stack_dtype, implementation, few,
+                    min_rows=1 if one_row == "dot" else 2):
+    return "dot"
+  return None
 
 
 def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None,
                       implementation="auto", tiles=None, rows_max=None, few="dot",
                       one_row="gemv"):
   """y = x @ stack[index]^T + where(on, B (A x)) per row, for the rows `dense_matmul`'s
-  kernels take (`dense_lora_kernel_rows`; more rows: `dense_lora_reference`).
+  kernels take (`dense_lora_form`; more rows: `dense_lora_reference`).
 
   From 2 rows (1 under `one_row` "dot") to dense_dot.ROWS_MAX of a 16-bit x and stack (`few`
   "dot"), the tensor-core kernel (`dense_dot.dense_dot_call(lora=...)`) does it in one
@@ -291,28 +298,23 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
       or b_stack.shape[:-2] != a_stack.shape[:-2] or on.shape != (n,)):
     raise ValueError(f"dense lora: a {a.shape}, b {b.shape}, on {on.shape} must be "
                      f"[R, {d_in}], [{d_out}, R], [{n}] (stacks of them with lora_index)")
-  gemv_rows = one_row == "gemv" and dense_kernel_rows(n, d_in, implementation, rows_max)
-  dot_rows = not gemv_rows and dense_dot_rows(max(n, 2) if one_row == "dot" else n, x.dtype,
-                                              stack.dtype, implementation, few)
-  if not (gemv_rows or dot_rows):
+  form = dense_lora_form(n, d_in, x.dtype, stack.dtype, implementation, few, one_row, rows_max)
+  if form is None:
     return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale,
                                 lora_index=lora_index)
   impl = resolve(implementation)
-  tk = dict(tiles or {})
-  warps, stages = tk.pop("num_warps", None), tk.pop("num_stages", None)
+  tk, params = _kernel_params(impl, tiles)
   lidx = jnp.asarray(0 if lora_index is None else lora_index, jnp.int32)
-  if dot_rows:
+  if form == "dot":
     tk.pop("finish_block", None)
     return dense_dot.dense_dot_call(
         x, _stack3(stack), index, lora=(_stack3(a_stack), _stack3(b_stack), lidx,
                                         on.astype(jnp.int32), rank_scale),
-        interpret=impl == "pallas_interpret",
-        compiler_params=triton_params(warps, stages) if impl == "pallas" else None, **tk)
+        interpret=impl == "pallas_interpret", compiler_params=params, **tk)
   return dense_lora_call(
       x, _stack3(stack), jnp.asarray(index, jnp.int32), _stack3(a_stack), _stack3(b_stack),
-      jnp.asarray(0 if lora_index is None else lora_index, jnp.int32), on.astype(jnp.int32),
-      rank_scale, interpret=impl == "pallas_interpret",
-      compiler_params=triton_params(warps, stages) if impl == "pallas" else None, **tk)
+      lidx, on.astype(jnp.int32), rank_scale, interpret=impl == "pallas_interpret",
+      compiler_params=params, **tk)
 
 
 def _lora_h(x, a, rank_scale=None):

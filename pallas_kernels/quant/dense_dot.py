@@ -86,13 +86,18 @@ def defaults(m, d_out, d_in, *, rank_pad=0, interpret=False):
     return (min(256, max(_MIN_TILE, pl.next_power_of_2(d_out))),
             _largest_block(d_in, 2048), 1)
   bo, bk = 64, _largest_block(d_in, 256)
-  rp = max(_MIN_TILE, pl.next_power_of_2(m))
+  rp = _rows_pad(m)
   while bk > 32 and ((rp + bo) * STAGES + rank_pad) * bk * 2 > SMEM_BUDGET:
     bk //= 2
   tiles, steps, ks = -(-d_out // bo), d_in // bk, 1
   while ks < 8 and tiles * ks < 256 and steps % (2 * ks) == 0 and steps // (2 * ks) >= 2:
     ks *= 2
   return bo, bk, ks
+
+
+def _rows_pad(m):
+  """x's rows padded to a power of 2 of at least a dot's 16."""
+  return max(_MIN_TILE, pl.next_power_of_2(m))
 
 
 def _largest_block(d_in, want):
@@ -183,7 +188,7 @@ def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block
   if lora is not None:
     a_stack, b_stack, lidx, on, rank_scale = lora
     n_ad, rank, a_in = a_stack.shape
-    rank_pad = max(_MIN_TILE, pl.next_power_of_2(rank))
+    rank_pad = _rows_pad(rank)   # A's rows: the same dot minimum
     if a_in != d_in or b_stack.shape != (n_ad, d_out, rank) or on.shape != (m,) or (
         rank_scale is not None and rank_scale.shape != (m, rank)):
       raise ValueError(f"dense dot lora: A {a_stack.shape}, B {b_stack.shape}, on {on.shape}"
@@ -201,7 +206,7 @@ def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block
   bk = _largest_block(d_in, block_in) if block_in else bk
   if (d_in // bk) % ks:
     raise ValueError(f"dense dot: k_split={ks} does not divide the {d_in // bk} loop steps")
-  t = Tiling(m=m, rows_pad=max(_MIN_TILE, pl.next_power_of_2(m)), d_in=d_in, d_out=d_out,
+  t = Tiling(m=m, rows_pad=_rows_pad(m), d_in=d_in, d_out=d_out,
              block_out=bo, block_in=bk, k_split=ks, out_tiles=pl.cdiv(d_out, bo),
              out_dtype=jnp.dtype(x.dtype) if ks == 1 else jnp.dtype(_F32), **lora_kw)
   if compiler_params is None and not interpret:

@@ -130,6 +130,21 @@ def rope_neox(x, positions, n_rot, base):
   return out.astype(x.dtype)
 
 
+def _one_row(gemv_lora):
+  """`dense_matmul_lora`'s one-row kernel under this `Forms.gemv_lora`."""
+  return "dot" if gemv_lora == "dot" else "gemv"
+
+
+def dense_lora_in_kernel(gemv_lora, n_rows, d_in, x_dtype, w_dtype, implementation, few):
+  """Whether n_rows of a dense projection kept whole (`Forms.dense_weights="kernel"`) take
+  the adapter inside a kernel's launch under `Forms.gemv_lora` (`dense_matmul_lora`), so the
+  adapter's stacks are read in place: "rows", "rows_dense" and "dot", where a kernel takes the
+  rows (`quant_api.dense_lora_form`)."""
+  from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+  return gemv_lora in ("rows", "rows_dense", "dot") and quant_api.dense_lora_form(
+      n_rows, d_in, x_dtype, w_dtype, implementation, few, _one_row(gemv_lora)) is not None
+
+
 def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=None,
                    gemv_lora="apart"):
   """The mixer output projection with the LoRA hook.
@@ -163,14 +178,12 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
           x2, q, lora_a.w, lora_b.w, on, rank_scale=rank_scale, index=i, implementation=impl,
           lora_index=lora_a.index, **kw), groups)
       return y.reshape(B, T, -1)
-    one_row = "dot" if gemv_lora == "dot" else "gemv"
-    if (gemv_lora in ("rows", "rows_dense", "dot") and isinstance(w, DRef)
-        and quant_api.dense_lora_kernel_rows(B * T, x2.shape[1], x2.dtype, w.w.dtype,
-                                             w.implementation, w.few, one_row)):
+    if isinstance(w, DRef) and dense_lora_in_kernel(gemv_lora, B * T, x2.shape[1], x2.dtype,
+                                                    w.w.dtype, w.implementation, w.few):
       y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a.w, lora_b.w, on,
                                       rank_scale=rank_scale, lora_index=lora_a.index,
                                       implementation=w.implementation, few=w.few,
-                                      one_row=one_row)
+                                      one_row=_one_row(gemv_lora))
       return y.reshape(B, T, -1)
     take = lambda r: lax.dynamic_index_in_dim(r.w, r.index, 0, False)
     lora_a, lora_b = take(lora_a), take(lora_b)

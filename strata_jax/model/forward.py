@@ -11,7 +11,7 @@ from pallas_kernels.gdn.api import in_place as gdn_in_place
 from pallas_kernels.quant.layout import QTensor
 from strata_jax.config import ATTN, GDN, ModelConfig
 from strata_jax.model.attention import attn_mixer
-from strata_jax.model.common import DRef, QRef, linear, rms_norm
+from strata_jax.model.common import DRef, QRef, dense_lora_in_kernel, linear, rms_norm
 from strata_jax.model.gdn import gdn_mixer
 from strata_jax.model.moe import moe
 from strata_jax.params import QGroups
@@ -59,6 +59,11 @@ def _split_whole(cfg, tree):
   return tree.replace(**{n: None for n in names}), whole
 
 
+def _dense_few(cfg):
+  """`Forms.dense_few` of a config, "auto" (a config built by hand) read as its "dot"."""
+  return "dot" if cfg.forms.dense_few == "auto" else cfg.forms.dense_few
+
+
 def _layer(cfg, dense, quant, i, index, whole=None):
   """One layer's params: slot `i` of the scanned (dense) block, `QRef(stack, index)` for each
   quantised stack, which the quantised matmul reads in place at the traced `index`, and
@@ -69,8 +74,8 @@ def _layer(cfg, dense, quant, i, index, whole=None):
   fields = {f.name: QRef(getattr(quant, f.name), index, impl, groups)
             for f in dataclasses.fields(quant) if _is_q(getattr(quant, f.name))}
   if whole is not None:
-    few = "dot" if cfg.forms.dense_few == "auto" else cfg.forms.dense_few
-    take = ((lambda a: DRef(a, index, impl, few)) if cfg.forms.dense_weights == "kernel"
+    take = ((lambda a: DRef(a, index, impl, _dense_few(cfg)))
+            if cfg.forms.dense_weights == "kernel"
             else (lambda a: lax.dynamic_index_in_dim(a, index, 0, False)))
     fields.update({f.name: take(getattr(whole, f.name)) for f in dataclasses.fields(whole)
                    if getattr(whole, f.name) is not None and f.name not in fields})
@@ -206,12 +211,11 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   quant_rows = (cfg.forms.quant_impl != "xla" and n_rows <= quant_api.ROWS_MAX
                 and any(_is_q(getattr(q, "out", None)) for q in (gdn_q, attn_q)))
   rows = cfg.forms.gemv_lora
-  few = "dot" if cfg.forms.dense_few == "auto" else cfg.forms.dense_few
-  dense_rows = cfg.forms.dense_weights == "kernel" and quant_api.dense_lora_kernel_rows(
-      n_rows, quant_api.DENSE_UNIT, x.dtype, x.dtype, cfg.forms.quant_impl, few,
-      "dot" if rows == "dot" else "gemv")
-  lora_whole = lora is not None and (
-      (rows in ("rows", "rows_dense", "dot") and dense_rows) or (rows == "rows" and quant_rows))
+  # (the whole-kept matrices' widths are multiples of 32, so DENSE_UNIT stands for any)
+  dense_rows = cfg.forms.dense_weights == "kernel" and dense_lora_in_kernel(
+      rows, n_rows, quant_api.DENSE_UNIT, x.dtype, x.dtype, cfg.forms.quant_impl,
+      _dense_few(cfg))
+  lora_whole = lora is not None and (dense_rows or (rows == "rows" and quant_rows))
   scanned = lora is not None and not lora_whole
   lora_g = _blocks((lora.gdn_a, lora.gdn_b), n_blocks) if scanned else None
   lora_a = _blocks((lora.attn_a, lora.attn_b), n_blocks) if scanned else None
