@@ -18,7 +18,12 @@ from pallas_kernels.moe.api import (
   resolve_many,
   routed_experts_many,
 )
-from pallas_kernels.moe.grouped import max_tiles, route, routed_experts_grouped
+from pallas_kernels.moe.grouped import (
+  default_block_rows,
+  max_tiles,
+  route,
+  routed_experts_grouped,
+)
 from pallas_kernels.moe.reference import moe_reference
 
 route_jit = jax.jit(route, static_argnums=(1, 2, 3))
@@ -78,6 +83,20 @@ def test_tilings():
   args[4][args[4] == 6] = 2  # expert 6 gets no tokens, expert 2 more
   check(grouped(args, block_rows=16, block_f=16, chunk_d=16, block_d=16, chunk_f=16), args,
         what="tiles16")
+
+
+def test_row_tiles_default_to_the_mean_group_size():
+  """Decode batches pad each expert's few pairs to 16-row tiles, not 64; a prefill keeps
+  wgmma's 64. bench-a3b: E = 64, k = 10."""
+  assert default_block_rows(8 * 10, 64) == 16  # batch 8: 80 pairs, 1.25 a group
+  assert default_block_rows(32 * 10, 64) == 16  # batch 32: 5 a group
+  assert default_block_rows(200 * 10, 64) == 32  # 31.25 a group
+  assert default_block_rows(2500 * 10, 64) == 64  # a 2,500-token prefill
+  assert default_block_rows(3, 64) == 16 and default_block_rows(0, 8) == 16
+  # The default call is the explicit 16-row call (N = 40, k = 2, E = 8: 10 a group).
+  args = make_inputs(40, seed=11)
+  np.testing.assert_array_equal(np.asarray(grouped(args)),
+                                np.asarray(grouped(args, block_rows=16)))
 
 
 def test_layer_stack():

@@ -77,6 +77,15 @@ class GroupedTiling(NamedTuple):
     return self.n_tiles * self.block_rows
 
 
+def default_block_rows(n_pairs, n_experts):
+  """Rows per tile when none is given: the mean group's size (pairs per touched expert) as a
+  power of 2, from 16 (`tl.dot`'s least) to 64 (wgmma's M). Every group pads to whole tiles,
+  so at decode sizes 64-row tiles are mostly zeros: bench-a3b at batch 8 has 80 pairs over
+  64 experts, and 64-row tiles gather, multiply and write ~4,160 rows a layer for them."""
+  mean = -(-max(n_pairs, 1) // max(1, min(n_experts, n_pairs)))
+  return int(min(_BLOCK_ROWS, max(_MIN_TILE, pl.next_power_of_2(mean))))
+
+
 def max_tiles(n_pairs, n_experts, block_rows):
   """Static bound on the row tiles the padded groups use: each non-empty group (at most
   min(E, P) of them) pads by at most block_rows - 1 rows."""
@@ -85,11 +94,14 @@ def max_tiles(n_pairs, n_experts, block_rows):
   return pl.cdiv(n_pairs + min(n_experts, n_pairs) * (block_rows - 1), block_rows)
 
 
-def grouped_tiling(n, k, n_experts, f, d, *, block_rows=_BLOCK_ROWS, interpret=False,
+def grouped_tiling(n, k, n_experts, f, d, *, block_rows=None, interpret=False,
                    block_f=None, chunk_d=None, block_d=None, chunk_f=None):
   """Given tiles win; None means the compiled defaults, or under the interpreter the whole
   dim (each interpreted grid step costs ~0.1 ms; fewer is faster). Every tile must be a
-  power of 2 >= 16 (tl.dot) and no larger than its dim."""
+  power of 2 >= 16 (tl.dot) and no larger than its dim. block_rows None:
+  `default_block_rows` of the call's pairs."""
+  if block_rows is None:
+    block_rows = default_block_rows(n * k, n_experts)
   if not isinstance(block_rows, int) or block_rows < _MIN_TILE or not pow2(block_rows):
     raise ValueError(f"moe grouped: block_rows={block_rows} must be a power of 2 >= "
                      f"{_MIN_TILE} (tl.dot needs every dim >= 16)")
@@ -198,7 +210,7 @@ _WHOLE = pl.BlockSpec()  # the full array: indexed in the kernel by the loaded e
 @functools.partial(jax.jit, static_argnames=(
     "block_rows", "block_f", "chunk_d", "block_d", "chunk_f", "num_warps", "num_stages",
     "interpret"))
-def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=_BLOCK_ROWS,
+def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None,
                            block_f=None, chunk_d=None, block_d=None, chunk_f=None,
                            num_warps=None, num_stages=None, interpret=False):
   """Routed experts for many tokens as a grouped GEMM: [N, D] float32.
@@ -214,7 +226,7 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=_BLO
       [L, E, F, D] / [L, E, D, F] and layer `layer`'s experts are read in place (as
       `moe_pallas(layer=)`: a slice made by a layer scan would be copied for the kernel).
     block_rows: rows per tile; every expert's group is padded to a multiple of it. A power
-      of 2 >= 16.
+      of 2 >= 16; None: `default_block_rows` (16 at decode batches, 64 for a prefill).
     block_f, chunk_d: up kernel: F columns of h per program, D step of the product.
     block_d, chunk_f: down kernel: D columns of y per program, F step of the product.
       Powers of 2, >= 16, no larger than their dim; None: the compiled defaults (64, 64,
