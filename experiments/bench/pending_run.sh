@@ -16,6 +16,31 @@ source "$(dirname "$0")/device_env.sh"
 export STRATA_BENCH_RESULTS=$OUT
 left() { echo $(( ${CAP:-570} - ($(date +%s) - t0) )); }
 want() { [[ ",${SECTIONS:-tests,probe,gdn}," == *",$1,"* ]]; }
+# Session of 2026-12-03 (fifth), after the MoE decode kernels changed (moe_down one program
+# per (row, expert, D block); grouped row tiles from the pairs):
+#  call A, SECTIONS=s5tests,s5model: the GPU model set (transformers parity, greedy decode,
+#    forms, switch), the compiled moe kernel tests, bench_model's decode at batch 1 / 8 / 32;
+#  call B, SECTIONS=owed,s5probe: what stop 37 owed (the Engine on dense_dot, the
+#    fp32-yardstick LoRA test, GDN at batch 32), then decode_probe's kernel profiles at
+#    batch 1 / 8.
+if want s5tests; then
+  GPU_SET=model CAP=${TEST_CAP:-210} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  GPU_SET=kernels GPU_TESTS="tests/test_moe_kernel.py tests/test_moe_grouped_kernel.py" \
+    CAP=${KTEST_CAP:-90} WORKERS=4 bash experiments/bench/gpu_tests.sh | tail -3
+  echo "s5tests done $(( $(date +%s) - t0 )) s"
+fi
+if want s5model; then
+  timeout $(left) python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
+  echo "s5model done $(( $(date +%s) - t0 )) s"
+fi
+if want s5probe; then
+  timeout ${PROBE_CAP:-150} python3 experiments/bench/decode_probe.py --variants base \
+    --batches ${PROBE_BATCHES:-1,8} --n_steps 16 --reps 5 --profile base \
+    --out $OUT/decode_probe_moe.json 2>&1 | grep '"variant"' | cut -c1-220
+  echo "s5probe done $(( $(date +%s) - t0 )) s"
+fi
 # Second call: SECTIONS=ddtests,sweep,ddprobe (the tensor-core few-row kernel, dense_dot.py).
 # Owed to the next session (SECTIONS=owed, ~9 min): the bf16 dense_dot LoRA model test in its
 # fp32-yardstick form compiled, the Engine at batch 8 / 32 / 1 on dense_dot (greedy, sampled,
