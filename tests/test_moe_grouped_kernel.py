@@ -18,6 +18,7 @@ from pallas_kernels.moe.api import (
   resolve_many,
   routed_experts_many,
 )
+from pallas_kernels.moe import grouped as grouped_module
 from pallas_kernels.moe.grouped import (
   default_block_rows,
   max_tiles,
@@ -134,6 +135,20 @@ def test_route_layout(n, k, e, bm):
     assert (np.diff(r.tile_expert[:used]) >= 0).all()
     if trial == 0 and n * k <= e:  # one pair per expert: the bound is reached
       assert used == tiles
+
+
+@pytest.mark.parametrize("n,k,e,bm", [(8, 10, 64, 16), (40, 2, 8, 16), (33, 4, 5, 32)])
+def test_route_without_a_sort_is_the_sorted_layout(n, k, e, bm, monkeypatch):
+  """Decode-sized pair counts rank pairs by a compare, not a sort: the same arrays, wrapped
+  and clamped ids and repeats included."""
+  rng = np.random.default_rng(n * k)
+  idx = jnp.asarray(rng.integers(-e, e + 3, (n, k)), jnp.int32)
+  tiles = max_tiles(n * k, e, bm)
+  by_compare = route(idx, e, bm, tiles)
+  monkeypatch.setattr(grouped_module, "RANK_BY_COMPARE_MAX", 0)
+  by_sort = route(idx, e, bm, tiles)
+  for name, a, b in zip(by_sort._fields, by_compare, by_sort):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
 def test_reads_weights_in_place():
