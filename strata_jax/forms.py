@@ -123,6 +123,13 @@ CHOICES: dict[str, tuple] = {
     # sort took 259, and the step 4.48 against 4.55 ms; decode_probe_a80b_run8_topk.json),
     # "xla" elsewhere; same values and ids either way.
     "moe_topk": ("auto", "xla", "pallas", "pallas_interpret"),
+    # one decode step's attention (a single new position a row): "pallas" = the kernel that
+    # reads the layer's K/V cache in place and only each row's keys up to its position
+    # (`pallas_kernels/attention`), "xla" = the model's einsums, which copy the layer's cache
+    # out of the stack, convert it to fp32 and score the whole capacity. "auto" = "pallas" on
+    # the GPU, "xla" elsewhere. A verify or prefill step (several positions) is always "xla".
+    # The numbers to fp32 summation order (the kernel's softmax runs online, over splits).
+    "attn_decode": ("auto", "xla", "pallas", "pallas_interpret"),
 }
 
 
@@ -143,6 +150,7 @@ class Forms:
   gemv_lora: str = "auto"
   moe_topk: str = "auto"
   dense_few: str = "auto"
+  attn_decode: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -178,6 +186,7 @@ class Forms:
         gemv_lora=auto(self.gemv_lora, "rows_dense", "rows"),
         moe_topk=auto(self.moe_topk, "pallas", "xla"),
         dense_few=auto(self.dense_few, "dot", "dot"),
+        attn_decode=auto(self.attn_decode, "pallas", "xla"),
         matmul_precision=precision)
 
   def jax_precision(self, compute_dtype) -> str | None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jaxpr_walk import eqns
 from model_fixtures import TINY, random_lora, tiny_model
-from tolerances import DENSE_GEMV_REL_FP32, assert_close
+from tolerances import ATTN_DECODE_REL_FP32, DENSE_GEMV_REL_FP32, assert_close
 
 import strata_jax as sj
 from strata_jax import steps
@@ -47,6 +47,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert (gpu.gemv_lora, cpu.gemv_lora) == ("rows_dense", "rows")   # measured: forms.py
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
   assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
+  assert (gpu.attn_decode, cpu.attn_decode) == ("pallas", "xla")
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
   assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
   tf32 = Forms(matmul_precision="tf32").resolve("gpu", jnp.float32)
@@ -122,6 +123,28 @@ def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit
                  what=f"kernel decode, adapter {'on' if on else 'off'}")
   off, bare = got[False], run(kernel, None, None)
   assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
+
+
+def test_attn_decode_kernel_decodes_the_xla_forms_tokens_and_leaves_the_prompt_to_xla():
+  """`attn_decode="pallas_interpret"`: a decode step's attention is the kernel (reading the
+  cache stack in place, keys up to each row's position), the prompt's several positions stay
+  XLA's bit for bit, and decoding gives the XLA form's tokens with logits to fp32 summation
+  order, adapter on and off."""
+  model = tiny_model()
+  lora = random_lora()
+  prompt = list(range(3, 70))
+  kernel = Forms(attn_decode="pallas_interpret")
+  assert "attn_decode" in _decode_jaxpr(model, kernel)
+  assert "attn_decode" not in _decode_jaxpr(model, Forms())
+  run = lambda forms, on: sj.Engine(model, lora=lora, slots=1, max_seq=128, block_size=32,
+                                    forms=forms).generate(
+      tokens=prompt, max_tokens=4, return_logits=True, return_step_logits=True, lora=on)
+  for on in (False, True):
+    ref, got = run(Forms(), on), run(kernel, on)
+    assert np.array_equal(got.prompt_logits, ref.prompt_logits)
+    assert got.tokens == ref.tokens
+    assert_close(got.step_logits, ref.step_logits, rel=ATTN_DECODE_REL_FP32,
+                 what=f"attention kernel decode, adapter {'on' if on else 'off'}")
 
 
 def test_gemv_lora_rows_take_the_adapter_into_the_gemv_launch_and_apart_keeps_its_ops():

@@ -49,3 +49,7 @@ ROW_COUNT_REL_FP32 = CHUNK_SHAPE_REL_FP32
 # Dense projections by the in-place GEMV kernel (fp32 sums in another order) against XLA's dot,
 # fp32 logits, max abs over max |want| (Forms.dense_weights="kernel"; tests/test_forms.py).
 DENSE_GEMV_REL_FP32 = 1e-5
+# One decode step's attention by the kernel (an online softmax over splits of the cache)
+# against the model's XLA einsums, fp32 logits, max abs over max |want|
+# (Forms.attn_decode; tests/test_forms.py).
+ATTN_DECODE_REL_FP32 = 1e-5

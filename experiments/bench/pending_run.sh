@@ -41,6 +41,24 @@ if want s5probe; then
     --out $OUT/decode_probe_moe.json 2>&1 | grep '"variant"' | cut -c1-220
   echo "s5probe done $(( $(date +%s) - t0 )) s"
 fi
+#  call C, SECTIONS=s5attn: the decode attention kernel (pallas_kernels/attention,
+#    Forms.attn_decode "auto" = "pallas" on the GPU): its compiled tests first (nothing else
+#    runs if they fail), then the GPU model set, bench_model's decode, and the Engine at
+#    batch 1 (a 2,560-key capacity, where the XLA form scored every key).
+if want s5attn; then
+  JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_attention_decode_kernel.py 2>&1 | tee $OUT/gpu_tests_attn_decode.log | tail -4
+  if grep -q failed $OUT/gpu_tests_attn_decode.log || ! grep -q passed $OUT/gpu_tests_attn_decode.log; then
+    echo "attention kernel tests failed: stopping"; exit 1
+  fi
+  GPU_SET=model CAP=${TEST_CAP:-200} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  timeout ${MODEL_CAP:-100} python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
+  echo "s5attn model done $(( $(date +%s) - t0 )) s"
+  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
+    --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300
+fi
 # Second call: SECTIONS=ddtests,sweep,ddprobe (the tensor-core few-row kernel, dense_dot.py).
 # Owed to the next session (SECTIONS=owed, ~9 min): the bf16 dense_dot LoRA model test in its
 # fp32-yardstick form compiled, the Engine at batch 8 / 32 / 1 on dense_dot (greedy, sampled,

@@ -44,19 +44,28 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   k_cache = k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop")
   v_cache = v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop")
   k_all, v_all = k_cache, v_cache
-  if layer is not None:   # the layer's cache, read after its write
-    k_cache = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
-    v_cache = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-  qh = q.reshape(B, T, G, H // G, Hd).astype(jnp.float32)   # q-head h <- kv-head h//(H/G)
-  scores = jnp.einsum("btgrd,bsgd->bgrts", qh, k_cache.astype(jnp.float32)) * (Hd ** -0.5)
-  mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]              # [B, T, S]
-  if kv_start is not None:
-    # (a query before its row's start sees itself only: no all-masked row, no NaN)
-    lo = jnp.minimum(kv_start[:, None], positions)                          # [B, T]
-    mask = mask & (jnp.arange(S)[None, None, :] >= lo[:, :, None])
-  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache.astype(jnp.float32)).reshape(B, T, H, Hd)
+  if T == 1 and cfg.forms.attn_decode in ("pallas", "pallas_interpret"):
+    # One position a row: the kernel reads the layer's cache where it lies, only up to each
+    # row's position (pallas_kernels/attention).
+    from pallas_kernels.attention import decode_attention  # noqa: PLC0415
+    stacks = (k_all, v_all, layer) if layer is not None else (k_all[None], v_all[None], 0)
+    out = decode_attention(q[:, 0], *stacks, positions[:, 0], kv_start,
+                           implementation=cfg.forms.attn_decode)[:, None]    # [B, 1, H, Hd]
+  else:
+    if layer is not None:   # the layer's cache, read after its write
+      k_cache = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
+      v_cache = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+    qh = q.reshape(B, T, G, H // G, Hd).astype(jnp.float32)   # q-head h <- kv-head h//(H/G)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qh, k_cache.astype(jnp.float32)) * (Hd ** -0.5)
+    mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]              # [B, T, S]
+    if kv_start is not None:
+      # (a query before its row's start sees itself only: no all-masked row, no NaN)
+      lo = jnp.minimum(kv_start[:, None], positions)                          # [B, T]
+      mask = mask & (jnp.arange(S)[None, None, :] >= lo[:, :, None])
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache.astype(jnp.float32))
+    out = out.reshape(B, T, H, Hd)
   out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype).reshape(B, T, H * Hd)
   return (out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl,
                          row_scale, cfg.forms.gemv_lora), k_all, v_all)

@@ -1,0 +1,38 @@
+"""Backend choice for one decode step's attention: the entry point model code calls.
+
+Implementations: "pallas" (the kernel compiled for the GPU), "pallas_interpret" (the same
+kernel under the Pallas interpreter, CPU tests), "xla" (`decode_attention_reference`, the
+model's own ops on the layer's cache). "auto": "pallas" on the GPU, "xla" elsewhere.
+"""
+from pallas_kernels.attention.kernel import decode_attention_pallas
+from pallas_kernels.attention.reference import decode_attention_reference
+from pallas_kernels.backend import check_choice, on_gpu, require_gpu
+
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
+CHOICES = (*IMPLEMENTATIONS, "auto")
+
+
+def resolve(implementation=None):
+  """The concrete implementation for this choice (None: "auto")."""
+  impl = check_choice("decode attention", implementation or "auto", CHOICES)
+  if impl == "auto":
+    return "pallas" if on_gpu() else "xla"
+  return impl
+
+
+def decode_attention(q, k_stack, v_stack, layer, pos, kv_start=None, *, implementation=None):
+  """out [B, H, Hd] fp32: q [B, H, Hd] against layer `layer` of the cache stacks
+  [L, B, S, G, Hd], keys min(kv_start, pos)..pos of each row (`kernel.decode_attention_pallas`
+  says the rest)."""
+  impl = resolve(implementation)
+  if impl == "xla":
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax import lax  # noqa: PLC0415
+    li = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_stack.shape[0] - 1)
+    k = lax.dynamic_index_in_dim(k_stack, li, 0, keepdims=False)
+    v = lax.dynamic_index_in_dim(v_stack, li, 0, keepdims=False)
+    return decode_attention_reference(q, k, v, pos, kv_start)
+  if impl == "pallas":
+    require_gpu("decode attention", impl, "'pallas_interpret' or 'xla'")
+  return decode_attention_pallas(q, k_stack, v_stack, layer, pos, kv_start,
+                                 interpret=impl == "pallas_interpret")
