@@ -59,7 +59,8 @@ def test_parity_with_float64_and_the_xla_form(dtype, layer):
   want = oracle(q, k, v, layer, np.asarray(pos))
   rel = KERNEL_REL["float32"]  # the sums are fp32 whatever the cache's dtype
   assert_close(got, want, rel=rel, what=f"kernel {jnp.dtype(dtype).name}")
-  xla = decode_attention(q, k, v, jnp.int32(layer), pos, implementation="xla")
+  with jax.default_matmul_precision("highest"):  # as the model traces fp32 (GPU: not TF32)
+    xla = decode_attention(q, k, v, jnp.int32(layer), pos, implementation="xla")
   assert_close(xla, want, rel=rel, what="xla form")
 
 
@@ -90,7 +91,8 @@ def test_only_valid_keys_count():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(got_nan))
   assert_close(got, oracle(q, k, v, 0, np.asarray(pos), np.asarray(start)),
                rel=KERNEL_REL["float32"], what="window")
-  want_xla = decode_attention(q, k, v, jnp.int32(0), pos, start, implementation="xla")
+  with jax.default_matmul_precision("highest"):
+    want_xla = decode_attention(q, k, v, jnp.int32(0), pos, start, implementation="xla")
   assert_close(got, want_xla, rel=KERNEL_REL["float32"], what="window vs xla")
 
 
