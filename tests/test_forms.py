@@ -48,6 +48,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
   assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
   assert (gpu.attn_decode, cpu.attn_decode) == ("pallas", "xla")
+  assert Forms().resolve("gpu", jnp.float32).attn_decode == "xla"   # forms.py says why
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
   assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
   tf32 = Forms(matmul_precision="tf32").resolve("gpu", jnp.float32)
@@ -129,22 +130,21 @@ def test_attn_decode_kernel_decodes_the_xla_forms_tokens_and_leaves_the_prompt_t
   """`attn_decode="pallas_interpret"`: a decode step's attention is the kernel (reading the
   cache stack in place, keys up to each row's position), the prompt's several positions stay
   XLA's bit for bit, and decoding gives the XLA form's tokens with logits to fp32 summation
-  order, adapter on and off."""
+  order (adapter on; attention is not adapted)."""
   model = tiny_model()
   lora = random_lora()
   prompt = list(range(3, 70))
   kernel = Forms(attn_decode="pallas_interpret")
   assert "attn_decode" in _decode_jaxpr(model, kernel)
-  assert "attn_decode" not in _decode_jaxpr(model, Forms())
-  run = lambda forms, on: sj.Engine(model, lora=lora, slots=1, max_seq=128, block_size=32,
-                                    forms=forms).generate(
-      tokens=prompt, max_tokens=4, return_logits=True, return_step_logits=True, lora=on)
-  for on in (False, True):
-    ref, got = run(Forms(), on), run(kernel, on)
-    assert np.array_equal(got.prompt_logits, ref.prompt_logits)
-    assert got.tokens == ref.tokens
-    assert_close(got.step_logits, ref.step_logits, rel=ATTN_DECODE_REL_FP32,
-                 what=f"attention kernel decode, adapter {'on' if on else 'off'}")
+  assert "attn_decode" not in _decode_jaxpr(model, Forms(attn_decode="xla"))
+  run = lambda forms: sj.Engine(model, lora=lora, slots=1, max_seq=128, block_size=32,
+                                forms=forms).generate(
+      tokens=prompt, max_tokens=4, return_logits=True, return_step_logits=True, lora=True)
+  ref, got = run(Forms()), run(kernel)
+  assert np.array_equal(got.prompt_logits, ref.prompt_logits)
+  assert got.tokens == ref.tokens
+  assert_close(got.step_logits, ref.step_logits, rel=ATTN_DECODE_REL_FP32,
+               what="attention kernel decode")
 
 
 def test_gemv_lora_rows_take_the_adapter_into_the_gemv_launch_and_apart_keeps_its_ops():
