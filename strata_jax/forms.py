@@ -130,10 +130,12 @@ CHOICES: dict[str, tuple] = {
     # the GPU for a 16-bit compute dtype (bench-a3b bf16 on the H200: decode roofline 0.402 /
     # 0.519 / 0.489 at batch 1 / 8 / 32 against 0.398 / 0.513 / 0.476,
     # experiments/results/device/bench_model_decode_run31_attn.json and _run28_moe.json),
-    # "xla" for float32 and elsewhere: the GPU test that every fp32 dot of the program asks
-    # for full precision reads the program's text, and it failed with the kernel in it (run
-    # 31) while the compiled kernel met float64 to 1e-6 in fp32; until that is understood on
-    # the device, fp32 programs keep the form the test passes. A verify or prefill step
+    # "xla" for float32 and elsewhere. Why float32 keeps XLA: run 31's GPU test that every
+    # fp32 dot of the program asks for full precision failed with the kernel in it. The
+    # cause is the test's text match (the kernel's custom-call line carries its dots' names
+    # in its serialized IR: experiments/results/fp32_dots_probe.json; the test now reads
+    # XLA's dots only), and the compiled kernel met float64 to 1e-6 in fp32, but the fp32
+    # model with the kernel has not run on the device. A verify or prefill step
     # (several positions) is always "xla". The numbers to fp32 summation order (the kernel's
     # softmax runs online, over splits).
     "attn_decode": ("auto", "xla", "pallas", "pallas_interpret"),
