@@ -153,12 +153,12 @@ def route(idx, n_experts, block_rows, n_tiles):
   e = idx.reshape(-1).astype(jnp.int32)
   e = jnp.clip(jnp.where(e < 0, e + n_experts, e), 0, n_experts - 1)  # [P]
   pairs = jnp.arange(p, dtype=jnp.int32)
+  sizes = jnp.sum(e[:, None] == jnp.arange(n_experts, dtype=jnp.int32)[None, :], axis=0,
+                  dtype=jnp.int32)  # pairs per expert
+  tiles = (sizes + bm - 1) // bm  # row tiles per expert
+  tile_end = jnp.cumsum(tiles)
+  first_row = (tile_end - tiles) * bm  # padded row of each group's first pair
   if p <= RANK_BY_COMPARE_MAX:
-    sizes = jnp.sum(e[:, None] == jnp.arange(n_experts, dtype=jnp.int32)[None, :], axis=0,
-                    dtype=jnp.int32)  # pairs per expert
-    tiles = (sizes + bm - 1) // bm  # row tiles per expert
-    tile_end = jnp.cumsum(tiles)
-    first_row = (tile_end - tiles) * bm  # padded row of each group's first pair
     rank = jnp.sum((e[None, :] == e[:, None]) & (pairs[None, :] < pairs[:, None]), axis=1,
                    dtype=jnp.int32)  # earlier pairs in the same group
     pair_row = first_row[e] + rank
@@ -166,10 +166,6 @@ def route(idx, n_experts, block_rows, n_tiles):
   else:
     order = jnp.argsort(e, stable=True).astype(jnp.int32)  # sorted position -> pair
     e_sorted = e[order]
-    sizes = jnp.zeros((n_experts,), jnp.int32).at[e].add(1)  # pairs per expert
-    tiles = (sizes + bm - 1) // bm  # row tiles per expert
-    tile_end = jnp.cumsum(tiles)
-    first_row = (tile_end - tiles) * bm  # padded row of each group's first pair
     first_pair = jnp.cumsum(sizes) - sizes  # sorted position of each group's first pair
     prow = first_row[e_sorted] + pairs - first_pair[e_sorted]
     row_tok = jnp.full((n_tiles * bm,), n, jnp.int32).at[prow].set(order // k)
