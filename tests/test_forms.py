@@ -130,15 +130,20 @@ def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit
   assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
 
 
-def test_attn_decode_kernel_decodes_the_xla_forms_tokens_and_leaves_the_prompt_to_xla():
-  """`attn_decode="pallas_interpret"`: a decode step's attention is the kernel (reading the
-  cache stack in place, keys up to each row's position), the prompt's several positions stay
-  XLA's bit for bit, and decoding gives the XLA form's tokens with logits to fp32 summation
-  order (adapter on; attention is not adapted)."""
+@pytest.mark.parametrize("impl", [
+    "pallas_interpret",
+    pytest.param("pallas", marks=pytest.mark.skipif(jax.default_backend() != "gpu",
+                                                     reason="the compiled kernel needs a GPU"))])
+def test_attn_decode_kernel_decodes_the_xla_forms_tokens_and_leaves_the_prompt_to_xla(impl):
+  """`attn_decode` naming the kernel (interpreted; compiled on a GPU, in this fp32 model): a
+  decode step's attention is the kernel (reading the cache stack in place, keys up to each
+  row's position), the prompt's several positions stay XLA's bit for bit, and decoding gives
+  the XLA form's tokens with logits to fp32 summation order (adapter on; attention is not
+  adapted)."""
   model = tiny_model()
   lora = random_lora()
   prompt = list(range(3, 40))
-  kernel = Forms(attn_decode="pallas_interpret")
+  kernel = Forms(attn_decode=impl)
   assert "attn_decode" in _decode_jaxpr(model, kernel)
   run = lambda forms: sj.Engine(model, lora=lora, slots=1, max_seq=128, block_size=32,
                                 forms=forms).generate(
