@@ -4,6 +4,9 @@ Implementations: "pallas" (the kernel compiled for the GPU), "pallas_interpret" 
 kernel under the Pallas interpreter, CPU tests), "xla" (`decode_attention_reference`, the
 model's own ops on the layer's cache). "auto": "pallas" on the GPU, "xla" elsewhere.
 """
+import jax.numpy as jnp
+from jax import lax
+
 from pallas_kernels.attention.kernel import decode_attention_pallas
 from pallas_kernels.attention.reference import decode_attention_reference
 from pallas_kernels.backend import check_choice, on_gpu, require_gpu
@@ -26,8 +29,6 @@ def decode_attention(q, k_stack, v_stack, layer, pos, kv_start=None, *, implemen
   says the rest)."""
   impl = resolve(implementation)
   if impl == "xla":
-    import jax.numpy as jnp  # noqa: PLC0415
-    from jax import lax  # noqa: PLC0415
     li = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_stack.shape[0] - 1)
     k = lax.dynamic_index_in_dim(k_stack, li, 0, keepdims=False)
     v = lax.dynamic_index_in_dim(v_stack, li, 0, keepdims=False)

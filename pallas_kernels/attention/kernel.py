@@ -38,12 +38,9 @@ MAX_SPLITS = 8  # splits of the capacity a (row, kv-head) gets
 
 class Tiling(NamedTuple):
   """Static description of one call."""
-  heads: int  # H
-  groups: int  # G
   r: int  # H // G query heads a kv-head
   rows_pad: int
   head_dim: int
-  capacity: int  # S
   block_s: int
   chunk: int  # keys a split
   n_split: int
@@ -65,8 +62,8 @@ def tiling(heads, groups, head_dim, capacity, dtype, *, windowed=False, block_s=
   ns = -(-capacity // chunk)
   r = heads // groups
   half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  return Tiling(heads=heads, groups=groups, r=r, rows_pad=max(_MIN_TILE, pl.next_power_of_2(r)),
-                head_dim=head_dim, capacity=capacity, block_s=bs, chunk=chunk, n_split=ns,
+  return Tiling(r=r, rows_pad=max(_MIN_TILE, pl.next_power_of_2(r)),
+                head_dim=head_dim, block_s=bs, chunk=chunk, n_split=ns,
                 cd=jnp.dtype(dtype) if half else jnp.dtype(_F32),
                 precision=None if half else lax.Precision.HIGHEST, windowed=windowed)
 
@@ -84,8 +81,7 @@ def _kernel(layer_ref, pos_ref, *refs, t: Tiling):
   first = jnp.maximum(s * t.chunk, lo)
   end = jnp.minimum((s + 1) * t.chunk, pos + 1)  # one past the split's last valid key
   b0 = first // bs
-  n_blocks = jnp.maximum(0, (end - b0 * bs + bs - 1) // bs)
-  n_blocks = jnp.where(end > first, n_blocks, 0)
+  n_blocks = jnp.where(end > first, (end - b0 * bs + bs - 1) // bs, 0)
   r_ok = jnp.arange(rp) < t.r if t.r != rp else None
   q = masked_load(q_ref.at[b, pl.ds(g * t.r, rp), pl.ds(0, hd)], tile_mask(r_ok, None, rp, hd))
   q = q.astype(t.cd)
