@@ -72,7 +72,7 @@ if want owed6; then
     tests/test_model_parity.py -k "greedy" 2>&1 | tail -2
   timeout ${SPEC_CAP:-150} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
-  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1,32 \
+  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1,32 ${ENGINE_PROFILE:-} \
     --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
 fi
 # Second call: SECTIONS=ddtests,sweep,ddprobe (the tensor-core few-row kernel, dense_dot.py).
