@@ -139,6 +139,12 @@ CHOICES: dict[str, tuple] = {
     # (several positions) is always "xla". The numbers to fp32 summation order (the kernel's
     # softmax runs online, over splits).
     "attn_decode": ("auto", "xla", "pallas", "pallas_interpret"),
+    # a layer's projections of one input (GDN qkv / gate / ba, attention q / k / v, the shared
+    # expert's gate / up) where the in-place kernels take the rows (`dense_weights="kernel"`:
+    # the GEMV's one row, dense_dot's 2 to 64): "fused" = one launch for all of them
+    # (`pallas_kernels/quant/multi.py`), "apart" = one launch each. Every product keeps its
+    # own call's tiling, so the numbers are the same bit for bit. "auto" = "fused".
+    "dense_launch": ("auto", "fused", "apart"),
 }
 
 
@@ -160,6 +166,7 @@ class Forms:
   moe_topk: str = "auto"
   dense_few: str = "auto"
   attn_decode: str = "auto"
+  dense_launch: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -197,6 +204,7 @@ class Forms:
         dense_few=auto(self.dense_few, "dot", "dot"),
         attn_decode=auto(self.attn_decode, "xla" if _dtype_name(compute_dtype) == "float32"
                          else "pallas", "xla"),
+        dense_launch=auto(self.dense_launch, "fused", "fused"),
         matmul_precision=precision)
 
   def jax_precision(self, compute_dtype) -> str | None:

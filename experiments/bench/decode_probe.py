@@ -79,6 +79,8 @@ FORM_VARIANTS = {
     "loraapart": {"gemv_lora": "apart"},
     "fewxla": {"dense_few": "xla"},
     "fewdot": {"dense_few": "dot"},
+    "fused": {"dense_launch": "fused"},
+    "apart": {"dense_launch": "apart"},
 }
 
 

@@ -59,6 +59,27 @@ if want s5attn; then
   timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
     --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300
 fi
+# Session of 2026-12-03 (sixth): a layer's projections of one input in one launch
+# (pallas_kernels/quant/multi.py, Forms.dense_launch "auto" = "fused").
+#  call A, SECTIONS=s6a: the compiled multi-launch tests (nothing else runs if they fail), the
+#    GPU model set on this commit, decode_probe's fused / apart A/B at batch 1 / 32 with
+#    kernel profiles and the HLO of the fused program, and the Engine at batch 1 / 32 with
+#    its profile (the batch-1 gap between the Engine's program and bench_model's).
+if want s6a; then
+  JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_multi_launch_kernel.py 2>&1 | tee $OUT/gpu_tests_multi.log | tail -4
+  if grep -q failed $OUT/gpu_tests_multi.log || ! grep -q passed $OUT/gpu_tests_multi.log; then
+    echo "multi-launch kernel tests failed: stopping"; exit 1
+  fi
+  GPU_SET=model CAP=${TEST_CAP:-170} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  echo "s6a tests done $(( $(date +%s) - t0 )) s"
+  timeout ${PROBE_CAP:-150} python3 experiments/bench/decode_probe.py --variants fused,apart \
+    --batches 1,32 --n_steps 16 --reps 5 --profile fused,apart --dump-hlo $OUT/hlo \
+    --out $OUT/decode_probe_multi.json 2>&1 | grep '"variant"' | cut -c1-220
+  echo "s6a probe done $(( $(date +%s) - t0 )) s"
+  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1,32 --profile \
+    --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
+fi
 # Owed to the next session (SECTIONS=owed6, ~9 min; carry uvicorn, h11 and click in .whl for
 # the server leg): the GPU model set on this commit (run 31 did not reach test_mixed_batch_rows
 # and test_greedy_32_tokens, and the fp32 precision test's new reading has not run), the

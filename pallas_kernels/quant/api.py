@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.lora.kernel import dot_policy
-from pallas_kernels.quant import dense_dot
+from pallas_kernels.quant import dense_dot, gemv
 from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, dense_lora_call, triton_params
 from pallas_kernels.quant.kernel import (
     ROWS_MAX,
@@ -228,6 +228,26 @@ def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max
     return dense_dot.dense_dot_call(x, _stack3(stack), index, compiler_params=params,
                                     interpret=impl == "pallas_interpret", **tk)
   return dense_reference(x, stack, index)
+
+
+def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot"):
+  """[dense_matmul(x, s, index, ...) for s in stacks], the stacks sharing `in` (a layer's
+  projections of one input): where one kernel form takes the rows for every stack (the GEMV's
+  one row; dense_dot's 2 to 64 rows of one 16-bit dtype), all the products run in one launch
+  (`multi.py`), each result `dense_matmul`'s bit for bit; otherwise one call each."""
+  n, d_in = x.shape
+  impl = resolve(implementation)
+  stacks = [_stack3(s) for s in stacks]
+  interpret = impl == "pallas_interpret"
+  params = triton_params() if impl == "pallas" else None
+  if len(stacks) > 1 and dense_kernel_rows(n, d_in, implementation):
+    idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
+    return gemv.dense_multi_call(x, stacks, idx, interpret=interpret, compiler_params=params)
+  if len(stacks) > 1 and all(dense_dot_rows(n, x.dtype, s.dtype, implementation, few)
+                             for s in stacks):
+    return dense_dot.dense_dot_multi_call(x, stacks, index, interpret=interpret,
+                                          compiler_params=params)
+  return [dense_matmul(x, s, index, implementation=implementation, few=few) for s in stacks]
 
 
 def _dense_kernel(x, stack, index, impl, tiles):

@@ -110,13 +110,18 @@ def _largest_block(d_in, want):
   return b
 
 
-def _kernel(idx_ref, x_ref, w_ref, *rest, t: Tiling):
+def _kernel(*refs, t: Tiling):
+  _program(refs, pl.program_id(0), t=t)
+
+
+def _program(refs, pid, *, t: Tiling):
+  """Program `pid` of one call (`_kernel`; or of a part in `multi.launch`)."""
+  idx_ref, x_ref, w_ref, *rest = refs
   if t.lora:
     lidx_ref, on_ref, a_ref, b_ref, *rest = rest
     rs_ref, o_ref = rest if t.scaled else (None, *rest)
   else:
     (o_ref,) = rest
-  pid = pl.program_id(0)
   bo, bk, rp, rr = t.block_out, t.block_in, t.rows_pad, t.rank_pad
   ks, j = pid // t.out_tiles, pid % t.out_tiles
   o0 = j * bo
@@ -223,3 +228,41 @@ def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block
       name="dense_dot_lora" if lora is not None else "dense_dot",
   )(*args)
   return sum_partials(y).astype(x.dtype) if ks > 1 else y
+
+
+def dense_dot_multi_call(x, stacks, idx, *, tiles=None, interpret=False,
+                         compiler_params=None):
+  """[dense_dot_call(x, s, idx) for s in stacks] in one launch (`multi.launch`): x [M, in]
+  16-bit, every stack [S_m, out_m, in] of x's dtype. Each part keeps its own call's tiling
+  (`defaults`, or tiles[m]: {block_out, block_in, k_split}), so each result is that call's
+  bit for bit."""
+  from pallas_kernels.quant.multi import Part, launch  # noqa: PLC0415
+  m, d_in = x.shape
+  if jnp.dtype(x.dtype) not in HALF or not 0 < m <= ROWS_MAX:
+    raise ValueError(f"dense dot: x {x.shape} {x.dtype}: 1 to {ROWS_MAX} rows of a 16-bit "
+                     "dtype")
+  if compiler_params is None and not interpret:
+    compiler_params = triton_params()
+  parts, splits = [], []
+  for j, stack in enumerate(stacks):
+    n_mats, d_out, w_in = stack.shape
+    if w_in != d_in or stack.dtype != x.dtype:
+      raise ValueError(f"dense dot: x {x.shape} {x.dtype} and stack {stack.shape} "
+                       f"{stack.dtype} need a shared `in` and one 16-bit dtype")
+    bo, bk, ks = defaults(m, d_out, d_in, interpret=interpret)
+    given = tiles[j] if tiles else {}
+    bo, ks = given.get("block_out") or bo, int(given.get("k_split") or ks)
+    bk = _largest_block(d_in, given["block_in"]) if given.get("block_in") else bk
+    if (d_in // bk) % ks:
+      raise ValueError(f"dense dot: k_split={ks} does not divide the {d_in // bk} loop steps")
+    t = Tiling(m=m, rows_pad=_rows_pad(m), d_in=d_in, d_out=d_out, block_out=bo, block_in=bk,
+               k_split=ks, out_tiles=pl.cdiv(d_out, bo),
+               out_dtype=jnp.dtype(x.dtype) if ks == 1 else jnp.dtype(_F32))
+    i = jnp.clip(jnp.reshape(jnp.asarray(idx, jnp.int32), (1,)), 0, n_mats - 1)
+    parts.append(Part(functools.partial(_program, t=t), t.out_tiles * ks, (i, x, stack),
+                      jax.ShapeDtypeStruct((ks, m, d_out) if ks > 1 else (m, d_out),
+                                           t.out_dtype)))
+    splits.append(ks)
+  ys = launch(parts, name="dense_dot_multi", interpret=interpret,
+              compiler_params=compiler_params)
+  return [sum_partials(y).astype(x.dtype) if ks > 1 else y for y, ks in zip(ys, splits)]

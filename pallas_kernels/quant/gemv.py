@@ -413,6 +413,44 @@ def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
   return y
 
 
+def _one_group_program(refs, pid, *, t):
+  _program(refs, pid, jnp.int32(0), t)
+
+
+def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_params=None):
+  """[dense_call(x[None], s, idx)[0] for s in stacks] in one launch (`multi.launch`): x
+  [M, in], every stack [S_m, out_m, in], idx [1] int32. Each part keeps its own call's tiling
+  (`dense_defaults`, or tiles[m]: {block_out, block_in, k_split}), so each result is that
+  call's bit for bit."""
+  from pallas_kernels.quant.multi import Part, launch  # noqa: PLC0415 (multi imports nothing here)
+  m, d_in = x.shape
+  if d_in % DENSE_UNIT:
+    raise ValueError(f"dense gemv: x {x.shape}: `in` must be a multiple of {DENSE_UNIT}")
+  if compiler_params is None and not interpret:
+    compiler_params = triton_params()
+  dt, cd = jnp.dtype(x.dtype), _dense_cd(x.dtype)
+  units = d_in // DENSE_UNIT
+  xv = x.reshape(1, m, units, DENSE_UNIT)
+  parts, splits = [], []
+  for j, stack in enumerate(stacks):
+    n_mats, d_out, w_in = stack.shape
+    if w_in != d_in:
+      raise ValueError(f"dense gemv: x {x.shape} and stack {stack.shape} need a shared `in`")
+    bo, unroll, ks = _dense_tiling(d_out, d_in, interpret=interpret,
+                                   **(tiles[j] if tiles else {}))
+    t = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=d_out, block_out=bo,
+               unroll=unroll, k_split=ks, out_tiles=pl.cdiv(d_out, bo), cd=cd,
+               out_dtype=_F32 if ks > 1 else dt)
+    i = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0, n_mats - 1)
+    parts.append(Part(functools.partial(_one_group_program, t=t), t.out_tiles * ks,
+                      (i, xv, stack.reshape(n_mats, d_out, units, DENSE_UNIT)),
+                      jax.ShapeDtypeStruct((ks, m, d_out), t.out_dtype)))
+    splits.append(ks)
+  ys = launch(parts, name="qgemv_dense_multi", interpret=interpret,
+              compiler_params=compiler_params)
+  return [sum_partials(y).astype(dt) if ks > 1 else y[0] for y, ks in zip(ys, splits)]
+
+
 def sum_partials(parts):
   """parts [ks, ...] fp32 -> their sum, added in index order (p0 + p1 + ...): the order the
   LoRA finishing kernel adds them in too, so an off row there is this sum's bits."""

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import linear, out_projection, rms_norm, rope_neox
+from strata_jax.model.common import linears, out_projection, rms_norm, rope_neox
 
 
 def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lora_b, switch,
@@ -29,10 +29,10 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   B, T, _ = x.shape
   H, G, Hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
   S = k_cache.shape[-3]
-  qg = linear(x, p.q).reshape(B, T, H, 2 * Hd)
+  qg, k, v = linears(x, [p.q, p.k, p.v], cfg.forms.dense_launch != "apart")
+  qg = qg.reshape(B, T, H, 2 * Hd)
   q, gate = qg[..., :Hd], qg[..., Hd:]
-  k = linear(x, p.k).reshape(B, T, G, Hd)
-  v = linear(x, p.v).reshape(B, T, G, Hd)
+  k, v = k.reshape(B, T, G, Hd), v.reshape(B, T, G, Hd)
   q, k = rms_norm(q, p.q_norm, cfg.rms_eps), rms_norm(k, p.k_norm, cfg.rms_eps)
   positions = pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]          # [B, T]
   q = rope_neox(q, positions, cfg.n_rot, cfg.rope_base)

@@ -108,6 +108,22 @@ def linear(x, w):
                          preferred_element_type=x.dtype)
 
 
+def linears(x, ws, fused=True):
+  """[linear(x, w) for w in ws]. When `fused` and every w is a DRef at one layer index (a
+  layer's projections of one input: GDN qkv / gate / ba, attention q / k / v, the shared
+  expert's gate / up), the products run in one kernel launch where the in-place kernels take
+  the rows (`quant_api.dense_matmul_multi`, `Forms.dense_launch`); each result is `linear`'s
+  bit for bit either way."""
+  if not (fused and len(ws) > 1 and all(isinstance(w, DRef) for w in ws)
+          and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1):
+    return [linear(x, w) for w in ws]
+  from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+  x2 = x.reshape(-1, x.shape[-1])
+  ys = quant_api.dense_matmul_multi(x2, [w.w for w in ws], ws[0].index,
+                                    implementation=ws[0].implementation, few=ws[0].few)
+  return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
 def rms_norm(x, w, eps):
   """RMSNorm over the last axis in float32; `w` already carries GGUF's +1."""
   xf = x.astype(jnp.float32)

@@ -9,7 +9,7 @@ from jax import lax
 
 from pallas_kernels.gdn import api as gdn_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import l2_norm, linear, out_projection, rms_norm
+from strata_jax.model.common import l2_norm, linears, out_projection, rms_norm
 
 
 def causal_conv(x, conv_state, w, n_new):
@@ -70,9 +70,9 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
                      "cut_window >= 1)")
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
-  qkv = linear(x, p.qkv)                                                     # [B, T, C]
-  z = linear(x, p.gate).reshape(B, T, Hv, Dv)
-  ba = linear(x, p.ba).astype(jnp.float32).reshape(B, T, Hk, 2 * r)
+  qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba], cfg.forms.dense_launch != "apart")
+  z = z.reshape(B, T, Hv, Dv)                                                # qkv [B, T, C]
+  ba = ba.astype(jnp.float32).reshape(B, T, Hk, 2 * r)
   b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)
   kd = cfg.gdn_key_dim
   beta = jax.nn.sigmoid(b)

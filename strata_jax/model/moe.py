@@ -6,12 +6,13 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import group_call, is_quant, linear
+from strata_jax.model.common import group_call, is_quant, linear, linears
 from strata_jax.params import QGroups
 
 
-def _glu(x, wg, wu, wd):
-  return linear(jax.nn.silu(linear(x, wg).astype(jnp.float32)).astype(x.dtype) * linear(x, wu), wd)
+def _glu(x, wg, wu, wd, fused=True):
+  g, u = linears(x, [wg, wu], fused)
+  return linear(jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u, wd)
 
 
 def _grouped_dot(xs, w, group_sizes):
@@ -108,6 +109,7 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
     h = jax.nn.silu(h_g).astype(x.dtype) * h_u.astype(x.dtype)
     y = jnp.einsum("nef,edf->ned", h, p.down_exps.astype(x.dtype), preferred_element_type=f32)
     routed = jnp.einsum("ned,ne->nd", y, dense_w)
-  shared = _glu(x, p.shared_gate, p.shared_up, p.shared_down).astype(jnp.float32)
+  shared = _glu(x, p.shared_gate, p.shared_up, p.shared_down,
+                cfg.forms.dense_launch != "apart").astype(jnp.float32)
   gate = jax.nn.sigmoid(linear(x.astype(jnp.float32), p.shared_gate_inp))  # [N, 1]
   return (routed + gate * shared).astype(x.dtype)

@@ -1,0 +1,128 @@
+"""Several products of one input in one launch (pallas_kernels/quant/multi.py): each part is
+its own call's result bit for bit (the one-row GEMV and the few-row tensor-core product,
+split sums and ragged tiles included), how `dense_matmul_multi` routes rows, the Triton
+lowering, and the compiled kernels under the `gpu` marker."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import KERNEL_REL, assert_close
+
+from pallas_kernels.quant.api import dense_matmul, dense_matmul_multi
+from pallas_kernels.quant.dense_dot import dense_dot_call, dense_dot_multi_call
+from pallas_kernels.quant.gemv import dense_call, dense_multi_call
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+ON_GPU = jax.default_backend() == "gpu"
+# (out, in) of the parts: a GDN layer's qkv / gate / ba in miniature (ba ragged, 24 rows)
+OUTS, IN = (96, 64, 24), 128
+
+
+def _case(m, dtype, n_mats=3, seed=0, outs=OUTS, d_in=IN):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((m, d_in)), dtype)
+  stacks = [jnp.asarray(rng.standard_normal((n_mats, o, d_in)), dtype) for o in outs]
+  return x, stacks
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint32)
+
+
+def _want(x, stack, i):
+  return np.asarray(x, np.float64) @ np.asarray(stack[i], np.float64).T
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("tiles", [None, [dict(block_out=16, block_in=32, k_split=2),
+                                          dict(block_out=32, block_in=64, k_split=1),
+                                          dict(block_out=16, block_in=32, k_split=4)]])
+def test_gemv_multi_gives_each_dense_call_bit_for_bit(dtype, tiles):
+  x, stacks = _case(1, dtype, seed=1)
+  idx = jnp.full((1,), 2, jnp.int32)
+  got = jax.jit(lambda x, s, i: dense_multi_call(x, s, i, tiles=tiles, interpret=True))(
+      x, stacks, idx)
+  for j, (y, s) in enumerate(zip(got, stacks)):
+    one = dense_call(x[None], s, idx, interpret=True, **(tiles[j] if tiles else {}))[0]
+    assert y.shape == (1, s.shape[1]) and y.dtype == dtype
+    assert np.array_equal(_bits(y), _bits(one)), f"part {j}"
+    assert_close(y, _want(x, s, 2), rel=KERNEL_REL[jnp.dtype(dtype).name], what=f"part {j}")
+
+
+@pytest.mark.parametrize("m,tiles", [
+    (3, None),
+    (8, [dict(block_out=16, block_in=32, k_split=4), dict(block_out=32, block_in=64),
+         dict(block_out=16, block_in=16, k_split=2)]),
+    (17, None)])
+def test_dense_dot_multi_gives_each_dense_dot_call_bit_for_bit(m, tiles):
+  x, stacks = _case(m, BF16, seed=m)
+  got = jax.jit(lambda x, s, i: dense_dot_multi_call(x, s, i, tiles=tiles, interpret=True))(
+      x, stacks, jnp.int32(1))
+  for j, (y, s) in enumerate(zip(got, stacks)):
+    one = dense_dot_call(x, s, jnp.int32(1), interpret=True, **(tiles[j] if tiles else {}))
+    assert y.shape == (m, s.shape[1]) and y.dtype == BF16
+    assert np.array_equal(_bits(y), _bits(one)), f"part {j}"
+    assert_close(y, _want(x, s, 1), rel=KERNEL_REL["bfloat16"], what=f"part {j}")
+
+
+@pytest.mark.parametrize("m,dtype,launches", [(1, BF16, 1), (1, F32, 1), (4, BF16, 1),
+                                              (4, F32, 0), (65, BF16, 0)])
+def test_dense_matmul_multi_routes_rows_to_one_launch_or_each_call(m, dtype, launches):
+  """One row (the GEMV) or 2 to 64 rows of a 16-bit dtype (dense_dot): one launch for every
+  part; fp32 rows past one, or more than 64 rows: `dense_matmul` each (XLA there). Either way
+  each result is `dense_matmul`'s bit for bit."""
+  x, stacks = _case(m, dtype, seed=3)
+  f = lambda x, s: dense_matmul_multi(x, s, jnp.int32(2), implementation="pallas_interpret")
+  got = jax.jit(f)(x, stacks)
+  for j, (y, s) in enumerate(zip(got, stacks)):
+    one = dense_matmul(x, s, jnp.int32(2), implementation="pallas_interpret")
+    assert np.array_equal(_bits(y), _bits(one)), f"part {j}"
+  jaxpr = str(jax.make_jaxpr(f)(x, stacks))
+  assert jaxpr.count("pallas_call") == launches
+
+
+def test_multi_reads_every_stack_in_place_at_a_traced_index():
+  x, stacks = _case(1, BF16, n_mats=4, seed=5)
+  f = lambda x, s, i: dense_matmul_multi(x, s, i, implementation="pallas_interpret")
+  for i, want_i in ((0, 0), (3, 3), (7, 3)):   # past the stack: the last matrix, as XLA's
+    for y, s in zip(jax.jit(f)(x, stacks, jnp.int32(i)), stacks):
+      assert_close(y, _want(x, s, want_i), rel=KERNEL_REL["bfloat16"], what=f"index {i}")
+  jaxpr = str(jax.make_jaxpr(f)(x, stacks, jnp.int32(1)))
+  assert "dynamic_slice" not in jaxpr.split("pallas_call")[0]
+
+
+def test_multi_refuses_stacks_of_another_width():
+  x, stacks = _case(1, BF16)
+  odd = jnp.zeros((3, 16, IN + 32), BF16)
+  with pytest.raises(ValueError, match="shared `in`"):
+    dense_multi_call(x, [stacks[0], odd], jnp.zeros((1,), jnp.int32), interpret=True)
+  with pytest.raises(ValueError, match="shared `in`"):
+    dense_dot_multi_call(jnp.zeros((4, IN), BF16), [stacks[0], odd], 0, interpret=True)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_multi_lowers_to_triton_for_the_gpu(m):
+  x, stacks = _case(m, BF16, outs=(512, 64), d_in=1024)
+  low = jax.jit(lambda x, s: dense_matmul_multi(x, s, jnp.int32(1), implementation="pallas")
+                ).trace(x, stacks).lower(lowering_platforms=("cuda",)) if ON_GPU else None
+  if low is None:   # lower the kernel calls themselves for CUDA from this CPU machine
+    from pallas_kernels.quant.gemv import triton_params
+    call = (lambda x, s: dense_multi_call(x, s, jnp.zeros((1,), jnp.int32),
+                                          compiler_params=triton_params())) if m == 1 else (
+        lambda x, s: dense_dot_multi_call(x, s, 1, compiler_params=triton_params()))
+    low = jax.jit(call).trace(x, stacks).lower(lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_gpu_multi_gives_each_call_bit_for_bit(m):
+  """bench-a3b's GDN input projections (qkv 8,192, gate 4,096, ba 64 rows of 2,048)."""
+  x, stacks = _case(m, BF16, n_mats=2, seed=m, outs=(8192, 4096, 64), d_in=2048)
+  got = dense_matmul_multi(x, stacks, jnp.int32(1), implementation="pallas")
+  for j, (y, s) in enumerate(zip(got, stacks)):
+    one = dense_matmul(x, s, jnp.int32(1), implementation="pallas")
+    assert np.array_equal(_bits(y), _bits(one)), f"part {j}"
+    assert_close(y, _want(x, s, 1), rel=KERNEL_REL["bfloat16"], what=f"gpu part {j}")
