@@ -48,6 +48,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
   assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
   assert (gpu.attn_decode, cpu.attn_decode) == ("pallas", "xla")
+  assert (gpu.dense_launch, cpu.dense_launch) == ("fused", "fused")   # the same numbers
   assert Forms().resolve("gpu", jnp.float32).attn_decode == "xla"   # forms.py says why
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
   assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
@@ -259,6 +260,35 @@ def test_dense_dot_lora_off_rows_are_the_bare_model_and_on_rows_as_close_to_fp32
     assert gap(after, fp32) > 0
     assert gap(got, fp32) <= 2 * gap(after, fp32), (gap(got, fp32), gap(after, fp32))
     assert gap(got, bare) > 4 * gap(after, fp32), "the adapter's effect is lost in rounding"
+
+
+@pytest.mark.parametrize("rows,dtype,kernel", [(1, jnp.float32, "qgemv_dense_multi"),
+                                               (3, jnp.bfloat16, "dense_dot_multi")])
+def test_dense_launch_fused_is_the_apart_forms_decode_bit_for_bit(rows, dtype, kernel):
+  """`dense_launch="fused"`: a layer's projections of one input (GDN qkv / gate / ba,
+  attention q / k / v, the shared expert's gate / up) run in one launch of the in-place
+  kernels (interpreted here; compiled on a GPU), and the decode steps' logits are the
+  one-launch-each form's bit for bit, adapter on, with fewer launches (the many-step paths
+  are `test_dense_weights_kernel_decodes_...` and the dense_dot LoRA test, on "fused")."""
+  model = tiny_model(dtype=dtype)
+  lora = random_lora(dtype=dtype).params
+  kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+
+  def run(launch):   # one step (traced once: its jaxpr, then its program)
+    forms = Forms(dense_weights="kernel", quant_impl=kernels, dense_launch=launch)
+    cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), dtype))
+    args = (model.params, lora, init_state(cfg, rows, 64, dtype),
+            jnp.full((rows,), 5, jnp.int32), jnp.ones(rows, jnp.int32),
+            jnp.ones(rows, jnp.int32))
+    traced = jax.jit(steps.decode, static_argnums=0).trace(cfg, *args)
+    out, _ = traced.lower().compile()(*args)
+    return np.asarray(out, np.float32), str(traced.jaxpr)
+
+  fused, text_f = run("fused")
+  apart, text_a = run("apart")
+  assert kernel in text_f and kernel not in text_a
+  assert text_f.count("pallas_call") < text_a.count("pallas_call")
+  assert np.array_equal(fused, apart)
 
 
 def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_matrix():
