@@ -109,3 +109,59 @@ def test_gpu_top_k_kernel(n, e, k):
   vals, ids = api.top_k(x, k, implementation="pallas")
   ref_vals, ref_ids = jax.lax.top_k(x, k)
   assert np.array_equal(vals, ref_vals) and np.array_equal(ids, ref_ids)
+
+
+def logits_like(n, e, seed=0):
+  """Router logits: distinct values on a softmax-like scale."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((n, e)) * 2.0, jnp.float32)
+
+
+@pytest.mark.parametrize("n,e,k", SHAPES)
+def test_route_kernel_gives_the_references_ids_and_weights(n, e, k):
+  """softmax, top-k and renormalisation in one launch: the reference's ids exactly, its
+  weights to fp32 rounding, each row summing to 1."""
+  x = logits_like(n, e, seed=n * e)
+  w, ids = api.route(x, k, implementation="pallas_interpret")
+  ref_w, ref_ids = api.route(x, k, implementation="xla")
+  assert w.shape == (n, k) and w.dtype == jnp.float32 and ids.dtype == jnp.int32
+  assert np.array_equal(ids, ref_ids)
+  np.testing.assert_allclose(w, ref_w, rtol=2e-6, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(w, np.float64).sum(-1), 1.0, rtol=1e-6)
+  # the float64 oracle of the weights
+  p = np.exp(np.asarray(x, np.float64) - np.asarray(x, np.float64).max(-1, keepdims=True))
+  top = np.take_along_axis(p, np.asarray(ids), axis=-1)
+  np.testing.assert_allclose(w, top / top.sum(-1, keepdims=True), rtol=2e-6)
+
+
+def test_route_reference_is_the_models_routing():
+  """`route_reference`: softmax, lax.top_k, w / sum(w), bit for bit."""
+  from pallas_kernels.moe.reference import route_reference
+  x = logits_like(5, 64, seed=9)
+  probs = jax.nn.softmax(x, axis=-1)
+  w, ids = jax.lax.top_k(probs, 10)
+  got_w, got_ids = route_reference(x, 10)
+  assert np.array_equal(got_ids, ids)
+  assert np.array_equal(got_w, w / jnp.sum(w, axis=-1, keepdims=True))
+
+
+def test_route_refuses_a_k_outside_the_row():
+  with pytest.raises(ValueError, match="k=9 must be in 1..8"):
+    api.route(logits_like(2, 8), 9, implementation="pallas_interpret")
+
+
+def test_route_kernel_lowers_to_triton_for_the_gpu():
+  from pallas_kernels.moe.topk import route_pallas
+  low = jax.jit(lambda x: route_pallas(x, 10)).trace(logits_like(8, 64)).lower(
+      lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("n,e,k", [(1, 64, 10), (32, 64, 10), (1, 512, 10), (40, 512, 10)])
+def test_gpu_route_kernel(n, e, k):
+  x = logits_like(n, e, seed=n)
+  w, ids = api.route(x, k, implementation="pallas")
+  ref_w, ref_ids = api.route(x, k, implementation="xla")
+  assert np.array_equal(ids, ref_ids)
+  np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-7)

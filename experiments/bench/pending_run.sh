@@ -67,7 +67,7 @@ fi
 #    its profile (the batch-1 gap between the Engine's program and bench_model's).
 if want s6a; then
   JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
-    tests/test_multi_launch_kernel.py 2>&1 | tee $OUT/gpu_tests_multi.log | tail -4
+    tests/test_multi_launch_kernel.py tests/test_moe_topk_kernel.py 2>&1 | tee $OUT/gpu_tests_multi.log | tail -4
   if grep -q failed $OUT/gpu_tests_multi.log || ! grep -q passed $OUT/gpu_tests_multi.log; then
     echo "multi-launch kernel tests failed: stopping"; exit 1
   fi

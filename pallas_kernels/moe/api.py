@@ -21,8 +21,8 @@ import jax
 from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.moe.grouped import routed_experts_grouped
 from pallas_kernels.moe.kernel import moe_pallas
-from pallas_kernels.moe.reference import moe_reference, top_k_reference
-from pallas_kernels.moe.topk import top_k_pallas
+from pallas_kernels.moe.reference import moe_reference, route_reference, top_k_reference
+from pallas_kernels.moe.topk import route_pallas, top_k_pallas
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
@@ -122,3 +122,20 @@ def top_k(x, k: int, *, implementation=None):
   if impl == "pallas_interpret":
     return top_k_pallas(x, k, interpret=True)
   return top_k_reference(x, k)
+
+
+def route(logits, k: int, *, implementation=None):
+  """The router's choice: (w [N, k] fp32, ids [N, k] int32), the top-k of softmax(logits)
+  renormalised to sum to 1. "xla": `route_reference` (XLA's softmax, `lax.top_k`, the
+  division); "pallas" / "pallas_interpret": `topk.route_pallas`, all three in one launch, the
+  same ids and the weights to fp32 rounding. "auto": "pallas" on the GPU, "xla" elsewhere;
+  the model's choice is `Forms.moe_topk`, as `top_k`'s."""
+  impl = check_choice("route", implementation or "auto", CHOICES)
+  if impl == "auto":
+    impl = "pallas" if on_gpu() else "xla"
+  if impl == "pallas":
+    require_gpu("route", impl, "'pallas_interpret' or 'xla'")
+    return route_pallas(logits, k)
+  if impl == "pallas_interpret":
+    return route_pallas(logits, k, interpret=True)
+  return route_reference(logits, k)

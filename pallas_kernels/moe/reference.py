@@ -39,6 +39,14 @@ def moe_reference(x, wg, wu, wd, idx, w, precision=None):
   return jnp.sum(y * w.astype(f32)[..., None], axis=1)
 
 
+def route_reference(logits, k):
+  """The router's oracle: (w [N, k] fp32, ids [N, k] int32), the top-k of softmax(logits)
+  (ties to the lower id) renormalised to sum to 1 (the model's routing)."""
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  w, idx = jax.lax.top_k(probs, k)
+  return w / jnp.sum(w, axis=-1, keepdims=True), idx
+
+
 def top_k_reference(x, k):
   """The router's top-k oracle: `lax.top_k` (values [N, k], ids [N, k] int32; ties to the
   lower id)."""

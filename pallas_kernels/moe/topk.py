@@ -10,6 +10,13 @@ column holding it, then marks that column taken: `lax.top_k`'s values and ids ex
 to the lower id, ±inf included (NaN is not supported; router probabilities have none).
 Rows are padded to a multiple of bn and columns to a power of 2 (Triton's block shapes) only
 when they are not already; the results are [N, k] in x's dtype and int32.
+
+`route_pallas` is the whole routing in that launch: from the router's fp32 logits, the
+softmax (`jax.nn.softmax`'s formula: exp(x - max) / sum), the top-k of the probabilities as
+above, and their renormalisation (w / sum(w)), where XLA ran a softmax kernel, the top-k and a
+small fusion for the division (bench-a3b at batch 1 on the H200: 61 + 119 + 52 us a step, 48
+layers; experiments/results/device/decode_probe_moe_run29.json). Same ids as the reference
+(`reference.route_reference`); weights to fp32 rounding (the exp and the sums' order).
 """
 import functools
 
@@ -28,15 +35,7 @@ def _topk_kernel(x_ref, v_ref, i_ref, *, k, e):
   bn, e_pad = x.shape
   col = lax.broadcasted_iota(jnp.int32, (bn, e_pad), 1)
   slot = lax.broadcasted_iota(jnp.int32, v_ref.shape, 1)
-  taken = col >= e                                                          # padding
-  vals = jnp.zeros(v_ref.shape, jnp.float32)
-  ids = jnp.zeros(i_ref.shape, jnp.int32)
-  for j in range(k):
-    m = jnp.max(jnp.where(taken, -jnp.inf, x), axis=1, keepdims=True)       # [bn, 1]
-    i = jnp.min(jnp.where(~taken & (x == m), col, e_pad), axis=1, keepdims=True)
-    vals = jnp.where(slot == j, m, vals)
-    ids = jnp.where(slot == j, i, ids)
-    taken = taken | (col == i)
+  vals, ids = _take_k(x, col >= e, col, slot, k, v_ref.shape)             # (padding taken)
   v_ref[...] = vals.astype(v_ref.dtype)
   i_ref[...] = ids
 
@@ -62,3 +61,57 @@ def top_k_pallas(x, k: int, *, interpret: bool = False):
       interpret=interpret, compiler_params=params, name="router_top_k",
   )(xp)
   return vals[:n, :k], ids[:n, :k]
+
+
+def _take_k(x, taken, col, slot, k, shape):
+  """k rounds of (max over the entries not taken, the lowest column holding it): values
+  [bn, k_pad] (0 past k) and ids, as `_topk_kernel`."""
+  e_pad = x.shape[1]
+  vals = jnp.zeros(shape, jnp.float32)
+  ids = jnp.zeros(shape, jnp.int32)
+  for j in range(k):
+    m = jnp.max(jnp.where(taken, -jnp.inf, x), axis=1, keepdims=True)       # [bn, 1]
+    i = jnp.min(jnp.where(~taken & (x == m), col, e_pad), axis=1, keepdims=True)
+    vals = jnp.where(slot == j, m, vals)
+    ids = jnp.where(slot == j, i, ids)
+    taken = taken | (col == i)
+  return vals, ids
+
+
+def _route_kernel(x_ref, w_ref, i_ref, *, k, e):
+  x = x_ref[...].astype(jnp.float32)                                        # [bn, E_pad]
+  bn, e_pad = x.shape
+  col = lax.broadcasted_iota(jnp.int32, (bn, e_pad), 1)
+  slot = lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
+  pad = col >= e
+  x = jnp.where(pad, -jnp.inf, x)
+  ex = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))                      # padding: 0
+  probs = ex / jnp.sum(ex, axis=1, keepdims=True)
+  vals, ids = _take_k(probs, pad, col, slot, k, w_ref.shape)
+  w_ref[...] = vals / jnp.sum(vals, axis=1, keepdims=True)                 # slots past k: 0
+  i_ref[...] = ids
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
+def route_pallas(logits, k: int, *, interpret: bool = False):
+  """(w [N, k] fp32, ids [N, k] int32) from the router's logits [N, E]: the top-k of
+  softmax(logits), renormalised to sum to 1, in one launch."""
+  require_triton(interpret, "route", "implementation='xla'")
+  n, e = logits.shape
+  if not 0 < k <= e:
+    raise ValueError(f"route: k={k} must be in 1..{e} (the row length)")
+  bn = min(_ROWS, pl.next_power_of_2(max(n, 1)))
+  n_pad, e_pad = pl.cdiv(n, bn) * bn, pl.next_power_of_2(e)
+  k_pad = pl.next_power_of_2(k)
+  x = logits.astype(jnp.float32)
+  xp = x if (n_pad, e_pad) == (n, e) else jnp.pad(x, ((0, n_pad - n), (0, e_pad - e)))
+  params = None if interpret else triton_params(num_warps=4, num_stages=1)
+  w, ids = pl.pallas_call(
+      functools.partial(_route_kernel, k=k, e=e), grid=(n_pad // bn,),
+      in_specs=[pl.BlockSpec((bn, e_pad), lambda i: (i, 0))],
+      out_specs=[pl.BlockSpec((bn, k_pad), lambda i: (i, 0))] * 2,
+      out_shape=[jax.ShapeDtypeStruct((n_pad, k_pad), jnp.float32),
+                 jax.ShapeDtypeStruct((n_pad, k_pad), jnp.int32)],
+      interpret=interpret, compiler_params=params, name="router_route",
+  )(xp)
+  return w[:n, :k], ids[:n, :k]

@@ -64,9 +64,8 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
   N, D = x.shape
   k = cfg.n_experts_used
   logits = linear(x.astype(jnp.float32), p.router)                          # [N, E] f32
-  probs = jax.nn.softmax(logits, axis=-1)
-  w, idx = moe_api.top_k(probs, k, implementation=cfg.forms.moe_topk)
-  w = w / jnp.sum(w, axis=-1, keepdims=True)                                # [N, k]
+  # softmax, top-k, renormalised: w [N, k] f32 (one launch under the Pallas top-k form)
+  w, idx = moe_api.route(logits, k, implementation=cfg.forms.moe_topk)
   if real is not None:
     # Rows whose output is never used (inactive slots of a decode batch, padding) take the
     # experts of the first real row: the kernels read experts per (row, expert) pair, and
