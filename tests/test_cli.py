@@ -202,43 +202,39 @@ def test_default_model_prints_text():
   assert isinstance(res["text"], str) and res["tokens"] and res["lora"] is False
 
 
-def test_layer_split_flags_match_single_device(files):
-  """--layer-split / --split-devices on two fake CPU devices: same tokens, logits within 1e-6."""
-  d, model, a, _ = files
-  # the single run's flags too (conftest's), so both programs compile alike
-  env_split = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
-               + " --xla_force_host_platform_device_count=2"}
-  common = ["--model", model, "--lora", a, "--prompt-tokens", "3,1,4,1,5,9", "-n", "4", "--json"]
+def _split_env():
+  """A subprocess environment with one CPU device (conftest's other XLA flags kept, so every
+  run's programs compile alike)."""
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f)
+  return e
 
-  def run(extra, out, env=None):
-    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **(env or {}))
+
+def test_layer_split_on_two_devices_and_on_two_processes_match_one_device(files):
+  """One unsplit run, then the same command split two ways: --layer-split / --split-devices
+  on two fake CPU devices of one process, and a stage per process on two processes
+  (STRATA_COORDINATOR, ...). Both give the unsplit tokens and logits within 1e-6; the split
+  run logs its stages, and of the two processes only process 0 prints and writes."""
+  d, model, a, _ = files
+  common = ["--model", model, "--lora", a, "--prompt-tokens", "3,1,4,1,5,9", "-n", "4", "--json"]
+  e = _split_env()
+
+  def run(extra, out, env):
     p = subprocess.run([sys.executable, "-m", "strata_jax", "generate", *common, *extra,
-                        "--dump-logits", str(out)], capture_output=True, text=True, env=e,
+                        "--dump-logits", str(out)], capture_output=True, text=True, env=env,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), np.load(out), p.stderr
 
-  single, zs, _ = run([], d / "single.npz")
+  single, zs, _ = run([], d / "single.npz", e)
+  two_devices = dict(e, XLA_FLAGS=e["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2")
   split, zp, err = run(["--layer-split", "3,5", "--split-devices", "0,1"], d / "split.npz",
-                       env_split)
+                       two_devices)
   assert "layers 0-2 (dev0), 3-7 (dev1)" in err
   assert split["tokens"] == single["tokens"]
   for k in ("prompt", "steps"):
     assert np.abs(zp[k] - zs[k]).max() <= 1e-6, k
 
-
-def test_layer_split_across_two_processes(files):
-  """The same command on two processes (STRATA_COORDINATOR, ...): a stage per process gives the
-  single-process tokens and logits; only process 0 prints and writes."""
-  d, model, a, _ = files
-  common = ["--model", model, "--lora", a, "--prompt-tokens", "3,1,4,1,5,9", "-n", "4", "--json"]
-  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  # one CPU device a process: the run's other XLA flags (conftest's) stay
-  e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f)
-  p = subprocess.run([sys.executable, "-m", "strata_jax", "generate", *common, "--dump-logits",
-                      str(d / "one.npz")], capture_output=True, text=True, env=e, timeout=600)
-  assert p.returncode == 0, p.stderr[-2000:]
-  single, zs = json.loads(p.stdout.strip().splitlines()[-1]), np.load(d / "one.npz")
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
