@@ -70,14 +70,19 @@ def test_dense_dot_multi_gives_each_dense_dot_call_bit_for_bit(m, tiles):
                                               (4, F32, 0), (65, BF16, 0)])
 def test_dense_matmul_multi_routes_rows_to_one_launch_or_each_call(m, dtype, launches):
   """One row (the GEMV) or 2 to 64 rows of a 16-bit dtype (dense_dot): one launch for every
-  part; fp32 rows past one, or more than 64 rows: `dense_matmul` each (XLA there). Either way
-  each result is `dense_matmul`'s bit for bit."""
+  part, each result `dense_matmul`'s bit for bit; fp32 rows past one, or more than 64 rows:
+  `dense_matmul` each (XLA's dots, whose bits a GPU's GEMM tuning may move between programs:
+  run 32), to the dtype's rounding."""
   x, stacks = _case(m, dtype, seed=3)
   f = lambda x, s: dense_matmul_multi(x, s, jnp.int32(2), implementation="pallas_interpret")
   got = jax.jit(f)(x, stacks)
   for j, (y, s) in enumerate(zip(got, stacks)):
     one = dense_matmul(x, s, jnp.int32(2), implementation="pallas_interpret")
-    assert np.array_equal(_bits(y), _bits(one)), f"part {j}"
+    if launches:
+      assert np.array_equal(_bits(y), _bits(one)), f"part {j}"
+    else:
+      assert_close(y, np.asarray(one, np.float64), rel=KERNEL_REL[jnp.dtype(dtype).name],
+                   what=f"part {j}")
   jaxpr = str(jax.make_jaxpr(f)(x, stacks))
   assert jaxpr.count("pallas_call") == launches
 
