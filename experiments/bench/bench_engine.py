@@ -93,9 +93,16 @@ def build(args):
   import jax.numpy as jnp
 
   from strata_jax.params import LoraSet
+  import dataclasses
+
+  import jax
   geom = common.TINY if args.smoke else common.BENCH_A3B
-  cfg = common.model_config(geom)
   dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  # The forms `load_model` gives users on this backend (Forms.resolve). Unresolved, "auto"
+  # reads as "scan" to the layer scan: every Engine figure before run 34 ran the scanned
+  # weights (their slices copied each step), not the in-place kernels users run.
+  cfg = common.model_config(geom)
+  cfg = dataclasses.replace(cfg, forms=cfg.forms.resolve(jax.default_backend(), dtype))
   t0 = time.perf_counter()
   model = bench_model(cfg, common.device_params(cfg, dtype), dtype, args.smoke)
   lp = common.device_lora(cfg, common.LORA_RANK, dtype)

@@ -22,6 +22,7 @@ beside the program's figure: `multi_adapter_b32_engine_cost_ratio` = one / four 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -59,8 +60,9 @@ def main(_):
   from strata_jax.state import init_state
 
   geom = common.TINY if F.tiny else common.BENCH_A3B
-  cfg = common.model_config(geom)
   dtype = jnp.bfloat16
+  cfg = common.model_config(geom)   # with the forms load_model resolves for this backend
+  cfg = dataclasses.replace(cfg, forms=cfg.forms.resolve(jax.default_backend(), dtype))
   B, K = F.batch, F.n_adapters
   params = common.device_params(cfg, dtype)
   sets = [LoraSet(params=common.device_lora(cfg, F.rank, dtype, seed=1 + k), files=(),

@@ -80,19 +80,16 @@ if want s6a; then
   timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1,32 --profile \
     --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
 fi
-#  call B, SECTIONS=s6b: bench_model's decode at batch 1 / 8 / 32 (the roofline fractions and
-#    the adapter's cost on this commit), bench_spec (verify and draft costs, owed since the MoE
-#    changes), and the Engine at batch 8.
+#  call B, SECTIONS=s6b: the Engine at batch 1 / 8 / 32 with the forms load_model resolves
+#    (bench_engine.py ran unresolved forms before: the scanned weights), then bench_model's
+#    decode at batch 1 / 8 / 32 (the roofline fractions and the adapter's cost on this commit).
 if want s6b; then
-  timeout ${MODEL_CAP:-200} python3 experiments/bench/bench_model.py --sections decode \
+  timeout ${ENGINE_CAP:-300} python3 experiments/bench/bench_engine.py --reps 3 --batches 1,8,32 \
+    --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300
+  echo "s6b engine done $(( $(date +%s) - t0 )) s"
+  timeout $(left) python3 experiments/bench/bench_model.py --sections decode \
     --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
-  echo "s6b model done $(( $(date +%s) - t0 )) s"
-  timeout ${SPEC_CAP:-150} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
-    --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
-  echo "s6b spec done $(( $(date +%s) - t0 )) s"
-  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 8 \
-    --out $OUT/bench_engine_b8.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300
 fi
 # Owed to the next session (SECTIONS=owed6, ~9 min; carry uvicorn, h11 and click in .whl for
 # the server leg): the GPU model set on this commit (run 31 did not reach test_mixed_batch_rows
