@@ -901,3 +901,16 @@ def test_mixed_stack_without_group_is_refused():
   x = jnp.ones((1, parts[0].shape[-1]), F32)
   with pytest.raises(ValueError, match="needs at least one part and group="):
     qmatmul(x, parts, index=jnp.int32(0), implementation="pallas_interpret")
+
+
+def test_dense_defaults_narrow_the_steps_of_a_small_matrix_to_fill_the_grid():
+  """512 programs where the matrix allows: bench-a3b's ssm_out splits `in` 4 ways at 512
+  columns a step; the shared expert's down projection (512 columns: one step) takes 128-column
+  steps and a 4-way split instead of 128 one-step programs; never below MIN_STEP_COLS."""
+  from pallas_kernels.quant import gemv
+  assert gemv.dense_defaults(2048, 4096) == (16, 16, 4)
+  assert gemv.dense_defaults(8192, 2048) == (16, 16, 1)
+  assert gemv.dense_defaults(2048, 512) == (16, 4, 4)
+  bo, unroll, ks = gemv.dense_defaults(64, 2048)   # the router: 4 tiles
+  assert unroll * gemv.DENSE_UNIT == gemv.MIN_STEP_COLS and ks == 8
+  assert gemv.dense_defaults(2048, 512, interpret=True)[2] == 1

@@ -126,6 +126,9 @@ def patch(variant: str):
       from pallas_kernels.quant import kernel as qk
       setattr_undo(qk, "default_form",
                    lambda m, lora="none": "rows" if m <= qk.ROWS_MAX else "dot")
+    elif part == "widesteps":   # the dense GEMV's tiling before MIN_STEP_COLS (512 columns a step)
+      from pallas_kernels.quant import gemv
+      setattr_undo(gemv, "MIN_STEP_COLS", 512)
     elif part in FORM_VARIANTS:
       continue   # variant_cfg
     else:

@@ -80,10 +80,13 @@ if want s6a; then
   timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1,32 --profile \
     --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
 fi
-#  call B, SECTIONS=s6b: the Engine at batch 1 / 8 / 32 with the forms load_model resolves
+#  call B, SECTIONS=s6b: the dense GEMV's narrower steps for small matrices against the wide
+#    ones (decode_probe, batch 1), the Engine at batch 1 / 8 / 32 with the forms load_model resolves
 #    (bench_engine.py ran unresolved forms before: the scanned weights), then bench_model's
 #    decode at batch 1 / 8 / 32 (the roofline fractions and the adapter's cost on this commit).
 if want s6b; then
+  timeout ${PROBE_CAP:-90} python3 experiments/bench/decode_probe.py --variants base,widesteps \
+    --batches 1 --n_steps 16 --reps 5 --out $OUT/decode_probe_steps.json 2>&1 | grep '"variant"' | cut -c1-200
   timeout ${ENGINE_CAP:-300} python3 experiments/bench/bench_engine.py --reps 3 --batches 1,8,32 \
     --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e Error | cut -c1-300
   echo "s6b engine done $(( $(date +%s) - t0 )) s"

@@ -358,16 +358,27 @@ def _dense_unroll(units, block_in):
   return next(u for u in (64, 32, 16, 8, 4, 2, 1) if u <= want and units % u == 0)
 
 
+# The least columns a GEMV loop step takes when `dense_defaults` narrows it to fill the grid.
+MIN_STEP_COLS = 128
+
+
 def dense_defaults(d_out, d_in, *, groups=1, interpret=False):
   """(block_out, unroll, k_split) of `dense_call`: 16-row tiles, 512 columns a step, `in`
-  split until the grid has 512 programs (as `kernel.blocks_defaults`); interpret: big tiles."""
+  split until the grid has 512 programs (as `kernel.blocks_defaults`); a matrix too small for
+  that (the shared expert's down projection, 512 columns: 128 programs of one step) takes
+  narrower steps, down to MIN_STEP_COLS, so that `in` splits further. Interpret: big tiles."""
   units = d_in // DENSE_UNIT
   bo, bk = (min(128, max(16, pl.next_power_of_2(d_out))), 2048) if interpret else (16, 512)
   unroll = _dense_unroll(units, bk)
-  steps, tiles, ks = units // unroll, -(-d_out // bo) * groups, 1
-  while not interpret and ks < 8 and tiles * ks < 512 and steps % (2 * ks) == 0:
-    ks *= 2
-  return bo, unroll, ks
+  tiles = -(-d_out // bo) * groups
+  while True:
+    steps, ks = units // unroll, 1
+    while not interpret and ks < 8 and tiles * ks < 512 and steps % (2 * ks) == 0:
+      ks *= 2
+    if (interpret or tiles * ks >= 512 or unroll * DENSE_UNIT <= MIN_STEP_COLS
+        or units % (unroll // 2)):
+      return bo, unroll, ks
+    unroll //= 2
 
 
 def _dense_tiling(d_out, d_in, *, groups=1, block_out=None, block_in=None, k_split=None,
