@@ -115,7 +115,9 @@ def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit
   lora = random_lora()
   prompt = list(range(3, 70))
   kernel = Forms(dense_weights="kernel", quant_impl="pallas_interpret")
-  assert "qgemv_dense" in _decode_jaxpr(model, kernel)
+  program = _decode_jaxpr(model, kernel)
+  assert "qgemv_dense" in program
+  assert "qgemv_dense_multi" in program   # dense_launch "auto": a layer's inputs in one launch
   assert "qgemv_dense" not in _decode_jaxpr(model, Forms(dense_weights="in_place"))
   run = lambda forms, lo, on: sj.Engine(model, lora=lo, slots=1, max_seq=128, block_size=32,
                                         forms=forms).generate(
@@ -262,14 +264,14 @@ def test_dense_dot_lora_off_rows_are_the_bare_model_and_on_rows_as_close_to_fp32
     assert gap(got, bare) > 4 * gap(after, fp32), "the adapter's effect is lost in rounding"
 
 
-@pytest.mark.parametrize("rows,dtype,kernel", [(1, jnp.float32, "qgemv_dense_multi"),
-                                               (3, jnp.bfloat16, "dense_dot_multi")])
-def test_dense_launch_fused_is_the_apart_forms_decode_bit_for_bit(rows, dtype, kernel):
+def test_dense_launch_fused_is_the_apart_forms_decode_bit_for_bit():
   """`dense_launch="fused"`: a layer's projections of one input (GDN qkv / gate / ba,
   attention q / k / v, the shared expert's gate / up) run in one launch of the in-place
-  kernels (interpreted here; compiled on a GPU), and the decode steps' logits are the
-  one-launch-each form's bit for bit, adapter on, with fewer launches (the many-step paths
-  are `test_dense_weights_kernel_decodes_...` and the dense_dot LoRA test, on "fused")."""
+  kernels (interpreted here; compiled on a GPU), and a decode step's logits are the
+  one-launch-each form's bit for bit, adapter on, with fewer launches. Three bf16 rows take
+  dense_dot's multi launch; one row takes the GEMV's (`test_dense_weights_kernel_decodes_...`
+  checks its program; the kernel tests check each part's bits)."""
+  rows, dtype, kernel = 3, jnp.bfloat16, "dense_dot_multi"
   model = tiny_model(dtype=dtype)
   lora = random_lora(dtype=dtype).params
   kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
