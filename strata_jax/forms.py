@@ -118,10 +118,11 @@ CHOICES: dict[str, tuple] = {
     # decode_probe_lora_profile_run24.json). "auto" = "dot" (the interpreter on CPU, where
     # it only runs when a test names the kernel forms). Same numbers to summation order.
     "dense_few": ("auto", "dot", "xla"),
-    # the router's top-k: "auto" = "pallas" on the GPU (the one-launch kernel,
-    # pallas_kernels/moe/topk.py: 163 us of the 80B-A3B Q4_K_M batch-1 step where `lax.top_k`'s
-    # sort took 259, and the step 4.48 against 4.55 ms; decode_probe_a80b_run8_topk.json),
-    # "xla" elsewhere; same values and ids either way.
+    # the router's softmax, top-k and renormalisation: "auto" = "pallas" on the GPU (one
+    # launch, `pallas_kernels/moe/topk.py`'s `route_pallas`; its top-k alone took 163 us of the
+    # 80B-A3B Q4_K_M batch-1 step where `lax.top_k`'s sort took 259, and the step 4.48 against
+    # 4.55 ms, decode_probe_a80b_run8_topk.json), "xla" elsewhere; the same ids either way,
+    # the weights to fp32 rounding (Triton's exp).
     "moe_topk": ("auto", "xla", "pallas", "pallas_interpret"),
     # one decode step's attention (a single new position a row): "pallas" = the kernel that
     # reads the layer's K/V cache in place and only each row's keys up to its position
@@ -143,7 +144,9 @@ CHOICES: dict[str, tuple] = {
     # expert's gate / up) where the in-place kernels take the rows (`dense_weights="kernel"`:
     # the GEMV's one row, dense_dot's 2 to 64): "fused" = one launch for all of them
     # (`pallas_kernels/quant/multi.py`), "apart" = one launch each. Every product keeps its
-    # own call's tiling, so the numbers are the same bit for bit. "auto" = "fused".
+    # own call's tiling, so the numbers are the same bit for bit. "auto" = "fused" (bench-a3b
+    # bf16 decode on the H200: 4.138 against 4.390 ms a step at batch 1, 7.624 against 7.987
+    # at batch 32; experiments/results/device/decode_probe_multi_run33.json).
     "dense_launch": ("auto", "fused", "apart"),
 }
 
