@@ -94,6 +94,18 @@ if want s6b; then
     --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
 fi
+# Owed to the next session (SECTIONS=owed7, ~9 min; carry uvicorn, h11, click and fastapi,
+# starlette (+ what `pip download fastapi` brings) in .whl for the server leg): the GPU model set
+# whole (run 33's stopped at its 170 s cap with none failed), the Engine at batch 32 on the
+# resolved forms with the server leg (run 34's batch-32 leg hit its cap), and bench_spec (owed
+# since the MoE changes).
+if want owed7; then
+  GPU_SET=model CAP=${TEST_CAP:-240} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  timeout ${ENGINE_CAP:-200} python3 experiments/bench/bench_engine.py --reps 3 --batches 32 \
+    --out $OUT/bench_engine_b32.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
+  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+    --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+fi
 # Owed to the next session (SECTIONS=owed6, ~9 min; carry uvicorn, h11 and click in .whl for
 # the server leg): the GPU model set on this commit (run 31 did not reach test_mixed_batch_rows
 # and test_greedy_32_tokens, and the fp32 precision test's new reading has not run), the
