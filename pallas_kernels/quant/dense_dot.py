@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.lora.kernel import dot_policy, up_product
 from pallas_kernels.quant.gemv import (masked_load, masked_store, sum_partials, tile_mask,
                                        triton_params)
+from pallas_kernels.quant.multi import Part, launch
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # lhs @ rhs^T
@@ -236,7 +237,6 @@ def dense_dot_multi_call(x, stacks, idx, *, tiles=None, interpret=False,
   16-bit, every stack [S_m, out_m, in] of x's dtype. Each part keeps its own call's tiling
   (`defaults`, or tiles[m]: {block_out, block_in, k_split}), so each result is that call's
   bit for bit."""
-  from pallas_kernels.quant.multi import Part, launch  # noqa: PLC0415
   m, d_in = x.shape
   if jnp.dtype(x.dtype) not in HALF or not 0 < m <= ROWS_MAX:
     raise ValueError(f"dense dot: x {x.shape} {x.dtype}: 1 to {ROWS_MAX} rows of a 16-bit "

@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.lora.kernel import dot_policy
 from pallas_kernels.quant.layout import BLOCK, PLANES
+from pallas_kernels.quant.multi import Part, launch
 
 try:  # the Triton lowering, as kernel.py
   from jax.experimental.pallas import triton as pltriton
@@ -433,7 +434,6 @@ def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_pa
   [M, in], every stack [S_m, out_m, in], idx [1] int32. Each part keeps its own call's tiling
   (`dense_defaults`, or tiles[m]: {block_out, block_in, k_split}), so each result is that
   call's bit for bit."""
-  from pallas_kernels.quant.multi import Part, launch  # noqa: PLC0415 (multi imports nothing here)
   m, d_in = x.shape
   if d_in % DENSE_UNIT:
     raise ValueError(f"dense gemv: x {x.shape}: `in` must be a multiple of {DENSE_UNIT}")
