@@ -129,6 +129,9 @@ def patch(variant: str):
     elif part == "widesteps":   # the dense GEMV's tiling before MIN_STEP_COLS (512 columns a step)
       from pallas_kernels.quant import gemv
       setattr_undo(gemv, "MIN_STEP_COLS", 512)
+    elif part == "route1w":   # the routing kernel at one warp a program (topk.ROUTE_WARPS)
+      from pallas_kernels.moe import topk
+      setattr_undo(topk, "ROUTE_WARPS", 1)
     elif part in FORM_VARIANTS:
       continue   # variant_cfg
     else:

@@ -101,6 +101,10 @@ fi
 # since the MoE changes).
 if want owed7; then
   GPU_SET=model CAP=${TEST_CAP:-240} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  # the routing kernel at one warp against four (topk.ROUTE_WARPS), batch 1 and 32
+  timeout ${PROBE_CAP:-100} python3 experiments/bench/decode_probe.py --variants base,route1w \
+    --batches 1,32 --n_steps 16 --reps 5 --out $OUT/decode_probe_route.json 2>&1 \
+    | grep '"variant"' | cut -c1-200
   timeout ${ENGINE_CAP:-200} python3 experiments/bench/bench_engine.py --reps 3 --batches 32 \
     --out $OUT/bench_engine_b32.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
   timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \

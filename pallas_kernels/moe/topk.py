@@ -92,6 +92,12 @@ def _route_kernel(x_ref, w_ref, i_ref, *, k, e):
   i_ref[...] = ids
 
 
+# Warps a routing program runs. Run 33 measured 3.9 us a launch at 4 warps for a [1, 64] row;
+# with one warp the k rounds' reductions would stay within a warp (untried on the device:
+# decode_probe.py's "route1w" variant sets 1).
+ROUTE_WARPS = 4
+
+
 @functools.partial(jax.jit, static_argnames=("k", "interpret"))
 def route_pallas(logits, k: int, *, interpret: bool = False):
   """(w [N, k] fp32, ids [N, k] int32) from the router's logits [N, E]: the top-k of
@@ -105,7 +111,7 @@ def route_pallas(logits, k: int, *, interpret: bool = False):
   k_pad = pl.next_power_of_2(k)
   x = logits.astype(jnp.float32)
   xp = x if (n_pad, e_pad) == (n, e) else jnp.pad(x, ((0, n_pad - n), (0, e_pad - e)))
-  params = None if interpret else triton_params(num_warps=4, num_stages=1)
+  params = None if interpret else triton_params(num_warps=ROUTE_WARPS, num_stages=1)
   w, ids = pl.pallas_call(
       functools.partial(_route_kernel, k=k, e=e), grid=(n_pad // bn,),
       in_specs=[pl.BlockSpec((bn, e_pad), lambda i: (i, 0))],
