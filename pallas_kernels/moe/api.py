@@ -113,15 +113,21 @@ def top_k(x, k: int, *, implementation=None):
   run `topk.py`'s one-launch kernel. "auto" is "pallas" on the GPU (the 80B-A3B Q4_K_M
   batch-1 step: 163 us of top-k against the sort's 259), "xla" elsewhere. The model's choice
   is `strata_jax.forms.Forms.moe_topk`."""
-  impl = check_choice("top_k", implementation or "auto", CHOICES)
+  return _router_op("top_k", implementation, top_k_pallas, top_k_reference, x, k)
+
+
+def _router_op(op, implementation, kernel, reference, x, k):
+  """kernel(x, k) compiled ("pallas") or interpreted, or reference(x, k) ("xla"); "auto" is
+  "pallas" on the GPU, "xla" elsewhere."""
+  impl = check_choice(op, implementation or "auto", CHOICES)
   if impl == "auto":
     impl = "pallas" if on_gpu() else "xla"
   if impl == "pallas":
-    require_gpu("top_k", impl, "'pallas_interpret' or 'xla'")
-    return top_k_pallas(x, k)
+    require_gpu(op, impl, "'pallas_interpret' or 'xla'")
+    return kernel(x, k)
   if impl == "pallas_interpret":
-    return top_k_pallas(x, k, interpret=True)
-  return top_k_reference(x, k)
+    return kernel(x, k, interpret=True)
+  return reference(x, k)
 
 
 def route(logits, k: int, *, implementation=None):
@@ -130,12 +136,4 @@ def route(logits, k: int, *, implementation=None):
   division); "pallas" / "pallas_interpret": `topk.route_pallas`, all three in one launch, the
   same ids and the weights to fp32 rounding. "auto": "pallas" on the GPU, "xla" elsewhere;
   the model's choice is `Forms.moe_topk`, as `top_k`'s."""
-  impl = check_choice("route", implementation or "auto", CHOICES)
-  if impl == "auto":
-    impl = "pallas" if on_gpu() else "xla"
-  if impl == "pallas":
-    require_gpu("route", impl, "'pallas_interpret' or 'xla'")
-    return route_pallas(logits, k)
-  if impl == "pallas_interpret":
-    return route_pallas(logits, k, interpret=True)
-  return route_reference(logits, k)
+  return _router_op("route", implementation, route_pallas, route_reference, logits, k)

@@ -40,27 +40,35 @@ def _topk_kernel(x_ref, v_ref, i_ref, *, k, e):
   i_ref[...] = ids
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret"))
-def top_k_pallas(x, k: int, *, interpret: bool = False):
-  """(values [N, k] in x.dtype, ids [N, k] int32) of each row of x [N, E]: `lax.top_k`'s."""
-  require_triton(interpret, "top_k", "implementation='xla'")
+def _rows_call(kernel, x, k, value_dtype, *, op, name, warps, interpret):
+  """(values [N, k] in value_dtype, ids [N, k] int32) from `kernel(x_ref, v_ref, i_ref, k=,
+  e=)` run over x [N, E] in programs of up to _ROWS whole rows (rows padded to a multiple of
+  the block, columns to a power of 2, only when they need it)."""
+  require_triton(interpret, op, "implementation='xla'")
   n, e = x.shape
   if not 0 < k <= e:
-    raise ValueError(f"top_k: k={k} must be in 1..{e} (the row length)")
+    raise ValueError(f"{op}: k={k} must be in 1..{e} (the row length)")
   bn = min(_ROWS, pl.next_power_of_2(max(n, 1)))
   n_pad, e_pad = pl.cdiv(n, bn) * bn, pl.next_power_of_2(e)
   k_pad = pl.next_power_of_2(k)
   xp = x if (n_pad, e_pad) == (n, e) else jnp.pad(x, ((0, n_pad - n), (0, e_pad - e)))
-  params = None if interpret else triton_params(num_warps=4, num_stages=1)
+  params = None if interpret else triton_params(num_warps=warps, num_stages=1)
   vals, ids = pl.pallas_call(
-      functools.partial(_topk_kernel, k=k, e=e), grid=(n_pad // bn,),
+      functools.partial(kernel, k=k, e=e), grid=(n_pad // bn,),
       in_specs=[pl.BlockSpec((bn, e_pad), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((bn, k_pad), lambda i: (i, 0))] * 2,
-      out_shape=[jax.ShapeDtypeStruct((n_pad, k_pad), x.dtype),
+      out_shape=[jax.ShapeDtypeStruct((n_pad, k_pad), value_dtype),
                  jax.ShapeDtypeStruct((n_pad, k_pad), jnp.int32)],
-      interpret=interpret, compiler_params=params, name="router_top_k",
+      interpret=interpret, compiler_params=params, name=name,
   )(xp)
   return vals[:n, :k], ids[:n, :k]
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
+def top_k_pallas(x, k: int, *, interpret: bool = False):
+  """(values [N, k] in x.dtype, ids [N, k] int32) of each row of x [N, E]: `lax.top_k`'s."""
+  return _rows_call(_topk_kernel, x, k, x.dtype, op="top_k", name="router_top_k", warps=4,
+                    interpret=interpret)
 
 
 def _take_k(x, taken, col, slot, k, shape):
@@ -102,22 +110,5 @@ ROUTE_WARPS = 4
 def route_pallas(logits, k: int, *, interpret: bool = False):
   """(w [N, k] fp32, ids [N, k] int32) from the router's logits [N, E]: the top-k of
   softmax(logits), renormalised to sum to 1, in one launch."""
-  require_triton(interpret, "route", "implementation='xla'")
-  n, e = logits.shape
-  if not 0 < k <= e:
-    raise ValueError(f"route: k={k} must be in 1..{e} (the row length)")
-  bn = min(_ROWS, pl.next_power_of_2(max(n, 1)))
-  n_pad, e_pad = pl.cdiv(n, bn) * bn, pl.next_power_of_2(e)
-  k_pad = pl.next_power_of_2(k)
-  x = logits.astype(jnp.float32)
-  xp = x if (n_pad, e_pad) == (n, e) else jnp.pad(x, ((0, n_pad - n), (0, e_pad - e)))
-  params = None if interpret else triton_params(num_warps=ROUTE_WARPS, num_stages=1)
-  w, ids = pl.pallas_call(
-      functools.partial(_route_kernel, k=k, e=e), grid=(n_pad // bn,),
-      in_specs=[pl.BlockSpec((bn, e_pad), lambda i: (i, 0))],
-      out_specs=[pl.BlockSpec((bn, k_pad), lambda i: (i, 0))] * 2,
-      out_shape=[jax.ShapeDtypeStruct((n_pad, k_pad), jnp.float32),
-                 jax.ShapeDtypeStruct((n_pad, k_pad), jnp.int32)],
-      interpret=interpret, compiler_params=params, name="router_route",
-  )(xp)
-  return w[:n, :k], ids[:n, :k]
+  return _rows_call(_route_kernel, logits.astype(jnp.float32), k, jnp.float32, op="route",
+                    name="router_route", warps=ROUTE_WARPS, interpret=interpret)
