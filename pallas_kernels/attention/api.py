@@ -8,7 +8,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.attention.kernel import decode_attention_pallas
-from pallas_kernels.attention.reference import decode_attention_reference
+from pallas_kernels.attention.reference import (  # noqa: F401 (the model's XLA form)
+    attention_reference,
+    decode_attention_reference,
+)
 from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.attention.api import attention_reference, decode_attention
 from strata_jax.config import ModelConfig
 from strata_jax.model.common import linears, out_projection, rms_norm, rope_neox
 
@@ -29,7 +30,7 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   B, T, _ = x.shape
   H, G, Hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
   S = k_cache.shape[-3]
-  qg, k, v = linears(x, [p.q, p.k, p.v], cfg.forms.dense_launch != "apart")
+  qg, k, v = linears(x, [p.q, p.k, p.v])
   qg = qg.reshape(B, T, H, 2 * Hd)
   q, gate = qg[..., :Hd], qg[..., Hd:]
   k, v = k.reshape(B, T, G, Hd), v.reshape(B, T, G, Hd)
@@ -47,7 +48,6 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   if T == 1 and cfg.forms.attn_decode in ("pallas", "pallas_interpret"):
     # One position a row: the kernel reads the layer's cache where it lies, only up to each
     # row's position (pallas_kernels/attention).
-    from pallas_kernels.attention import decode_attention  # noqa: PLC0415
     stacks = (k_all, v_all, layer) if layer is not None else (k_all[None], v_all[None], 0)
     out = decode_attention(q[:, 0], *stacks, positions[:, 0], kv_start,
                            implementation=cfg.forms.attn_decode)[:, None]    # [B, 1, H, Hd]
@@ -55,17 +55,7 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
     if layer is not None:   # the layer's cache, read after its write
       k_cache = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
       v_cache = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-    qh = q.reshape(B, T, G, H // G, Hd).astype(jnp.float32)   # q-head h <- kv-head h//(H/G)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qh, k_cache.astype(jnp.float32)) * (Hd ** -0.5)
-    mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]              # [B, T, S]
-    if kv_start is not None:
-      # (a query before its row's start sees itself only: no all-masked row, no NaN)
-      lo = jnp.minimum(kv_start[:, None], positions)                          # [B, T]
-      mask = mask & (jnp.arange(S)[None, None, :] >= lo[:, :, None])
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache.astype(jnp.float32))
-    out = out.reshape(B, T, H, Hd)
+    out = attention_reference(q, k_cache, v_cache, positions, kv_start)     # [B, T, H, Hd]
   out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype).reshape(B, T, H * Hd)
   return (out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl,
                          row_scale, cfg.forms.gemv_lora), k_all, v_all)

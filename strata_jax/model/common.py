@@ -38,6 +38,7 @@ class DRef:
   index: object
   implementation: str = "auto"
   few: str = "dot"
+  fused: bool = True   # `Forms.dense_launch`: one launch with the layer's other DRefs of an input
 
 
 def is_quant(w) -> bool:
@@ -108,13 +109,13 @@ def linear(x, w):
                          preferred_element_type=x.dtype)
 
 
-def linears(x, ws, fused=True):
-  """[linear(x, w) for w in ws]. When `fused` and every w is a DRef at one layer index (a
+def linears(x, ws):
+  """[linear(x, w) for w in ws]. When every w is a DRef at one layer index made `fused` (a
   layer's projections of one input: GDN qkv / gate / ba, attention q / k / v, the shared
-  expert's gate / up), the products run in one kernel launch where the in-place kernels take
-  the rows (`quant_api.dense_matmul_multi`, `Forms.dense_launch`); each result is `linear`'s
+  expert's gate / up; `Forms.dense_launch`), the products run in one kernel launch where the
+  in-place kernels take the rows (`quant_api.dense_matmul_multi`); each result is `linear`'s
   bit for bit either way."""
-  if not (fused and len(ws) > 1 and all(isinstance(w, DRef) for w in ws)
+  if not (len(ws) > 1 and all(isinstance(w, DRef) and w.fused for w in ws)
           and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1):
     return [linear(x, w) for w in ws]
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)

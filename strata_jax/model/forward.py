@@ -74,7 +74,8 @@ def _layer(cfg, dense, quant, i, index, whole=None):
   fields = {f.name: QRef(getattr(quant, f.name), index, impl, groups)
             for f in dataclasses.fields(quant) if _is_q(getattr(quant, f.name))}
   if whole is not None:
-    take = ((lambda a: DRef(a, index, impl, _dense_few(cfg)))
+    fused = cfg.forms.dense_launch != "apart"
+    take = ((lambda a: DRef(a, index, impl, _dense_few(cfg), fused))
             if cfg.forms.dense_weights == "kernel"
             else (lambda a: lax.dynamic_index_in_dim(a, index, 0, False)))
     fields.update({f.name: take(getattr(whole, f.name)) for f in dataclasses.fields(whole)

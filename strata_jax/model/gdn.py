@@ -70,7 +70,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
                      "cut_window >= 1)")
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
-  qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba], cfg.forms.dense_launch != "apart")
+  qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba])
   z = z.reshape(B, T, Hv, Dv)                                                # qkv [B, T, C]
   ba = ba.astype(jnp.float32).reshape(B, T, Hk, 2 * r)
   b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)

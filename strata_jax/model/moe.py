@@ -10,8 +10,8 @@ from strata_jax.model.common import group_call, is_quant, linear, linears
 from strata_jax.params import QGroups
 
 
-def _glu(x, wg, wu, wd, fused=True):
-  g, u = linears(x, [wg, wu], fused)
+def _glu(x, wg, wu, wd):
+  g, u = linears(x, [wg, wu])
   return linear(jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u, wd)
 
 
@@ -108,7 +108,6 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
     h = jax.nn.silu(h_g).astype(x.dtype) * h_u.astype(x.dtype)
     y = jnp.einsum("nef,edf->ned", h, p.down_exps.astype(x.dtype), preferred_element_type=f32)
     routed = jnp.einsum("ned,ne->nd", y, dense_w)
-  shared = _glu(x, p.shared_gate, p.shared_up, p.shared_down,
-                cfg.forms.dense_launch != "apart").astype(jnp.float32)
+  shared = _glu(x, p.shared_gate, p.shared_up, p.shared_down).astype(jnp.float32)
   gate = jax.nn.sigmoid(linear(x.astype(jnp.float32), p.shared_gate_inp))  # [N, 1]
   return (routed + gate * shared).astype(x.dtype)
