@@ -161,6 +161,52 @@ def test_route_kernel_lowers_to_triton_for_the_gpu():
   assert "xla.gpu.triton" in low.as_text()
 
 
+@pytest.mark.parametrize("n_parts", [1, 2, 3, 8])
+@pytest.mark.parametrize("n,e,k", [(1, 64, 10), (17, 64, 10), (5, 10, 3)])
+def test_route_kernel_adds_split_partials_as_the_gemv_sum_does(n, e, k, n_parts):
+  """Given the router GEMV's split partials [S, N, E], the kernel adds them in index order
+  (`gemv.sum_partials`' order): the ids and weights of the summed logits bit for bit, and the
+  reference's ids for the partials."""
+  from pallas_kernels.quant.gemv import sum_partials
+  parts = jnp.stack([logits_like(n, e, seed=10 * s + n) for s in range(n_parts)])
+  w, ids = api.route(parts, k, implementation="pallas_interpret")
+  w_sum, ids_sum = api.route(sum_partials(parts), k, implementation="pallas_interpret")
+  assert w.shape == (n, k) and ids.shape == (n, k)
+  assert np.array_equal(ids, ids_sum) and np.array_equal(w, w_sum)
+  ref_w, ref_ids = api.route(parts, k, implementation="xla")
+  assert np.array_equal(ids, ref_ids)
+  np.testing.assert_allclose(w, ref_w, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("op", ["route", "top_k"])
+def test_router_kernels_store_their_results_at_their_shape_with_no_slice_after(op):
+  """The results leave the launch at [N, k] (a masked store): no slice op follows it (on the
+  H200 the slice of a padded block was one more launch a layer)."""
+  from pallas_kernels.moe.topk import route_pallas
+  kernel = route_pallas if op == "route" else top_k_pallas
+  jaxpr = str(jax.make_jaxpr(lambda x: kernel(x, 10, interpret=True))(logits_like(1, 64)))
+  after = jaxpr.split("pallas_call")[-1]
+  assert "slice" not in after, after
+
+
+def test_route_refuses_logits_that_are_neither_rows_nor_partials():
+  from pallas_kernels.moe.topk import route_pallas
+  with pytest.raises(ValueError, match="must be \\[N, E\\] or split partials"):
+    route_pallas(jnp.zeros((2, 1, 3, 8)), 2, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("n,e,k", [(1, 64, 10), (32, 64, 10), (1, 512, 10), (40, 512, 10)])
+def test_gpu_route_kernel_of_split_partials_is_that_of_their_sum(n, e, k):
+  from pallas_kernels.quant.gemv import sum_partials
+  parts = jnp.stack([logits_like(n, e, seed=10 * s + n) for s in range(8)])
+  w, ids = api.route(parts, k, implementation="pallas")
+  w_sum, ids_sum = jax.jit(lambda p: api.route(sum_partials(p), k, implementation="pallas"))(
+      parts)
+  assert np.array_equal(ids, ids_sum) and np.array_equal(w, w_sum)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("n,e,k", [(1, 64, 10), (32, 64, 10), (1, 512, 10), (40, 512, 10)])

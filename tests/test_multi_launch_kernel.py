@@ -131,3 +131,30 @@ def test_gpu_multi_gives_each_call_bit_for_bit(m):
     one = dense_matmul(x, s, jnp.int32(1), implementation="pallas")
     assert np.array_equal(_bits(y), _bits(one)), f"part {j}"
     assert_close(y, _want(x, s, 1), rel=KERNEL_REL["bfloat16"], what=f"gpu part {j}")
+
+
+@pytest.mark.parametrize("k_split", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 3])
+def test_dense_matmul_parts_sum_in_order_to_dense_matmul_bit_for_bit(m, k_split):
+  """The router's GEMV handing its split partials to the routing kernel: [S, M, out] fp32
+  whose index-order sum is `dense_matmul`'s result bit for bit, at a traced index, S the
+  GEMV's k_split (one row) or 1 (rows the GEMV does not take)."""
+  from pallas_kernels.quant.api import dense_matmul_parts
+  from pallas_kernels.quant.gemv import sum_partials
+  x, (stack, *_) = _case(m, F32, seed=11)
+  tiles = dict(block_out=16, block_in=32, k_split=k_split)
+  kw = dict(implementation="pallas_interpret", tiles=tiles)
+  parts = jax.jit(lambda x, i: dense_matmul_parts(x, stack, i, **kw))(x, jnp.int32(2))
+  whole = dense_matmul(x, stack, jnp.int32(2), **kw)
+  gemv_rows = m == 1
+  assert parts.shape == (k_split if gemv_rows else 1, m, stack.shape[1])
+  assert parts.dtype == F32
+  assert np.array_equal(_bits(sum_partials(parts)), _bits(whole))
+  assert_close(whole, _want(x, stack, 2), rel=KERNEL_REL["float32"], what="product")
+
+
+def test_dense_matmul_parts_refuses_a_16_bit_x():
+  from pallas_kernels.quant.api import dense_matmul_parts
+  x, (stack, *_) = _case(1, BF16, seed=12)
+  with pytest.raises(ValueError, match="x must be float32"):
+    dense_matmul_parts(x, stack, jnp.int32(0), implementation="pallas_interpret")

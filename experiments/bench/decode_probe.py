@@ -129,6 +129,8 @@ def patch(variant: str):
     elif part == "widesteps":   # the dense GEMV's tiling before MIN_STEP_COLS (512 columns a step)
       from pallas_kernels.quant import gemv
       setattr_undo(gemv, "MIN_STEP_COLS", 512)
+    elif part == "routesum":   # XLA adds the router GEMV's split partials (its own launch)
+      setattr_undo(moe, "linear_parts", lambda x, w: mc.linear(x, w)[None])
     elif part == "route1w":   # the routing kernel at one warp a program (topk.ROUTE_WARPS)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS", 1)

@@ -132,7 +132,8 @@ def _router_op(op, implementation, kernel, reference, x, k):
 
 def route(logits, k: int, *, implementation=None):
   """The router's choice: (w [N, k] fp32, ids [N, k] int32), the top-k of softmax(logits)
-  renormalised to sum to 1. "xla": `route_reference` (XLA's softmax, `lax.top_k`, the
+  renormalised to sum to 1. logits [N, E], or the router GEMV's split partial sums [S, N, E]
+  (added in index order: the GEMV's own sum, in the kernel's launch under "pallas"). "xla": `route_reference` (XLA's softmax, `lax.top_k`, the
   division); "pallas" / "pallas_interpret": `topk.route_pallas`, all three in one launch, the
   same ids and the weights to fp32 rounding. "auto": "pallas" on the GPU, "xla" elsewhere;
   the model's choice is `Forms.moe_topk`, as `top_k`'s."""

@@ -41,8 +41,14 @@ def moe_reference(x, wg, wu, wd, idx, w, precision=None):
 
 def route_reference(logits, k):
   """The router's oracle: (w [N, k] fp32, ids [N, k] int32), the top-k of softmax(logits)
-  (ties to the lower id) renormalised to sum to 1 (the model's routing)."""
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  (ties to the lower id) renormalised to sum to 1 (the model's routing). logits [N, E], or
+  split partial sums [S, N, E], added in index order first (p0 + p1 + ...)."""
+  logits = logits.astype(jnp.float32)
+  if logits.ndim == 3:
+    parts, logits = logits, logits[0]
+    for s in range(1, parts.shape[0]):
+      logits = logits + parts[s]
+  probs = jax.nn.softmax(logits, axis=-1)
   w, idx = jax.lax.top_k(probs, k)
   return w / jnp.sum(w, axis=-1, keepdims=True), idx
 

@@ -17,6 +17,12 @@ above, and their renormalisation (w / sum(w)), where XLA ran a softmax kernel, t
 small fusion for the division (bench-a3b at batch 1 on the H200: 61 + 119 + 52 us a step, 48
 layers; experiments/results/device/decode_probe_moe_run29.json). Same ids as the reference
 (`reference.route_reference`); weights to fp32 rounding (the exp and the sums' order).
+
+`route_pallas` also takes the router GEMV's split partial sums [S, N, E] (the in-place GEMV
+splits `in` S ways and XLA adds the parts, p0 + p1 + ..., in its own launch) and adds them in
+that order itself, so the logits are the same fp32 values and the add's launch is gone. The
+results are stored at their own shape [N, k] under a mask (no slice of a padded [N, k_pad]
+block after the kernel: on the H200 that slice was a memcpy launch a layer).
 """
 import functools
 
@@ -26,42 +32,70 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import require_triton, triton_params
+from pallas_kernels.quant.gemv import masked_store
 
 _ROWS = 16   # rows a program at most (a prefill's N rows run N / 16 programs)
 
 
-def _topk_kernel(x_ref, v_ref, i_ref, *, k, e):
-  x = x_ref[...].astype(jnp.float32)                                        # [bn, E_pad]
+def _load_rows(x_ref, n_parts):
+  """The program's rows [bn, E_pad] in fp32: x, or the sum of its n_parts split partials
+  [S, bn, E_pad] added in index order (`gemv.sum_partials`' order, so the same values)."""
+  if n_parts == 0:
+    return x_ref[...].astype(jnp.float32)
+  x = x_ref[0].astype(jnp.float32)
+  for s in range(1, n_parts):
+    x = x + x_ref[s].astype(jnp.float32)
+  return x
+
+
+def _store_rows(ref, val, row0, n, k):
+  """Store val [bn, k_pad] at rows row0.., columns 0..k-1 of ref [n, k] (a whole-array ref:
+  the mask keeps the padding rows and columns out)."""
+  bn, k_pad = val.shape
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (bn, k_pad), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (bn, k_pad), 1)
+  masked_store(ref.at[pl.ds(row0, bn), pl.ds(0, k_pad)], val, (rows < n) & (cols < k))
+
+
+def _topk_kernel(x_ref, v_ref, i_ref, *, k, e, n, n_parts):
+  x = _load_rows(x_ref, n_parts)                                            # [bn, E_pad]
   bn, e_pad = x.shape
+  k_pad = pl.next_power_of_2(k)
   col = lax.broadcasted_iota(jnp.int32, (bn, e_pad), 1)
-  slot = lax.broadcasted_iota(jnp.int32, v_ref.shape, 1)
-  vals, ids = _take_k(x, col >= e, col, slot, k, v_ref.shape)             # (padding taken)
-  v_ref[...] = vals.astype(v_ref.dtype)
-  i_ref[...] = ids
+  slot = lax.broadcasted_iota(jnp.int32, (bn, k_pad), 1)
+  vals, ids = _take_k(x, col >= e, col, slot, k, (bn, k_pad))             # (padding taken)
+  row0 = pl.program_id(0) * bn
+  _store_rows(v_ref, vals.astype(v_ref.dtype), row0, n, k)
+  _store_rows(i_ref, ids, row0, n, k)
 
 
 def _rows_call(kernel, x, k, value_dtype, *, op, name, warps, interpret):
   """(values [N, k] in value_dtype, ids [N, k] int32) from `kernel(x_ref, v_ref, i_ref, k=,
-  e=)` run over x [N, E] in programs of up to _ROWS whole rows (rows padded to a multiple of
-  the block, columns to a power of 2, only when they need it)."""
+  e=, n=, n_parts=)` run over x [N, E] (or split partials [S, N, E], summed in the kernel) in
+  programs of up to _ROWS whole rows (rows padded to a multiple of the block, columns to a
+  power of 2, only when they need it; the outputs are stored at [N, k] under a mask)."""
   require_triton(interpret, op, "implementation='xla'")
-  n, e = x.shape
+  n_parts = x.shape[0] if x.ndim == 3 else 0
+  n, e = x.shape[-2:]
   if not 0 < k <= e:
     raise ValueError(f"{op}: k={k} must be in 1..{e} (the row length)")
   bn = min(_ROWS, pl.next_power_of_2(max(n, 1)))
   n_pad, e_pad = pl.cdiv(n, bn) * bn, pl.next_power_of_2(e)
-  k_pad = pl.next_power_of_2(k)
-  xp = x if (n_pad, e_pad) == (n, e) else jnp.pad(x, ((0, n_pad - n), (0, e_pad - e)))
+  s_pad = pl.next_power_of_2(n_parts) if n_parts else 0   # Triton blocks: powers of 2
+  pads = ((0, n_pad - n), (0, e_pad - e))
+  if n_parts:
+    pads = ((0, s_pad - n_parts),) + pads   # padding parts are never read
+  xp = x if all(p == (0, 0) for p in pads) else jnp.pad(x, pads)
+  spec = (pl.BlockSpec((s_pad, bn, e_pad), lambda i: (0, i, 0)) if n_parts
+          else pl.BlockSpec((bn, e_pad), lambda i: (i, 0)))
   params = None if interpret else triton_params(num_warps=warps, num_stages=1)
-  vals, ids = pl.pallas_call(
-      functools.partial(kernel, k=k, e=e), grid=(n_pad // bn,),
-      in_specs=[pl.BlockSpec((bn, e_pad), lambda i: (i, 0))],
-      out_specs=[pl.BlockSpec((bn, k_pad), lambda i: (i, 0))] * 2,
-      out_shape=[jax.ShapeDtypeStruct((n_pad, k_pad), value_dtype),
-                 jax.ShapeDtypeStruct((n_pad, k_pad), jnp.int32)],
+  return pl.pallas_call(
+      functools.partial(kernel, k=k, e=e, n=n, n_parts=n_parts), grid=(n_pad // bn,),
+      in_specs=[spec], out_specs=[pl.BlockSpec()] * 2,
+      out_shape=[jax.ShapeDtypeStruct((n, k), value_dtype),
+                 jax.ShapeDtypeStruct((n, k), jnp.int32)],
       interpret=interpret, compiler_params=params, name=name,
   )(xp)
-  return vals[:n, :k], ids[:n, :k]
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret"))
@@ -86,18 +120,20 @@ def _take_k(x, taken, col, slot, k, shape):
   return vals, ids
 
 
-def _route_kernel(x_ref, w_ref, i_ref, *, k, e):
-  x = x_ref[...].astype(jnp.float32)                                        # [bn, E_pad]
+def _route_kernel(x_ref, w_ref, i_ref, *, k, e, n, n_parts):
+  x = _load_rows(x_ref, n_parts)                                            # [bn, E_pad]
   bn, e_pad = x.shape
+  k_pad = pl.next_power_of_2(k)
   col = lax.broadcasted_iota(jnp.int32, (bn, e_pad), 1)
-  slot = lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
+  slot = lax.broadcasted_iota(jnp.int32, (bn, k_pad), 1)
   pad = col >= e
   x = jnp.where(pad, -jnp.inf, x)
   ex = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))                      # padding: 0
   probs = ex / jnp.sum(ex, axis=1, keepdims=True)
-  vals, ids = _take_k(probs, pad, col, slot, k, w_ref.shape)
-  w_ref[...] = vals / jnp.sum(vals, axis=1, keepdims=True)                 # slots past k: 0
-  i_ref[...] = ids
+  vals, ids = _take_k(probs, pad, col, slot, k, (bn, k_pad))
+  row0 = pl.program_id(0) * bn
+  _store_rows(w_ref, vals / jnp.sum(vals, axis=1, keepdims=True), row0, n, k)  # slots past k: 0
+  _store_rows(i_ref, ids, row0, n, k)
 
 
 # Warps a routing program runs. Run 33 measured 3.9 us a launch at 4 warps for a [1, 64] row;
@@ -108,7 +144,10 @@ ROUTE_WARPS = 4
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret"))
 def route_pallas(logits, k: int, *, interpret: bool = False):
-  """(w [N, k] fp32, ids [N, k] int32) from the router's logits [N, E]: the top-k of
-  softmax(logits), renormalised to sum to 1, in one launch."""
+  """(w [N, k] fp32, ids [N, k] int32) from the router's logits [N, E], or from their split
+  partial sums [S, N, E] (added in index order in the kernel): the top-k of softmax(logits),
+  renormalised to sum to 1, in one launch."""
+  if logits.ndim not in (2, 3):
+    raise ValueError(f"route: logits {logits.shape} must be [N, E] or split partials [S, N, E]")
   return _rows_call(_route_kernel, logits.astype(jnp.float32), k, jnp.float32, op="route",
                     name="router_route", warps=ROUTE_WARPS, interpret=interpret)

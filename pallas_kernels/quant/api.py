@@ -230,6 +230,25 @@ def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max
   return dense_reference(x, stack, index)
 
 
+def dense_matmul_parts(x, stack, index, *, implementation="auto", few="dot", tiles=None):
+  """`dense_matmul`'s product of an fp32 x as split partial sums [S, N, out] fp32, for a
+  consumer kernel that adds them (the router's: `moe.topk.route_pallas`): the GEMV's own
+  partials where it takes the rows (S its k_split), else the whole product (S = 1).
+  `gemv.sum_partials` of them is `dense_matmul`'s result bit for bit. tiles: as
+  `dense_matmul`'s."""
+  if x.dtype != jnp.float32:
+    raise ValueError(f"dense matmul parts: x must be float32 (got {x.dtype}): the partials "
+                     "of a 16-bit x would round where its sum rounds once")
+  if dense_kernel_rows(*x.shape, implementation):
+    impl = resolve(implementation)
+    tk, params = _kernel_params(impl, tiles)
+    idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
+    return dense_call(x[None], _stack3(stack), idx, interpret=impl == "pallas_interpret",
+                      compiler_params=params, partials=True, **tk)[:, 0]
+  return dense_matmul(x, stack, index, implementation=implementation, few=few,
+                      tiles=tiles)[None]
+
+
 def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot"):
   """[dense_matmul(x, s, index, ...) for s in stacks], the stacks sharing `in` (a layer's
   projections of one input): where one kernel form takes the rows for every stack (the GEMV's

@@ -401,11 +401,14 @@ def _dense_cd(dtype):
 
 
 def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
-               interpret=False, compiler_params=None):
+               interpret=False, compiler_params=None, partials=False):
   """y[g] = x[g] @ stack[idx[g]]^T for x [G, M, in] and a float stack [S, out, in] (in a
   multiple of 32), in x's dtype, fp32 sums (split partials added in index order); the matrix
   is read in place. The weight and x are rounded to the compute dtype (x's if 16-bit, else
-  fp32: exact IEEE products) first. (`dense_lora_call`: with the LoRA delta.)"""
+  fp32: exact IEEE products) first. (`dense_lora_call`: with the LoRA delta.)
+  partials: return the split partial sums [k_split, G, M, out] unsummed (fp32 when split;
+  `sum_partials` of them, cast to x's dtype, is the plain result), for a consumer kernel that
+  adds them itself."""
   groups, m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or d_in % DENSE_UNIT:
@@ -420,6 +423,8 @@ def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
   y = blocks_call(x, {"w": stack}, idx, qtype=DENSE, d_out=d_out, block_out=bo,
                   unroll=unroll, k_split=ks, cd=cd, out_dtype=dt, interpret=interpret,
                   compiler_params=compiler_params)
+  if partials:
+    return y.reshape(ks, groups, m, d_out)
   if ks > 1:
     y = sum_partials(y.reshape(ks, groups, m, d_out)).astype(dt)
   return y

@@ -109,6 +109,20 @@ def linear(x, w):
                          preferred_element_type=x.dtype)
 
 
+def linear_parts(x, w):
+  """linear(x, w) of an fp32 x as split partial sums [S, *x.shape[:-1], out] fp32: the
+  in-place GEMV's own partials when a DRef's kernel takes the rows (the router's: the routing
+  kernel adds them in its launch, `moe_api.route`), else [1, ...] of the whole product.
+  Summed in index order they are `linear`'s result bit for bit."""
+  if isinstance(w, DRef):
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = quant_api.dense_matmul_parts(x2, w.w, w.index, implementation=w.implementation,
+                                     few=w.few)
+    return y.reshape(y.shape[0], *x.shape[:-1], y.shape[-1])
+  return linear(x, w)[None]
+
+
 def linears(x, ws):
   """[linear(x, w) for w in ws]. When every w is a DRef at one layer index made `fused` (a
   layer's projections of one input: GDN qkv / gate / ba, attention q / k / v, the shared

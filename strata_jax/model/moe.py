@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import group_call, is_quant, linear, linears
+from strata_jax.model.common import group_call, is_quant, linear, linear_parts, linears
 from strata_jax.params import QGroups
 
 
@@ -63,8 +63,9 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
   rounding) the decode step of that batch takes."""
   N, D = x.shape
   k = cfg.n_experts_used
-  logits = linear(x.astype(jnp.float32), p.router)                          # [N, E] f32
-  # softmax, top-k, renormalised: w [N, k] f32 (one launch under the Pallas top-k form)
+  # [S, N, E] f32: the router GEMV's split partials (S = 1 where it does not split)
+  logits = linear_parts(x.astype(jnp.float32), p.router)
+  # their sum, softmax, top-k, renormalised: w [N, k] f32 (one launch under the Pallas form)
   w, idx = moe_api.route(logits, k, implementation=cfg.forms.moe_topk)
   if real is not None:
     # Rows whose output is never used (inactive slots of a decode batch, padding) take the
