@@ -94,6 +94,25 @@ if want s6b; then
     --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
 fi
+# Session of 2026-12-03 (seventh): the routing kernel adds the router GEMV's split partials and
+# stores [N, k] itself (two launches a layer fewer).
+#  call A, SECTIONS=s7a: the compiled routing / multi-launch tests (nothing else runs if they
+#    fail), the few-token MoE kernels' tilings (moe_sweep.py, batch 1 and 8), and
+#    decode_probe's A/B of the routing: base, XLA adding the partials ("routesum"), one warp
+#    ("route1w"), at batch 1 and 32, with the base's kernel profile.
+if want s7a; then
+  JAX_PLATFORMS=cuda timeout 100 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_moe_topk_kernel.py tests/test_multi_launch_kernel.py 2>&1 | tee $OUT/gpu_tests_route.log | tail -4
+  if grep -q failed $OUT/gpu_tests_route.log || ! grep -q passed $OUT/gpu_tests_route.log; then
+    echo "routing kernel tests failed: stopping"; exit 1
+  fi
+  timeout ${SWEEP_CAP:-170} python3 experiments/bench/moe_sweep.py --rows 1,8 --budget-s 150 \
+    --out $OUT/moe_sweep.json 2>&1 | grep -e best -e Error | cut -c1-400
+  echo "s7a sweep done $(( $(date +%s) - t0 )) s"
+  timeout $(left) python3 experiments/bench/decode_probe.py --variants base,routesum,route1w \
+    --batches 1,32 --n_steps 16 --reps 5 --profile base \
+    --out $OUT/decode_probe_route.json 2>&1 | grep '"variant"' | cut -c1-200
+fi
 # Owed to the next session (SECTIONS=owed7, ~9 min; carry uvicorn, h11, click and fastapi,
 # starlette (+ what `pip download fastapi` brings) in .whl for the server leg): the GPU model set
 # whole (run 33's stopped at its 170 s cap with none failed), the Engine at batch 32 on the
