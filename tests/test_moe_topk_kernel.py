@@ -179,12 +179,13 @@ def test_route_kernel_adds_split_partials_as_the_gemv_sum_does(n, e, k, n_parts)
 
 
 @pytest.mark.parametrize("op", ["route", "top_k"])
-def test_router_kernels_store_their_results_at_their_shape_with_no_slice_after(op):
-  """The results leave the launch at [N, k] (a masked store): no slice op follows it (on the
-  H200 the slice of a padded block was one more launch a layer)."""
+@pytest.mark.parametrize("n", [1, 8, 32])
+def test_router_kernels_store_decode_batches_at_their_shape_with_no_slice_after(op, n):
+  """A decode batch's results leave the launch at [N, k] (k columns under a mask): no slice
+  op follows it (on the H200 the slice of a padded block was one more launch a layer)."""
   from pallas_kernels.moe.topk import route_pallas
   kernel = route_pallas if op == "route" else top_k_pallas
-  jaxpr = str(jax.make_jaxpr(lambda x: kernel(x, 10, interpret=True))(logits_like(1, 64)))
+  jaxpr = str(jax.make_jaxpr(lambda x: kernel(x, 10, interpret=True))(logits_like(n, 64)))
   after = jaxpr.split("pallas_call")[-1]
   assert "slice" not in after, after
 

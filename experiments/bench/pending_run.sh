@@ -101,8 +101,8 @@ fi
 #    decode_probe's A/B of the routing: base, XLA adding the partials ("routesum"), one warp
 #    ("route1w"), at batch 1 and 32, with the base's kernel profile.
 if want s7a; then
-  JAX_PLATFORMS=cuda timeout 100 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
-    tests/test_moe_topk_kernel.py tests/test_multi_launch_kernel.py 2>&1 | tee $OUT/gpu_tests_route.log | tail -4
+  JAX_PLATFORMS=cuda timeout ${TEST_CAP:-150} python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    -n 4 tests/test_moe_topk_kernel.py tests/test_multi_launch_kernel.py 2>&1 | tee $OUT/gpu_tests_route.log | tail -4
   if grep -q failed $OUT/gpu_tests_route.log || ! grep -q passed $OUT/gpu_tests_route.log; then
     echo "routing kernel tests failed: stopping"; exit 1
   fi

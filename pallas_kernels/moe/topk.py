@@ -21,8 +21,8 @@ layers; experiments/results/device/decode_probe_moe_run29.json). Same ids as the
 `route_pallas` also takes the router GEMV's split partial sums [S, N, E] (the in-place GEMV
 splits `in` S ways and XLA adds the parts, p0 + p1 + ..., in its own launch) and adds them in
 that order itself, so the logits are the same fp32 values and the add's launch is gone. The
-results are stored at their own shape [N, k] under a mask (no slice of a padded [N, k_pad]
-block after the kernel: on the H200 that slice was a memcpy launch a layer).
+results are stored k columns wide under a mask (no slice of a padded [N, k_pad] block after
+the kernel: on the H200 that slice was a memcpy launch a layer).
 """
 import functools
 
@@ -48,16 +48,17 @@ def _load_rows(x_ref, n_parts):
   return x
 
 
-def _store_rows(ref, val, row0, n, k):
-  """Store val [bn, k_pad] at rows row0.., columns 0..k-1 of ref [n, k] (a whole-array ref:
-  the mask keeps the padding rows and columns out)."""
+def _store_rows(ref, val, row0, k):
+  """Store val [bn, k_pad] at rows row0.., columns 0..k-1 of ref [N_pad, k] (a whole-array
+  ref; the mask keeps the padding columns out). Rows stay whole blocks: a block that started
+  inside the array and ran past its end would be moved back to fit by JAX 0.11's
+  interpreter (run 35), so the rows are padded, as before."""
   bn, k_pad = val.shape
-  rows = row0 + lax.broadcasted_iota(jnp.int32, (bn, k_pad), 0)
   cols = lax.broadcasted_iota(jnp.int32, (bn, k_pad), 1)
-  masked_store(ref.at[pl.ds(row0, bn), pl.ds(0, k_pad)], val, (rows < n) & (cols < k))
+  masked_store(ref.at[pl.ds(row0, bn), pl.ds(0, k_pad)], val, cols < k)
 
 
-def _topk_kernel(x_ref, v_ref, i_ref, *, k, e, n, n_parts):
+def _topk_kernel(x_ref, v_ref, i_ref, *, k, e, n_parts):
   x = _load_rows(x_ref, n_parts)                                            # [bn, E_pad]
   bn, e_pad = x.shape
   k_pad = pl.next_power_of_2(k)
@@ -65,15 +66,16 @@ def _topk_kernel(x_ref, v_ref, i_ref, *, k, e, n, n_parts):
   slot = lax.broadcasted_iota(jnp.int32, (bn, k_pad), 1)
   vals, ids = _take_k(x, col >= e, col, slot, k, (bn, k_pad))             # (padding taken)
   row0 = pl.program_id(0) * bn
-  _store_rows(v_ref, vals.astype(v_ref.dtype), row0, n, k)
-  _store_rows(i_ref, ids, row0, n, k)
+  _store_rows(v_ref, vals.astype(v_ref.dtype), row0, k)
+  _store_rows(i_ref, ids, row0, k)
 
 
 def _rows_call(kernel, x, k, value_dtype, *, op, name, warps, interpret):
   """(values [N, k] in value_dtype, ids [N, k] int32) from `kernel(x_ref, v_ref, i_ref, k=,
-  e=, n=, n_parts=)` run over x [N, E] (or split partials [S, N, E], summed in the kernel) in
+  e=, n_parts=)` run over x [N, E] (or split partials [S, N, E], summed in the kernel) in
   programs of up to _ROWS whole rows (rows padded to a multiple of the block, columns to a
-  power of 2, only when they need it; the outputs are stored at [N, k] under a mask)."""
+  power of 2, only when they need it; the outputs are stored k columns wide under a mask, so
+  only a padded row count, never a decode batch of 1 to 16 or a multiple of 16, is sliced)."""
   require_triton(interpret, op, "implementation='xla'")
   n_parts = x.shape[0] if x.ndim == 3 else 0
   n, e = x.shape[-2:]
@@ -89,13 +91,14 @@ def _rows_call(kernel, x, k, value_dtype, *, op, name, warps, interpret):
   spec = (pl.BlockSpec((s_pad, bn, e_pad), lambda i: (0, i, 0)) if n_parts
           else pl.BlockSpec((bn, e_pad), lambda i: (i, 0)))
   params = None if interpret else triton_params(num_warps=warps, num_stages=1)
-  return pl.pallas_call(
-      functools.partial(kernel, k=k, e=e, n=n, n_parts=n_parts), grid=(n_pad // bn,),
+  vals, ids = pl.pallas_call(
+      functools.partial(kernel, k=k, e=e, n_parts=n_parts), grid=(n_pad // bn,),
       in_specs=[spec], out_specs=[pl.BlockSpec()] * 2,
-      out_shape=[jax.ShapeDtypeStruct((n, k), value_dtype),
-                 jax.ShapeDtypeStruct((n, k), jnp.int32)],
+      out_shape=[jax.ShapeDtypeStruct((n_pad, k), value_dtype),
+                 jax.ShapeDtypeStruct((n_pad, k), jnp.int32)],
       interpret=interpret, compiler_params=params, name=name,
   )(xp)
+  return (vals, ids) if n_pad == n else (vals[:n], ids[:n])
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret"))
@@ -120,7 +123,7 @@ def _take_k(x, taken, col, slot, k, shape):
   return vals, ids
 
 
-def _route_kernel(x_ref, w_ref, i_ref, *, k, e, n, n_parts):
+def _route_kernel(x_ref, w_ref, i_ref, *, k, e, n_parts):
   x = _load_rows(x_ref, n_parts)                                            # [bn, E_pad]
   bn, e_pad = x.shape
   k_pad = pl.next_power_of_2(k)
@@ -132,8 +135,8 @@ def _route_kernel(x_ref, w_ref, i_ref, *, k, e, n, n_parts):
   probs = ex / jnp.sum(ex, axis=1, keepdims=True)
   vals, ids = _take_k(probs, pad, col, slot, k, (bn, k_pad))
   row0 = pl.program_id(0) * bn
-  _store_rows(w_ref, vals / jnp.sum(vals, axis=1, keepdims=True), row0, n, k)  # slots past k: 0
-  _store_rows(i_ref, ids, row0, n, k)
+  _store_rows(w_ref, vals / jnp.sum(vals, axis=1, keepdims=True), row0, k)
+  _store_rows(i_ref, ids, row0, k)
 
 
 # Warps a routing program runs. Run 33 measured 3.9 us a launch at 4 warps for a [1, 64] row;
