@@ -172,7 +172,12 @@ def test_route_kernel_adds_split_partials_as_the_gemv_sum_does(n, e, k, n_parts)
   w, ids = api.route(parts, k, implementation="pallas_interpret")
   w_sum, ids_sum = api.route(sum_partials(parts), k, implementation="pallas_interpret")
   assert w.shape == (n, k) and ids.shape == (n, k)
-  assert np.array_equal(ids, ids_sum) and np.array_equal(w, w_sum)
+  assert np.array_equal(ids, ids_sum)
+  if jax.default_backend() == "cpu":
+    assert np.array_equal(w, w_sum)
+  else:   # the interpreter's body compiled by XLA:GPU rounds the two programs' softmax
+    # differently (run 36); the compiled kernel's bits are `test_gpu_route_kernel_of_split_*`'s
+    np.testing.assert_allclose(w, w_sum, rtol=2e-6, atol=1e-7)
   ref_w, ref_ids = api.route(parts, k, implementation="xla")
   assert np.array_equal(ids, ref_ids)
   np.testing.assert_allclose(w, ref_w, rtol=2e-6, atol=1e-7)
