@@ -131,9 +131,12 @@ def patch(variant: str):
       setattr_undo(gemv, "MIN_STEP_COLS", 512)
     elif part == "routesum":   # XLA adds the router GEMV's split partials (its own launch)
       setattr_undo(moe, "linear_parts", lambda x, w: mc.linear(x, w)[None])
-    elif part == "route1w":   # the routing kernel at one warp a program (topk.ROUTE_WARPS)
+    elif part == "route1w":   # the routing kernel at one warp for every program
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS", 1)
+    elif part == "route4w":   # the routing kernel at four warps for every program (run 36's)
+      from pallas_kernels.moe import topk
+      setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)
     elif part in FORM_VARIANTS:
       continue   # variant_cfg
     else:

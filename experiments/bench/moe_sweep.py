@@ -57,10 +57,15 @@ def main():
   t_start = time.perf_counter()
   L, E, F, D, K = (2, 8, 32, 64, 2) if args.smoke else (48, 64, 512, 2048, 10)
   dtype = jnp.bfloat16
-  ks = jax.random.split(jax.random.key(0), 4)
-  wg = (0.02 * jax.random.normal(ks[0], (L, E, F, D), jnp.float32)).astype(dtype)
-  wu = (0.02 * jax.random.normal(ks[1], (L, E, F, D), jnp.float32)).astype(dtype)
-  wd = (0.02 * jax.random.normal(ks[2], (L, E, D, F), jnp.float32)).astype(dtype)
+  # one layer at a time: a single [48, 64, 512, 2048] draw has more than 2^31 elements
+  # (run 38: the sweep wrote nothing)
+  layer_draw = jax.jit(lambda key, shape: (0.02 * jax.random.normal(key, shape)).astype(dtype),
+                       static_argnums=1)
+
+  def stack(seed, shape):
+    return jnp.stack([layer_draw(jax.random.key(seed * 1000 + i), shape) for i in range(L)])
+  wg, wu, wd = stack(1, (E, F, D)), stack(2, (E, F, D)), stack(3, (E, D, F))
+  print(f"weights ready {time.perf_counter() - t_start:.1f} s", flush=True)
   out = dict(tag="moe_sweep", device=str(jax.devices()[0]), jax=jax.__version__,
              shapes=dict(layers=L, experts=E, f=F, d=D, k=K), results=[])
 

@@ -139,10 +139,12 @@ def _route_kernel(x_ref, w_ref, i_ref, *, k, e, n_parts):
   _store_rows(i_ref, ids, row0, k)
 
 
-# Warps a routing program runs. Run 33 measured 3.9 us a launch at 4 warps for a [1, 64] row;
-# with one warp the k rounds' reductions would stay within a warp (untried on the device:
-# decode_probe.py's "route1w" variant sets 1).
+# Warps a routing program runs: one for a program of one row (a batch-1 decode step), four
+# for more. On the H200 (run 38, decode_probe.py variants base / route1w, bench-a3b), one warp
+# for every program took bench-a3b's batch-1 step from 3.919 to 3.831 ms and its batch-32 step
+# (16 rows a program) from 7.615 to 8.157 ms.
 ROUTE_WARPS = 4
+ROUTE_WARPS_ONE_ROW = 1
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret"))
@@ -152,5 +154,6 @@ def route_pallas(logits, k: int, *, interpret: bool = False):
   renormalised to sum to 1, in one launch."""
   if logits.ndim not in (2, 3):
     raise ValueError(f"route: logits {logits.shape} must be [N, E] or split partials [S, N, E]")
+  warps = ROUTE_WARPS_ONE_ROW if logits.shape[-2] == 1 else ROUTE_WARPS
   return _rows_call(_route_kernel, logits.astype(jnp.float32), k, jnp.float32, op="route",
-                    name="router_route", warps=ROUTE_WARPS, interpret=interpret)
+                    name="router_route", warps=warps, interpret=interpret)
