@@ -113,6 +113,28 @@ if want s7a; then
     --batches 1,32 --n_steps 16 --reps 5 --profile base \
     --out $OUT/decode_probe_route.json 2>&1 | grep '"variant"' | cut -c1-200
 fi
+#  call B, SECTIONS=s7b: the GPU model set on this commit (the model's routing now hands the
+#    router GEMV's partials to the kernel), bench_model's decode at batch 1 / 8 / 32 (roofline
+#    fractions, the adapter's cost), then the MoE tiling sweep in what time is left.
+if want s7b; then
+  GPU_SET=model CAP=${TEST_CAP:-220} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  echo "s7b tests done $(( $(date +%s) - t0 )) s"
+  timeout ${MODEL_CAP:-170} python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
+  echo "s7b model done $(( $(date +%s) - t0 )) s"
+  timeout $(left) python3 experiments/bench/moe_sweep.py --rows 1,8 --budget-s $(( $(left) - 40 )) \
+    --out $OUT/moe_sweep.json 2>&1 | grep -e best -e Error -e ready | cut -c1-400
+fi
+#  call C, SECTIONS=s7c: the Engine at batch 1 / 8 / 32 on this commit with the server leg at
+#    batch 32 (fastapi and its dependencies now carried), then bench_spec.
+if want s7c; then
+  timeout ${ENGINE_CAP:-330} python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8,1 \
+    --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
+  echo "s7c engine done $(( $(date +%s) - t0 )) s"
+  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+    --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+fi
 # Owed to the next session (SECTIONS=owed7, ~9 min; carry uvicorn, h11, click and fastapi,
 # starlette (+ what `pip download fastapi` brings) in .whl for the server leg): the GPU model set
 # whole (run 33's stopped at its 170 s cap with none failed), the Engine at batch 32 on the
