@@ -135,6 +135,22 @@ if want s7c; then
   timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
 fi
+# Owed to the next session (SECTIONS=owed8, ~9 min; carry .whl with opentelemetry-api: fastapi
+# 0.165 imports it, run 40): the routing kernel's warps by row count (one warp for one row)
+# against four everywhere, at batch 1 and 32; the Engine at batch 32 / 8 on this commit with the
+# server leg at 32; the MoE tiling sweep (its stacks now arguments); bench_spec.
+if want owed8; then
+  timeout ${PROBE_CAP:-110} python3 experiments/bench/decode_probe.py --variants base,route4w \
+    --batches 1,32 --n_steps 16 --reps 5 --out $OUT/decode_probe_warps.json 2>&1 \
+    | grep '"variant"' | cut -c1-200
+  timeout ${ENGINE_CAP:-260} python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8 \
+    --out $OUT/bench_engine_b32.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
+  echo "owed8 engine done $(( $(date +%s) - t0 )) s"
+  timeout ${SWEEP_CAP:-120} python3 experiments/bench/moe_sweep.py --rows 1,8 --budget-s 100 \
+    --out $OUT/moe_sweep.json 2>&1 | grep -e best -e Error -e ready | cut -c1-400
+  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+    --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+fi
 # Owed to the next session (SECTIONS=owed7, ~9 min; carry uvicorn, h11, click and fastapi,
 # starlette (+ what `pip download fastapi` brings) in .whl for the server leg): the GPU model set
 # whole (run 33's stopped at its 170 s cap with none failed), the Engine at batch 32 on the
