@@ -46,9 +46,14 @@ CHOICES: dict[str, tuple] = {
     # bench-a3b step at batch 1 / 8 / 32 against 5.76 / 9.58 / 10.58,
     # experiments/results/device/decode_probe_state_in_place_run1.json), XLA elsewhere.
     # "pallas": the step kernel from precomputed gates (`step_raw`'s "auto" picks it from
-    # batch 24 on the GPU, where a caller holds only g and beta).
+    # batch 24 on the GPU, where a caller holds only g and beta). "pallas_layer": a decode
+    # step's whole GDN core in one launch, from its projections' outputs to what the output
+    # projection reads: the conv, the gates, the delta rule, the gated norm
+    # (`pallas_kernels/gdn/decode_layer_kernel.py`; "pallas_fused" wherever a step runs
+    # alone). The state bits are the fused kernel's; the norm's sum runs in Dv tiles (fp32
+    # rounding). Not "auto": built without the GPU (issue 17 item 1), unmeasured.
     "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
-                   "pallas_fused_interpret"),
+                   "pallas_fused_interpret", "pallas_layer", "pallas_layer_interpret"),
     # MoE with more (token, expert) pairs than experts: "auto" = the grouped Pallas kernel on the
     # GPU, every expert on every token ("dense") elsewhere; "grouped" = XLA's ragged dot.
     "moe_many": ("auto", "dense", "grouped", "pallas", "pallas_interpret"),

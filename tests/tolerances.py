@@ -53,3 +53,8 @@ DENSE_GEMV_REL_FP32 = 1e-5
 # against the model's XLA einsums, fp32 logits, max abs over max |want|
 # (Forms.attn_decode; tests/test_forms.py).
 ATTN_DECODE_REL_FP32 = 1e-5
+# A GDN layer's decode core in one kernel (Forms.gdn_decode="pallas_layer"): the gated norm's
+# sum of squares runs in Dv tiles, where XLA reduces the row its own way; fp32 logits after
+# three decode steps, max abs over max |want| (tests/test_gdn_decode_layer_kernel.py measured
+# 3.6e-6 on the tiny model).
+GDN_LAYER_REL_FP32 = 1e-5

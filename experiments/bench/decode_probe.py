@@ -62,6 +62,7 @@ FORM_VARIANTS = {
     "moe": {"moe_few": "pallas"},
     "gdn": {"gdn_decode": "pallas"},
     "gdnfused": {"gdn_decode": "pallas_fused"},
+    "gdnlayer": {"gdn_decode": "pallas_layer"},   # a GDN layer's decode core in one launch
     "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},
     "nogdn": {"gdn_decode": "xla"},

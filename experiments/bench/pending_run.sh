@@ -136,12 +136,19 @@ if want s7c; then
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
 fi
 # Owed to the next session (SECTIONS=owed8, ~9 min; carry .whl with opentelemetry-api: fastapi
-# 0.165 imports it, run 40): the routing kernel's warps by row count (one warp for one row)
-# against four everywhere, at batch 1 and 32; the Engine at batch 32 / 8 on this commit with the
-# server leg at 32; the MoE tiling sweep (its stacks now arguments); bench_spec.
+# 0.165 imports it, run 40): the GDN layer kernel compiled (its tests first: nothing else runs
+# if they fail), then decode_probe's A/B at batch 1 and 32 of the fused step (base), the layer
+# kernel (Forms.gdn_decode="pallas_layer", "gdnlayer") and four routing warps everywhere
+# ("route4w"); the Engine at batch 32 / 8 on this commit with the server leg at 32; the MoE
+# tiling sweep (its stacks now arguments); bench_spec.
 if want owed8; then
-  timeout ${PROBE_CAP:-110} python3 experiments/bench/decode_probe.py --variants base,route4w \
-    --batches 1,32 --n_steps 16 --reps 5 --out $OUT/decode_probe_warps.json 2>&1 \
+  JAX_PLATFORMS=cuda timeout ${TEST_CAP:-90} python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    -n 4 tests/test_gdn_decode_layer_kernel.py 2>&1 | tee $OUT/gpu_tests_gdn_layer.log | tail -4
+  if grep -q failed $OUT/gpu_tests_gdn_layer.log || ! grep -q passed $OUT/gpu_tests_gdn_layer.log; then
+    echo "GDN layer kernel tests failed: stopping"; exit 1
+  fi
+  timeout ${PROBE_CAP:-150} python3 experiments/bench/decode_probe.py --variants base,gdnlayer,route4w \
+    --batches 1,32 --n_steps 16 --reps 5 --profile gdnlayer --out $OUT/decode_probe_gdnlayer.json 2>&1 \
     | grep '"variant"' | cut -c1-200
   timeout ${ENGINE_CAP:-260} python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8 \
     --out $OUT/bench_engine_b32.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300

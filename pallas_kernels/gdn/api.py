@@ -22,6 +22,13 @@ the choice.
 "pallas_fused" / "pallas_fused_interpret": `decode_fused_kernel.py`, gates, l2norms and the
 delta rule in one launch, the state updated in place and not stored for invalid rows. Any
 `step_raw` choice computes the gates in jnp and calls `step_raw`.
+
+`decode_layer` (a GDN layer's decode core from its projections' outputs: the conv, the gates,
+the delta rule and the gated norm) adds "pallas_layer" / "pallas_layer_interpret":
+`decode_layer_kernel.py`, all of it in one launch. Everywhere else those two choices are
+"pallas_fused" / "pallas_fused_interpret" (`fused_form`): a verification's steps, `step_fused`.
+Any other choice runs `reference.decode_layer_reference` (jnp; the model itself keeps its own
+ops under those choices).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from pallas_kernels.gdn import reference
 from pallas_kernels.gdn.chunked_kernel import gdn_chunked_pallas
 from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused, gdn_decode_fused_steps
 from pallas_kernels.gdn.decode_kernel import gdn_decode_pallas
+from pallas_kernels.gdn.decode_layer_kernel import gdn_decode_layer
 from pallas_kernels.gdn.parallel_kernel import gdn_chunked_parallel
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
@@ -47,6 +55,21 @@ PARALLEL_INTERPRET = {f"{n}_interpret": sp for n, sp in PARALLEL.items()}
 CHUNKED_CHOICES = ("reference", "products", "pallas", "pallas_interpret", *PARALLEL,
                    *PARALLEL_INTERPRET, "auto")
 FUSED_CHOICES = ("pallas_fused", "pallas_fused_interpret")
+# The layer kernel's choices, each with the fused step kernel's form it runs where one step is
+# all there is (a verification's steps, `step_fused`).
+LAYER_CHOICES = {"pallas_layer": "pallas_fused", "pallas_layer_interpret": "pallas_fused_interpret"}
+
+
+def fused_form(implementation):
+  """The step choice a layer-kernel choice runs elsewhere ("pallas_layer" -> "pallas_fused");
+  any other choice as it is."""
+  return LAYER_CHOICES.get(implementation, implementation)
+
+
+def is_fused(implementation) -> bool:
+  """Whether the decode step under this choice is the fused kernel's (alone or in the layer
+  kernel): the model hands it the raw gate inputs."""
+  return fused_form(implementation) in FUSED_CHOICES
 # The Pallas chunked kernels' chunks unless the caller says otherwise. The serial kernel: its
 # author's offline sm_90 compile spilled registers at 64 (the per-chunk [C, C] and [C, Dk]
 # tiles), and on the H200 it took 1,059 us at 64 against 880 at 32. The chunk-parallel ones:
@@ -146,7 +169,7 @@ def resolve(implementation, batch):
   The fused choices (`FUSED_CHOICES`) need the raw gates, which `step_raw` does not get:
   there they resolve as "auto" (a caller holding only g and beta, e.g. a token-by-token
   verification scan, still runs under forms that name the fused kernel)."""
-  if implementation in FUSED_CHOICES:
+  if is_fused(implementation):
     implementation = "auto"
   impl = check_choice("gdn", implementation or "auto", CHOICES)
   if impl == "auto":
@@ -184,7 +207,7 @@ def in_place(implementation, batch) -> bool:
   """Whether the decode step under this choice (None: "auto") and batch updates a layer of a
   stacked state in place (a Pallas kernel with the state aliased): a layer scan can then carry
   the stack. The jnp forms cannot: XLA keeps the old stack alive with a copy per layer."""
-  if implementation in FUSED_CHOICES:
+  if is_fused(implementation):
     return True
   return resolve(implementation, batch) in ("pallas", "pallas_interpret")
 
@@ -204,6 +227,7 @@ def step_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, layer=None, *,
   "pallas_fused" / "pallas_fused_interpret": `decode_fused_kernel.py`, one launch (state
   aliased: in place when donated; invalid rows are not stored). Any `step_raw` choice
   (None: "auto"): the gates and mask in jnp, then `step_raw` with that choice."""
+  implementation = fused_form(implementation)
   if implementation in FUSED_CHOICES:
     if implementation == "pallas_fused":
       require_gpu("gdn", implementation, "'pallas_fused_interpret' or 'xla'")
@@ -227,6 +251,7 @@ def steps_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *, implementa
 
   "pallas_fused" / "pallas_fused_interpret": one launch (`gdn_decode_fused_steps`), each step
   rounding as `step_fused`'s kernel does. Any other choice: a scan of `step_fused` steps."""
+  implementation = fused_form(implementation)
   if implementation in FUSED_CHOICES:
     if implementation == "pallas_fused":
       require_gpu("gdn", implementation, "'pallas_fused_interpret' or 'xla'")
@@ -235,3 +260,23 @@ def steps_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *, implementa
   one = lambda *args: step_fused(*args, implementation=implementation)
   return reference.delta_rule_steps_fused(q, k, v, a, b, a_coef, dt_bias, state, valid,
                                           step=one)
+
+
+def decode_layer(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, state, valid, layer, *,
+                 n_k_heads, eps, out_dtype=None, implementation=None):
+  """A GDN layer's decode core from its projections' outputs. Contract as
+  `reference.decode_layer_reference`: x [B, C] (qkv), conv_state [B, K-1, C], conv_w [C, K],
+  z [B, Hv, Dv], ba [B, 2 Hv], a_coef / dt_bias [Hv], norm_w [Dv], state the [L, B, Hv, Dv,
+  Dk] stack with layer `layer` updated, valid [B] -> (y [B, Hv, Dv] in out_dtype (None: x's),
+  the new conv state, the state stack). Rows with valid == 0 keep both states.
+
+  "pallas_layer" / "pallas_layer_interpret": `decode_layer_kernel.gdn_decode_layer`, one
+  launch, the state stack aliased (in place when donated). Any other choice: the reference."""
+  kw = dict(n_k_heads=n_k_heads, eps=eps, out_dtype=out_dtype)
+  if implementation in LAYER_CHOICES:
+    if implementation == "pallas_layer":
+      require_gpu("gdn", implementation, "'pallas_layer_interpret' or 'xla'")
+    return gdn_decode_layer(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, state, valid,
+                            layer, interpret=implementation == "pallas_layer_interpret", **kw)
+  return reference.decode_layer_reference(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w,
+                                          state, valid, layer, **kw)

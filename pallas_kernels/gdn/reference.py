@@ -96,6 +96,44 @@ def delta_rule_steps_fused(q, k, v, a, b, a_coef, dt_bias, state, valid=None, *,
   return jnp.moveaxis(o, 0, 1), jnp.moveaxis(steps, 0, 1)
 
 
+def causal_conv_step(x, conv_state, conv_w, valid=None):
+  """One token of the model's depthwise causal conv (`strata_jax.model.gdn.causal_conv` at
+  T = 1): x [B, C]; conv_state [B, K-1, C]; conv_w [C, K]; valid [B] or None. Returns
+  (silu(sum_j ext[:, j] w[:, j]) in x's dtype [B, C], the new conv state: the rows moved up
+  with x last, in conv_state's dtype, the old state where valid is 0)."""
+  ext = jnp.concatenate([conv_state.astype(x.dtype), x[:, None]], axis=1)     # [B, K, C]
+  wf = conv_w.astype(jnp.float32)
+  acc = sum(ext[:, j].astype(jnp.float32) * wf[:, j] for j in range(conv_w.shape[1]))
+  new = ext[:, 1:].astype(conv_state.dtype)
+  if valid is not None:
+    new = jnp.where((jnp.asarray(valid) != 0)[:, None, None], new, conv_state)
+  return jax.nn.silu(acc).astype(x.dtype), new
+
+
+def decode_layer_reference(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, state, valid,
+                           layer, *, n_k_heads, eps, out_dtype=None):
+  """The oracle of `decode_layer_kernel.gdn_decode_layer`: a GDN layer's decode core as the
+  model computes it (the conv, the q / k / v and b / a slices, `delta_rule_step_fused`, the
+  gated RMSNorm). Shapes as there; `state` the [L, B, Hv, Dv, Dk] stack, layer `layer`
+  (clamped) updated, invalid rows' state kept bit for bit."""
+  f32 = jnp.float32
+  _, bsz, hv, dv, dk = state.shape
+  r, kd = hv // n_k_heads, n_k_heads * dk
+  c, conv_new = causal_conv_step(x, conv_state, conv_w, valid)
+  q = c[:, :kd].reshape(bsz, n_k_heads, dk)
+  k = c[:, kd:2 * kd].reshape(bsz, n_k_heads, dk)
+  v = c[:, 2 * kd:].reshape(bsz, hv, dv).astype(f32)
+  ba = ba.astype(x.dtype).astype(f32).reshape(bsz, n_k_heads, 2 * r)
+  b, a = ba[..., :r].reshape(bsz, hv), ba[..., r:].reshape(bsz, hv)
+  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, state.shape[0] - 1)
+  old = state[layer]
+  o, s = delta_rule_step_fused(q, k, v, a, b, a_coef, dt_bias, old, valid)
+  s = jnp.where((jnp.asarray(valid) != 0)[:, None, None, None], s, old)
+  y = o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
+  y = (y * norm_w.astype(f32)) * jax.nn.silu(z.astype(x.dtype).astype(f32))
+  return (y.astype(out_dtype or x.dtype), conv_new, state.at[layer].set(s))
+
+
 def delta_rule_recurrent(q, k, v, g, beta, state):
   """Token-by-token oracle (see module docstring for shapes)."""
   def body(s, xs):

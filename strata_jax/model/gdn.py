@@ -71,6 +71,17 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
   qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba])
+  if (T == 1 and layer is not None and not keep_steps
+      and cfg.forms.gdn_decode in gdn_api.LAYER_CHOICES):
+    # One launch from the projections' outputs to what the output projection reads: the
+    # conv, the gates, the delta rule (this layer of the stack, in place) and the gated norm.
+    o, conv_state, ssm = gdn_api.decode_layer(
+        qkv[:, 0], conv_state, p.conv, z.reshape(B, Hv, Dv), ba[:, 0], p.a, p.dt_bias, p.norm,
+        ssm, n_new > 0, layer, n_k_heads=Hk, eps=cfg.rms_eps, out_dtype=x.dtype,
+        implementation=cfg.forms.gdn_decode)
+    y = out_projection(o.reshape(B, 1, Hv * Dv), p.out, lora_a, lora_b, switch,
+                       cfg.forms.lora_impl, row_scale, cfg.forms.gemv_lora)
+    return y, conv_state, ssm
   z = z.reshape(B, T, Hv, Dv)                                                # qkv [B, T, C]
   ba = ba.astype(jnp.float32).reshape(B, T, Hk, 2 * r)
   b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)
@@ -86,7 +97,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     rows = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)    # [B, K-1+T, C]
     one_each = jnp.ones((B,), jnp.int32)
 
-    if cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES:
+    if gdn_api.is_fused(cfg.forms.gdn_decode):
       # Under the fused decode kernel: the conv of all T rows at once (each output is the same
       # K products summed in the same order as a one-token conv), then the T steps in one
       # launch whose per-step math is the decode kernel's, every step's state written.
@@ -127,7 +138,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
   v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
-  if T == 1 and cfg.forms.gdn_decode in gdn_api.FUSED_CHOICES:
+  if T == 1 and gdn_api.is_fused(cfg.forms.gdn_decode):
     # One launch from the raw inputs: gates, L2 norms, head expansion, the delta rule; the
     # state of a row with no valid token is not stored (it is unchanged). Given the stack and
     # `layer`, the kernel updates that layer of it in place.
