@@ -99,6 +99,27 @@ def test_layer_kernel_keeps_invalid_rows_and_other_layers_bit_for_bit():
   assert np.array_equal(conv_new[0, -1], np.asarray(args[0])[0])
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_layer_kernel_adds_z_and_ba_split_partials_as_the_projection_does(dtype):
+  """z and ba as the projection launch's split partials (fp32): the kernel adds them in index
+  order and rounds to x's dtype, the projection's own result (`gemv.sum_partials`, then the
+  dtype), so every output is the whole inputs' bit for bit; the reference agrees."""
+  from pallas_kernels.quant.gemv import sum_partials
+  args = list(make_inputs(*SHAPES[0], dtype=dtype, seed=7))
+  rng = np.random.default_rng(8)
+  z_parts = jnp.asarray(rng.standard_normal((3, *args[3].shape)), F32)
+  ba_parts = jnp.asarray(2.0 * rng.standard_normal((3, *args[4].shape)), F32)
+  kw = dict(n_k_heads=2, eps=1e-6, interpret=True)
+  got = gdn_decode_layer(*args[:3], z_parts, ba_parts, *args[5:], jnp.int32(0), **kw)
+  whole = gdn_decode_layer(*args[:3], sum_partials(z_parts).astype(dtype),
+                           sum_partials(ba_parts).astype(dtype), *args[5:], jnp.int32(0), **kw)
+  for a, b in zip(got, whole):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  ref = reference.decode_layer_reference(*args[:3], z_parts, ba_parts, *args[5:], jnp.int32(0),
+                                         n_k_heads=2, eps=1e-6)
+  assert_close(got[0], ref[0], rel=KERNEL_REL[jnp.dtype(dtype).name], what="y")
+
+
 def test_decode_layer_dispatch():
   """"pallas_layer_interpret" runs the kernel, any other choice the reference; elsewhere the
   layer choices are the fused step kernel's."""

@@ -10,6 +10,7 @@ from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels.quant.api import dense_matmul, dense_matmul_multi
 from pallas_kernels.quant.dense_dot import dense_dot_call, dense_dot_multi_call
+from pallas_kernels.quant import gemv
 from pallas_kernels.quant.gemv import dense_call, dense_multi_call
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -159,3 +160,26 @@ def test_dense_matmul_parts_refuses_a_16_bit_x():
   x, (stack, *_) = _case(1, BF16, seed=12)
   with pytest.raises(ValueError, match="x must be float32"):
     dense_matmul_parts(x, stack, jnp.int32(0), implementation="pallas_interpret")
+
+
+@pytest.mark.parametrize("m,dtype", [(1, BF16), (1, F32), (4, BF16), (4, F32)])
+def test_dense_matmul_multi_partials_sum_to_its_products_bit_for_bit(m, dtype):
+  """partials=True (the GDN layer kernel adds z's and ba's itself): each product as its split
+  partial sums [S, M, out], whose index-order sum in x's dtype is the summed call's result
+  bit for bit, through the GEMV's launch, dense_dot's, and one call each (fp32 rows past one)."""
+  from pallas_kernels.quant.gemv import sum_partials
+  x, stacks = _case(m, dtype, seed=13)
+  kw = dict(implementation="pallas_interpret")
+  tiles = [dict(block_out=16, block_in=32, k_split=4)] * 3
+  if m == 1:   # the GEMV's launch with split partials (the compiled defaults split `in`)
+    got = gemv.dense_multi_call(x, stacks, jnp.int32(1).reshape(1), tiles=tiles,
+                                interpret=True, partials=True)
+    want = gemv.dense_multi_call(x, stacks, jnp.int32(1).reshape(1), tiles=tiles,
+                                 interpret=True)
+    assert all(p.shape[0] == 4 and p.dtype == F32 for p in got)
+  else:
+    got = dense_matmul_multi(x, stacks, jnp.int32(1), partials=True, **kw)
+    want = dense_matmul_multi(x, stacks, jnp.int32(1), **kw)
+  for p, y in zip(got, want):
+    assert p.ndim == 3 and p.shape[1:] == y.shape
+    assert np.array_equal(_bits(sum_partials(p).astype(dtype)), _bits(y))

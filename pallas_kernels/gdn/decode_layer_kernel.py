@@ -81,9 +81,17 @@ def _kernel(layer_ref, valid_ref, x_ref, cs_ref, w_ref, z_ref, ba_ref, acoef_ref
     shift_state(hk * dk, dk, qx)
     shift_state(kd + hk * dk, dk, kx)
 
+  def parts(ref, *ix):
+    """The projection's value at ix: its split partials added in index order, rounded to
+    x's dtype (the projection's result), in fp32."""
+    v = ref[(jnp.int32(0), *ix)].astype(_F32)
+    for sp in range(1, ref.shape[0]):
+      v = v + ref[(jnp.int32(sp), *ix)].astype(_F32)
+    return v.astype(x_dtype).astype(_F32)
+
   base = hk * 2 * r + h % r
-  b_gate = ba_ref[b, base].astype(x_dtype).astype(_F32)
-  a_gate = ba_ref[b, base + r].astype(x_dtype).astype(_F32)
+  b_gate = parts(ba_ref, b, base)
+  a_gate = parts(ba_ref, b, base + r)
   acoef, dtb = acoef_ref[h], dtb_ref[h]
   outs, ss = [], jnp.zeros((), _F32)
   for t in range(dv // bv):
@@ -103,7 +111,7 @@ def _kernel(layer_ref, valid_ref, x_ref, cs_ref, w_ref, z_ref, ba_ref, acoef_ref
   inv = jax.lax.rsqrt(ss / dv + eps)
   for t, o in enumerate(outs):
     rows = pl.ds(t * bv, bv)
-    zt = z_ref[b, h, rows].astype(_F32)
+    zt = parts(z_ref, b, h, rows)
     yt = (o * inv) * nw_ref[rows].astype(_F32)
     y_ref[b, h, rows] = (yt * jax.nn.silu(zt)).astype(y_ref.dtype)
 
@@ -120,9 +128,9 @@ def check_layer_inputs(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, st
   c = 2 * hk * dk + hv * dv
   n_taps = conv_w.shape[-1] if conv_w.ndim == 2 else 0
   want = {"x": (x, (bsz, c)), "conv_w": (conv_w, (c, n_taps)),
-          "conv_state": (conv_state, (bsz, n_taps - 1, c)), "z": (z, (bsz, hv, dv)),
-          "ba": (ba, (bsz, 2 * hv)), "a_coef": (a_coef, (hv,)), "dt_bias": (dt_bias, (hv,)),
-          "norm_w": (norm_w, (dv,))}
+          "conv_state": (conv_state, (bsz, n_taps - 1, c)), "z": (z, (z.shape[0], bsz, hv, dv)),
+          "ba": (ba, (ba.shape[0], bsz, 2 * hv)), "a_coef": (a_coef, (hv,)),
+          "dt_bias": (dt_bias, (hv,)), "norm_w": (norm_w, (dv,))}
   for name, (arr, shape) in want.items():
     if arr.shape != shape:
       raise ValueError(f"gdn decode layer: {name} {arr.shape} must be {shape} (state "
@@ -145,8 +153,9 @@ def gdn_decode_layer(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, stat
     x: [B, C] the qkv projection's output (its dtype is the model's: the conv rounds to it).
     conv_state: [B, K-1, C] the previous raw rows; conv_w: [C, K].
     z: [B, Hv, Dv] the gate projection's output; ba: [B, 2 Hv] the ba projection's output in
-      its [Hk, 2r] layout (b first, then a, per k-head); both rounded to x's dtype first, as
-      the model's projections return them.
+      its [Hk, 2r] layout (b first, then a, per k-head). Either may be the projection's split
+      partial sums [S, ...] (`quant.api.dense_matmul_multi(partials=True)`): they are added in
+      index order and rounded to x's dtype, the projection's own result, in the kernel.
     a_coef, dt_bias: [Hv]; norm_w: [Dv] the gated norm's weight (GGUF's +1 included).
     state: [L, B, Hv, Dv, Dk] float32, every layer's state; layer `layer` (int32, may be
       traced) is read and updated in place (aliased).
@@ -158,8 +167,10 @@ def gdn_decode_layer(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, stat
   Returns:
     (y [B, Hv, Dv] out_dtype, conv_state' [B, K-1, C] in conv_state's dtype, state stack).
   """
+  z = z[None] if z.ndim == 3 else z       # one part: the product itself
+  ba = ba[None] if ba.ndim == 2 else ba
   check_layer_inputs(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, state, n_k_heads)
-  require_triton(interpret, "gdn decode layer", "the 'apart' gdn_layer form")
+  require_triton(interpret, "gdn decode layer", "gdn_decode 'pallas_layer_interpret' or 'xla'")
   _, bsz, hv, dv, dk = state.shape
   bv = block_v or (dv if interpret else min(_BLOCK_V, dv))
   if not pow2(bv) or bv > dv:

@@ -114,11 +114,21 @@ def decode_layer_reference(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w
                            layer, *, n_k_heads, eps, out_dtype=None):
   """The oracle of `decode_layer_kernel.gdn_decode_layer`: a GDN layer's decode core as the
   model computes it (the conv, the q / k / v and b / a slices, `delta_rule_step_fused`, the
-  gated RMSNorm). Shapes as there; `state` the [L, B, Hv, Dv, Dk] stack, layer `layer`
-  (clamped) updated, invalid rows' state kept bit for bit."""
+  gated RMSNorm). Shapes as there (z and ba whole or as split partials); `state` the
+  [L, B, Hv, Dv, Dk] stack, layer `layer` (clamped) updated, invalid rows' state kept bit for
+  bit."""
   f32 = jnp.float32
   _, bsz, hv, dv, dk = state.shape
   r, kd = hv // n_k_heads, n_k_heads * dk
+
+  def whole(v, ndim):   # split partials [S, ...] -> their index-order sum in x's dtype
+    if v.ndim == ndim:
+      return v
+    total = v[0].astype(f32)
+    for sp in range(1, v.shape[0]):
+      total = total + v[sp].astype(f32)
+    return total.astype(x.dtype)
+  z, ba = whole(z, 3), whole(ba, 2)
   c, conv_new = causal_conv_step(x, conv_state, conv_w, valid)
   q = c[:, :kd].reshape(bsz, n_k_heads, dk)
   k = c[:, kd:2 * kd].reshape(bsz, n_k_heads, dk)

@@ -249,11 +249,14 @@ def dense_matmul_parts(x, stack, index, *, implementation="auto", few="dot", til
                       tiles=tiles)[None]
 
 
-def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot"):
+def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", partials=False):
   """[dense_matmul(x, s, index, ...) for s in stacks], the stacks sharing `in` (a layer's
   projections of one input): where one kernel form takes the rows for every stack (the GEMV's
   one row; dense_dot's 2 to 64 rows of one 16-bit dtype), all the products run in one launch
-  (`multi.py`), each result `dense_matmul`'s bit for bit; otherwise one call each."""
+  (`multi.py`), each result `dense_matmul`'s bit for bit; otherwise one call each.
+  partials: each product as its split partial sums [S, N, out] (fp32 when the launch split
+  it; else S = 1 in x's dtype): `gemv.sum_partials` of them, cast to x's dtype, is the
+  product above bit for bit."""
   n, d_in = x.shape
   impl = resolve(implementation)
   stacks = [_stack3(s) for s in stacks]
@@ -261,12 +264,14 @@ def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot"):
   params = triton_params() if impl == "pallas" else None
   if len(stacks) > 1 and dense_kernel_rows(n, d_in, implementation):
     idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
-    return gemv.dense_multi_call(x, stacks, idx, interpret=interpret, compiler_params=params)
+    return gemv.dense_multi_call(x, stacks, idx, interpret=interpret, compiler_params=params,
+                                 partials=partials)
   if len(stacks) > 1 and all(dense_dot_rows(n, x.dtype, s.dtype, implementation, few)
                              for s in stacks):
     return dense_dot.dense_dot_multi_call(x, stacks, index, interpret=interpret,
-                                          compiler_params=params)
-  return [dense_matmul(x, s, index, implementation=implementation, few=few) for s in stacks]
+                                          compiler_params=params, partials=partials)
+  ys = [dense_matmul(x, s, index, implementation=implementation, few=few) for s in stacks]
+  return [y[None] for y in ys] if partials else ys
 
 
 def _dense_kernel(x, stack, index, impl, tiles):

@@ -232,11 +232,12 @@ def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block
 
 
 def dense_dot_multi_call(x, stacks, idx, *, tiles=None, interpret=False,
-                         compiler_params=None):
+                         compiler_params=None, partials=False):
   """[dense_dot_call(x, s, idx) for s in stacks] in one launch (`multi.launch`): x [M, in]
   16-bit, every stack [S_m, out_m, in] of x's dtype. Each part keeps its own call's tiling
   (`defaults`, or tiles[m]: {block_out, block_in, k_split}), so each result is that call's
-  bit for bit."""
+  bit for bit. partials: each part's split partial sums [k_split, M, out] unsummed (fp32
+  when split), for a consumer kernel that adds them (`sum_partials`, then x's dtype)."""
   m, d_in = x.shape
   if jnp.dtype(x.dtype) not in HALF or not 0 < m <= ROWS_MAX:
     raise ValueError(f"dense dot: x {x.shape} {x.dtype}: 1 to {ROWS_MAX} rows of a 16-bit "
@@ -265,4 +266,6 @@ def dense_dot_multi_call(x, stacks, idx, *, tiles=None, interpret=False,
     splits.append(ks)
   ys = launch(parts, name="dense_dot_multi", interpret=interpret,
               compiler_params=compiler_params)
+  if partials:
+    return [y if ks > 1 else y[None] for y, ks in zip(ys, splits)]
   return [sum_partials(y).astype(x.dtype) if ks > 1 else y for y, ks in zip(ys, splits)]

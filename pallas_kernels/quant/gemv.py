@@ -434,11 +434,13 @@ def _one_group_program(refs, pid, *, t):
   _program(refs, pid, jnp.int32(0), t)
 
 
-def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_params=None):
+def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_params=None,
+                     partials=False):
   """[dense_call(x[None], s, idx)[0] for s in stacks] in one launch (`multi.launch`): x
   [M, in], every stack [S_m, out_m, in], idx [1] int32. Each part keeps its own call's tiling
   (`dense_defaults`, or tiles[m]: {block_out, block_in, k_split}), so each result is that
-  call's bit for bit."""
+  call's bit for bit. partials: each part's split partial sums [k_split, M, out] unsummed
+  (fp32 when split), for a consumer kernel that adds them (`sum_partials`, then x's dtype)."""
   m, d_in = x.shape
   if d_in % DENSE_UNIT:
     raise ValueError(f"dense gemv: x {x.shape}: `in` must be a multiple of {DENSE_UNIT}")
@@ -464,6 +466,8 @@ def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_pa
     splits.append(ks)
   ys = launch(parts, name="qgemv_dense_multi", interpret=interpret,
               compiler_params=compiler_params)
+  if partials:
+    return ys
   return [sum_partials(y).astype(dt) if ks > 1 else y[0] for y, ks in zip(ys, splits)]
 
 

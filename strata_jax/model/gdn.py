@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gdn import api as gdn_api
+from pallas_kernels.quant.gemv import sum_partials
 from strata_jax.config import ModelConfig
 from strata_jax.model.common import l2_norm, linears, out_projection, rms_norm
 
@@ -70,18 +71,21 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
                      "cut_window >= 1)")
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
-  qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba])
   if (T == 1 and layer is not None and not keep_steps
       and cfg.forms.gdn_decode in gdn_api.LAYER_CHOICES):
     # One launch from the projections' outputs to what the output projection reads: the
     # conv, the gates, the delta rule (this layer of the stack, in place) and the gated norm.
+    # z and ba go in as the projection launch's split partials, which the kernel adds.
+    qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba], partials=True)
+    qkv = sum_partials(qkv).astype(x.dtype)[:, 0] if qkv.shape[0] > 1 else qkv[0, :, 0]
     o, conv_state, ssm = gdn_api.decode_layer(
-        qkv[:, 0], conv_state, p.conv, z.reshape(B, Hv, Dv), ba[:, 0], p.a, p.dt_bias, p.norm,
-        ssm, n_new > 0, layer, n_k_heads=Hk, eps=cfg.rms_eps, out_dtype=x.dtype,
+        qkv, conv_state, p.conv, z.reshape(-1, B, Hv, Dv), ba[:, :, 0], p.a, p.dt_bias,
+        p.norm, ssm, n_new > 0, layer, n_k_heads=Hk, eps=cfg.rms_eps, out_dtype=x.dtype,
         implementation=cfg.forms.gdn_decode)
     y = out_projection(o.reshape(B, 1, Hv * Dv), p.out, lora_a, lora_b, switch,
                        cfg.forms.lora_impl, row_scale, cfg.forms.gemv_lora)
     return y, conv_state, ssm
+  qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba])
   z = z.reshape(B, T, Hv, Dv)                                                # qkv [B, T, C]
   ba = ba.astype(jnp.float32).reshape(B, T, Hk, 2 * r)
   b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)
