@@ -135,7 +135,10 @@ def patch(variant: str):
     elif part == "route1w":   # the routing kernel at one warp for every program
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS", 1)
-    elif part == "route4w":   # the routing kernel at four warps for every program (run 36's)
+    elif part in ("lw8", "lbv32"):   # the GDN layer kernel at 8 warps / Dv tiles of 32
+      from pallas_kernels.gdn import decode_layer_kernel as dlk
+      setattr_undo(dlk, *(("_NUM_WARPS", 8) if part == "lw8" else ("_BLOCK_V", 32)))
+    elif part == "route4w":   # the routing kernel at four warps for every program (run 38's base)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)
     elif part in FORM_VARIANTS:

@@ -147,7 +147,8 @@ if want owed8; then
   if grep -q failed $OUT/gpu_tests_gdn_layer.log || ! grep -q passed $OUT/gpu_tests_gdn_layer.log; then
     echo "GDN layer kernel tests failed: stopping"; exit 1
   fi
-  timeout ${PROBE_CAP:-150} python3 experiments/bench/decode_probe.py --variants base,gdnlayer,route4w \
+  timeout ${PROBE_CAP:-170} python3 experiments/bench/decode_probe.py \
+    --variants base,gdnlayer,gdnlayer+lw8,gdnlayer+lbv32,route4w \
     --batches 1,32 --n_steps 16 --reps 5 --profile gdnlayer --out $OUT/decode_probe_gdnlayer.json 2>&1 \
     | grep '"variant"' | cut -c1-200
   timeout ${ENGINE_CAP:-260} python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8 \
