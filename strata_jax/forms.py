@@ -144,7 +144,12 @@ CHOICES: dict[str, tuple] = {
     # model with the kernel has not run on the device. A verify or prefill step
     # (several positions) is always "xla". The numbers to fp32 summation order (the kernel's
     # softmax runs online, over splits).
-    "attn_decode": ("auto", "xla", "pallas", "pallas_interpret"),
+    # "pallas_prologue" / "pallas_prologue_interpret": the kernel, with the q / k head norms,
+    # RoPE and the new key / value's cache write before it in one launch too
+    # (`pallas_kernels/attention/prologue_kernel.py`; the same caches in bf16, q to the
+    # norm's and the cos / sin's fp32 rounding). Not "auto": built without the GPU, unmeasured.
+    "attn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_prologue",
+                    "pallas_prologue_interpret"),
     # a layer's projections of one input (GDN qkv / gate / ba, attention q / k / v, the shared
     # expert's gate / up) where the in-place kernels take the rows (`dense_weights="kernel"`:
     # the GEMV's one row, dense_dot's 2 to 64): "fused" = one launch for all of them

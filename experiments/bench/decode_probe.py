@@ -63,6 +63,7 @@ FORM_VARIANTS = {
     "gdn": {"gdn_decode": "pallas"},
     "gdnfused": {"gdn_decode": "pallas_fused"},
     "gdnlayer": {"gdn_decode": "pallas_layer"},   # a GDN layer's decode core in one launch
+    "attnpro": {"attn_decode": "pallas_prologue"},   # attention's norms, RoPE, cache write
     "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},
     "nogdn": {"gdn_decode": "xla"},

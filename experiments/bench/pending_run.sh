@@ -136,20 +136,22 @@ if want s7c; then
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
 fi
 # Owed to the next session (SECTIONS=owed8, ~9 min; carry .whl with opentelemetry-api: fastapi
-# 0.165 imports it, run 40): the GDN layer kernel compiled (its tests first: nothing else runs
-# if they fail), then decode_probe's A/B at batch 1 and 32 of the fused step (base), the layer
-# kernel (Forms.gdn_decode="pallas_layer", "gdnlayer") and four routing warps everywhere
-# ("route4w"); the Engine at batch 32 / 8 on this commit with the server leg at 32; the MoE
+# 0.165 imports it, run 40): the GDN layer kernel and the attention prologue kernel compiled
+# (their tests first: nothing else runs if they fail), then decode_probe's A/B at batch 1 and
+# 32 of the fused step (base), the layer kernel (Forms.gdn_decode="pallas_layer", "gdnlayer";
+# at 8 warps, Dv tiles of 32), the prologue (attn_decode="pallas_prologue", "attnpro"), both,
+# and four routing warps everywhere ("route4w"); the Engine at batch 32 / 8 on this commit with the server leg at 32; the MoE
 # tiling sweep (its stacks now arguments); bench_spec.
 if want owed8; then
-  JAX_PLATFORMS=cuda timeout ${TEST_CAP:-90} python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
-    -n 4 tests/test_gdn_decode_layer_kernel.py 2>&1 | tee $OUT/gpu_tests_gdn_layer.log | tail -4
-  if grep -q failed $OUT/gpu_tests_gdn_layer.log || ! grep -q passed $OUT/gpu_tests_gdn_layer.log; then
-    echo "GDN layer kernel tests failed: stopping"; exit 1
+  JAX_PLATFORMS=cuda timeout ${TEST_CAP:-100} python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    -n 4 tests/test_gdn_decode_layer_kernel.py tests/test_attention_prologue_kernel.py 2>&1 \
+    | tee $OUT/gpu_tests_layer_kernels.log | tail -4
+  if grep -q failed $OUT/gpu_tests_layer_kernels.log || ! grep -q passed $OUT/gpu_tests_layer_kernels.log; then
+    echo "layer kernel tests failed: stopping"; exit 1
   fi
-  timeout ${PROBE_CAP:-170} python3 experiments/bench/decode_probe.py \
-    --variants base,gdnlayer,gdnlayer+lw8,gdnlayer+lbv32,route4w \
-    --batches 1,32 --n_steps 16 --reps 5 --profile gdnlayer --out $OUT/decode_probe_gdnlayer.json 2>&1 \
+  timeout ${PROBE_CAP:-190} python3 experiments/bench/decode_probe.py \
+    --variants base,gdnlayer,gdnlayer+lw8,gdnlayer+lbv32,attnpro,gdnlayer+attnpro,route4w \
+    --batches 1,32 --n_steps 16 --reps 5 --profile gdnlayer+attnpro --out $OUT/decode_probe_layer_kernels.json 2>&1 \
     | grep '"variant"' | cut -c1-200
   timeout ${ENGINE_CAP:-260} python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8 \
     --out $OUT/bench_engine_b32.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300

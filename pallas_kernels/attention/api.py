@@ -3,14 +3,20 @@
 Implementations: "pallas" (the kernel compiled for the GPU), "pallas_interpret" (the same
 kernel under the Pallas interpreter, CPU tests), "xla" (`decode_attention_reference`, the
 model's own ops on the layer's cache). "auto": "pallas" on the GPU, "xla" elsewhere.
+
+`decode_prologue` (the head norms, RoPE and the cache write of one position a row): "pallas" /
+"pallas_interpret" run `prologue_kernel.attention_decode_prologue`, one launch; "xla" its
+reference, the model's ops.
 """
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.attention.kernel import decode_attention_pallas
+from pallas_kernels.attention.prologue_kernel import attention_decode_prologue
 from pallas_kernels.attention.reference import (  # noqa: F401 (the model's XLA form)
     attention_reference,
     decode_attention_reference,
+    decode_prologue_reference,
 )
 from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 
@@ -40,3 +46,20 @@ def decode_attention(q, k_stack, v_stack, layer, pos, kv_start=None, *, implemen
     require_gpu("decode attention", impl, "'pallas_interpret' or 'xla'")
   return decode_attention_pallas(q, k_stack, v_stack, layer, pos, kv_start,
                                  interpret=impl == "pallas_interpret")
+
+
+def decode_prologue(qg, k, v, q_norm_w, k_norm_w, pos, valid, k_stack, v_stack, layer, *,
+                    n_rot, rope_base, eps, implementation=None):
+  """(q [B, H, Hd] normed and roped, k_stack, v_stack with layer `layer` written at each valid
+  row's position): qg [B, H, 2 Hd] (q, then the gate, per head), k, v [B, G, Hd], the head
+  norms' weights [Hd], pos / valid [B], the stacks [L, B, S, G, Hd]. Contract as
+  `reference.decode_prologue_reference`."""
+  impl = resolve(implementation)
+  kw = dict(n_rot=n_rot, rope_base=rope_base, eps=eps)
+  if impl == "xla":
+    return decode_prologue_reference(qg, k, v, q_norm_w, k_norm_w, pos, valid, k_stack,
+                                     v_stack, layer, **kw)
+  if impl == "pallas":
+    require_gpu("attention prologue", impl, "'pallas_interpret' or 'xla'")
+  return attention_decode_prologue(qg, k, v, q_norm_w, k_norm_w, pos, valid, k_stack, v_stack,
+                                   layer, interpret=impl == "pallas_interpret", **kw)

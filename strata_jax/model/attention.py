@@ -5,9 +5,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.attention.api import attention_reference, decode_attention
+from pallas_kernels.attention.api import attention_reference, decode_attention, decode_prologue
 from strata_jax.config import ModelConfig
 from strata_jax.model.common import linears, out_projection, rms_norm, rope_neox
+
+
+# `Forms.attn_decode`'s prologue choices and the decode kernel's choice each runs with.
+PROLOGUE_FORMS = {"pallas_prologue": "pallas", "pallas_prologue_interpret": "pallas_interpret"}
 
 
 def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lora_b, switch,
@@ -32,6 +36,18 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   S = k_cache.shape[-3]
   qg, k, v = linears(x, [p.q, p.k, p.v])
   qg = qg.reshape(B, T, H, 2 * Hd)
+  form = cfg.forms.attn_decode
+  if T == 1 and layer is not None and form in PROLOGUE_FORMS:
+    # One launch for the head norms, RoPE and the cache write, then the decode kernel.
+    impl = PROLOGUE_FORMS[form]
+    q, k_cache, v_cache = decode_prologue(
+        qg[:, 0], k.reshape(B, G, Hd), v.reshape(B, G, Hd), p.q_norm, p.k_norm, pos, n_new > 0,
+        k_cache, v_cache, layer, n_rot=cfg.n_rot, rope_base=cfg.rope_base, eps=cfg.rms_eps,
+        implementation=impl)
+    out = decode_attention(q, k_cache, v_cache, layer, pos, kv_start,
+                           implementation=impl)[:, None]                     # [B, 1, H, Hd]
+    return _gated_out(cfg, p, out, qg[..., Hd:], x, lora_a, lora_b, switch, row_scale), \
+        k_cache, v_cache
   q, gate = qg[..., :Hd], qg[..., Hd:]
   k, v = k.reshape(B, T, G, Hd), v.reshape(B, T, G, Hd)
   q, k = rms_norm(q, p.q_norm, cfg.rms_eps), rms_norm(k, p.k_norm, cfg.rms_eps)
@@ -45,17 +61,23 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
   k_cache = k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop")
   v_cache = v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop")
   k_all, v_all = k_cache, v_cache
-  if T == 1 and cfg.forms.attn_decode in ("pallas", "pallas_interpret"):
+  if T == 1 and form in ("pallas", "pallas_interpret", *PROLOGUE_FORMS):
     # One position a row: the kernel reads the layer's cache where it lies, only up to each
     # row's position (pallas_kernels/attention).
     stacks = (k_all, v_all, layer) if layer is not None else (k_all[None], v_all[None], 0)
     out = decode_attention(q[:, 0], *stacks, positions[:, 0], kv_start,
-                           implementation=cfg.forms.attn_decode)[:, None]    # [B, 1, H, Hd]
+                           implementation=PROLOGUE_FORMS.get(form, form))[:, None]
   else:
     if layer is not None:   # the layer's cache, read after its write
       k_cache = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
       v_cache = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
     out = attention_reference(q, k_cache, v_cache, positions, kv_start)     # [B, T, H, Hd]
+  return _gated_out(cfg, p, out, gate, x, lora_a, lora_b, switch, row_scale), k_all, v_all
+
+
+def _gated_out(cfg, p, out, gate, x, lora_a, lora_b, switch, row_scale):
+  """The output gate and projection (with the LoRA hook): out [B, T, H, Hd] fp32."""
+  B, T, H, Hd = out.shape
   out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype).reshape(B, T, H * Hd)
-  return (out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl,
-                         row_scale, cfg.forms.gemv_lora), k_all, v_all)
+  return out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl, row_scale,
+                        cfg.forms.gemv_lora)

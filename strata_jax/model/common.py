@@ -11,6 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.attention.reference import rms_norm, rope_neox  # noqa: F401 (the model's)
 from pallas_kernels.gdn.reference import l2norm as l2_norm  # noqa: F401 (the model's L2 norm)
 from pallas_kernels.quant.layout import QTensor
 
@@ -142,28 +143,6 @@ def linears(x, ws, partials=False):
   if partials:
     return [y.reshape(y.shape[0], *x.shape[:-1], y.shape[-1]) for y in ys]
   return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
-
-
-def rms_norm(x, w, eps):
-  """RMSNorm over the last axis in float32; `w` already carries GGUF's +1."""
-  xf = x.astype(jnp.float32)
-  y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return (y * w.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_neox(x, positions, n_rot, base):
-  """NEOX (rotate-half) RoPE on the first n_rot dims; pairs (i, i + n_rot/2).
-
-  x [B, T, H, Hd]; positions [B, T] int32.
-  """
-  half = n_rot // 2
-  inv = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / n_rot)       # [half]
-  ang = positions.astype(jnp.float32)[..., None] * inv                     # [B, T, half]
-  cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-  xf = x.astype(jnp.float32)
-  x1, x2, rest = xf[..., :half], xf[..., half:n_rot], xf[..., n_rot:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
-  return out.astype(x.dtype)
 
 
 def _one_row(gemv_lora):
