@@ -3,13 +3,11 @@ launch): parity with `reference.decode_prologue_reference`, which is the model's
 
 CPU runs the kernel under the Pallas interpreter and cross-lowers it to Triton for cuda; the
 `gpu` tests run it compiled (JAX_PLATFORMS=cuda on the device)."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_fixtures import TINY, random_lora, tiny_model
+from model_fixtures import decode_under_forms, random_lora
 from tolerances import ATTN_DECODE_REL_FP32, KERNEL_REL, assert_close
 
 from pallas_kernels.attention import api
@@ -112,38 +110,17 @@ def test_prologue_kernel_lowers_to_triton_for_the_gpu(batch):
   assert "xla.gpu.triton" in text and "attn_decode_prologue" in text
 
 
-def _decode(form, lora):
-  """The tiny fp32 model: a prompt, then three decode steps of two rows (row 1 idle on the
-  first and last; the adapter on in row 0): each step's logits, the final state."""
-  from strata_jax import steps
-  from strata_jax.forms import Forms
-  from strata_jax.state import init_state
-  model = tiny_model()
-  cfg = dataclasses.replace(TINY, forms=dataclasses.replace(Forms().resolve("cpu", F32),
-                                                            attn_decode=form))
-  st = init_state(cfg, 2, 32, F32)
-  toks = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, 6), jnp.int32)
-  _, st = steps.prefill(cfg, model.params, lora, st, jnp.int32(0), toks, jnp.int32(6),
-                        jnp.int32(1))
-  logits = []
-  for t in range(3):
-    lg, st = steps.decode(cfg, model.params, lora, st, jnp.asarray([3 + t, 5], jnp.int32),
-                          jnp.asarray([1, 0], jnp.int32), jnp.asarray([1, t % 2], jnp.int32))
-    logits.append(np.asarray(lg))
-  return np.stack(logits), st
-
-
 def test_model_decode_under_the_prologue_kernel_gives_the_kernel_forms_logits():
   """`Forms.attn_decode="pallas_prologue_interpret"`: the decode kernel's form's logits
   (`attn_decode="pallas_interpret"`, the model's XLA prologue) to fp32 rounding, its greedy
   tokens and its K / V caches, with the adapter on in one row and off in the other."""
   lora = random_lora().params
-  got, st = _decode("pallas_prologue_interpret", lora)
-  want, st_want = _decode("pallas_interpret", lora)
+  got, states = decode_under_forms(lora, prompt_seed=2, attn_decode="pallas_prologue_interpret")
+  want, want_states = decode_under_forms(lora, prompt_seed=2, attn_decode="pallas_interpret")
   assert_close(got, want, rel=ATTN_DECODE_REL_FP32, what="logits")
   assert np.array_equal(got.argmax(-1), want.argmax(-1))
-  assert_close(st.k, st_want.k, rel=KERNEL_REL["float32"], what="k cache")
-  assert np.array_equal(np.asarray(st.v), np.asarray(st_want.v))
+  assert_close(states[-1].k, want_states[-1].k, rel=KERNEL_REL["float32"], what="k cache")
+  assert np.array_equal(states[-1].v, want_states[-1].v)
 
 
 @pytest.mark.gpu

@@ -5,13 +5,11 @@ for bit from bf16 inputs under the interpreter), its output the reference's
 
 CPU runs the kernel under the Pallas interpreter and cross-lowers it to Triton for cuda; the
 `gpu` tests run it compiled (JAX_PLATFORMS=cuda on the device)."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_fixtures import TINY, random_lora, tiny_model
+from model_fixtures import decode_under_forms, random_lora
 from tolerances import GDN_LAYER_REL_FP32, KERNEL_REL, assert_close
 
 from pallas_kernels.gdn import api, reference
@@ -167,35 +165,13 @@ def test_layer_kernel_lowers_to_triton_for_the_gpu(batch):
   assert "xla.gpu.triton" in text and "gdn_decode_layer" in text
 
 
-def _decode(form, lora=None, switch=(1, 0)):
-  """The tiny fp32 model: a prompt, then three decode steps of two rows (row 1 idle on the
-  first and last): each step's logits, and the state after each step."""
-  from strata_jax import steps
-  from strata_jax.forms import Forms
-  from strata_jax.state import init_state
-  model = tiny_model()
-  cfg = dataclasses.replace(TINY, forms=dataclasses.replace(Forms().resolve("cpu", F32),
-                                                            gdn_decode=form))
-  st = init_state(cfg, 2, 32, F32)
-  toks = jnp.asarray(np.random.default_rng(1).integers(0, TINY.vocab_size, 6), jnp.int32)
-  _, st = steps.prefill(cfg, model.params, lora, st, jnp.int32(0), toks, jnp.int32(6),
-                        jnp.int32(1))
-  logits, states = [], []
-  for t in range(3):
-    lg, st = steps.decode(cfg, model.params, lora, st, jnp.asarray([3 + t, 5], jnp.int32),
-                          jnp.asarray(switch, jnp.int32), jnp.asarray([1, t % 2], jnp.int32))
-    logits.append(np.asarray(lg))
-    states.append(jax.tree.map(np.asarray, st))
-  return np.stack(logits), states
-
-
 def test_model_decode_under_the_layer_kernel_gives_the_fused_forms_logits():
   """`Forms.gdn_decode="pallas_layer_interpret"`, adapter on in row 0 and off in row 1: the
   fused form's logits to the norm's fp32 rounding (GDN_LAYER_REL_FP32) and its greedy tokens;
   a row that sits a step out keeps its GDN states bit for bit."""
   lora = random_lora().params
-  got, states = _decode("pallas_layer_interpret", lora)
-  want, want_states = _decode("pallas_fused_interpret", lora)
+  got, states = decode_under_forms(lora, gdn_decode="pallas_layer_interpret")
+  want, want_states = decode_under_forms(lora, gdn_decode="pallas_fused_interpret")
   assert_close(got, want, rel=GDN_LAYER_REL_FP32, what="logits")
   assert np.array_equal(got.argmax(-1), want.argmax(-1))
   assert_close(states[-1].ssm, want_states[-1].ssm, rel=GDN_LAYER_REL_FP32, what="ssm")
