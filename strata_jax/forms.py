@@ -161,6 +161,22 @@ CHOICES: dict[str, tuple] = {
 }
 
 
+# Choices that run compiled Pallas kernels, which need the GPU backend. Their "_interpret"
+# forms and "xla" run anywhere; naming one of these elsewhere is refused at load
+# (`Forms.check_backend`), not left to fail inside the first trace.
+GPU_ONLY = {
+    "lora_impl": ("pallas", "mosaic"),
+    "gdn_chunked": ("pallas", *(c for c in CHOICES["gdn_chunked"] if c.startswith("pallas_")
+                                and not c.endswith("_interpret"))),
+    "gdn_decode": ("pallas", "pallas_fused", "pallas_layer"),
+    "moe_many": ("pallas",),
+    "moe_few": ("pallas",),
+    "quant_impl": ("pallas",),
+    "moe_topk": ("pallas",),
+    "attn_decode": ("pallas", "pallas_prologue"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Forms:
   """Implementation choices of every op; see `CHOICES` for each field's values."""
@@ -219,6 +235,22 @@ class Forms:
                          else "pallas", "xla"),
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         matmul_precision=precision)
+
+  def check_backend(self, backend: str) -> Forms:
+    """These forms, or FormsError naming the first field whose choice runs a compiled Pallas
+    kernel when `backend` is not "gpu" (`GPU_ONLY`): a clear error where the model is loaded,
+    not a traceback from inside the first trace."""
+    if backend == "gpu":
+      return self
+    for name, compiled in GPU_ONLY.items():
+      value = getattr(self, name)
+      if value in compiled:
+        instead = [c for c in dict.fromkeys((f"{value}_interpret", "pallas_interpret", "xla"))
+                   if c in CHOICES[name]][:2]
+        raise FormsError(f"forms: {name}={value!r} runs a compiled Pallas kernel, which needs "
+                         f"the GPU backend (this one is {backend!r}); use "
+                         + " or ".join(repr(c) for c in instead))
+    return self
 
   def jax_precision(self, compute_dtype) -> str | None:
     """The `jax.default_matmul_precision` the steps trace under for this compute dtype (None:

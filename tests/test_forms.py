@@ -316,3 +316,20 @@ def test_dense_weights_in_place_give_the_scanned_forms_numbers_and_no_scanned_ma
   qkv = model.params.layers.gdn.qkv                 # [6, C, D]: 2 blocks of 3 GDN layers
   blocked = "f32[2,3,{},{}]".format(*qkv.shape[1:])
   assert blocked in decode_jaxpr("scan") and blocked not in decode_jaxpr("in_place")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the refusal is for other backends")
+@pytest.mark.parametrize("field,value,instead", [
+    ("attn_decode", "pallas", "pallas_interpret"), ("lora_impl", "mosaic", "pallas_interpret"),
+    ("gdn_decode", "pallas_layer", "pallas_layer_interpret"),
+    ("gdn_chunked", "pallas_split", "pallas_split_interpret")])
+def test_compiled_kernel_forms_are_refused_off_the_gpu_when_an_engine_is_built(field, value,
+                                                                                instead):
+  """A choice that runs a compiled Pallas kernel, named where there is no GPU: a FormsError
+  naming the field and what runs instead (the CLI's `error: ...`, exit 2), not a traceback
+  from inside the first trace; what it names is accepted."""
+  from strata_jax.errors import FormsError
+  with pytest.raises(FormsError, match=f"{field}={value!r} runs a compiled Pallas kernel.*use "
+                                       f"{instead!r}"):
+    sj.Engine(tiny_model(), slots=1, max_seq=32, forms=Forms(**{field: value}))
+  sj.Engine(tiny_model(), slots=1, max_seq=32, forms=Forms(**{field: instead}))

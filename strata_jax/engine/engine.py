@@ -263,7 +263,8 @@ class Engine:
     # Forms live in the config, the steps' static argument: an engine with other forms
     # compiles and runs its own programs beside this model's other engines.
     cfg = model.cfg if forms is None else dataclasses.replace(
-        model.cfg, forms=forms.resolve(jax.default_backend(), model.dtype))
+        model.cfg, forms=forms.resolve(jax.default_backend(), model.dtype).check_backend(
+            jax.default_backend()))
     self.cfg = cfg
     self.block_size = int(block_size)
     self.state_every = max(1, int(state_every))
