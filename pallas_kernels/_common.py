@@ -1,5 +1,6 @@
 """What every kernel file shares: the Triton lowering's import, its compiler parameters across
-JAX versions, the power-of-two tile check, and the compensated fp32 sum of tile products.
+JAX versions, the power-of-two tile check, the split GEMVs' partial sums in their one order
+(outside a kernel and inside one), and the compensated fp32 sum of tile products.
 
 Every kernel here lowers through Pallas's Triton backend (`jax.experimental.pallas.triton`),
 deprecated in JAX 0.11; each kernel's README says why it still uses it. Without it (a future
@@ -7,6 +8,7 @@ JAX) the kernels run only in interpret mode, and the compiled path says so.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 try:  # Deprecated in JAX 0.11; the kernels' READMEs say why they use it.
@@ -34,6 +36,25 @@ def require_triton(interpret: bool, op: str, instead: str):
   """The compiled path needs the Triton backend; without it, name the implementation to use."""
   if not interpret and pltriton is None:
     raise RuntimeError(f"{op}: this JAX has no Pallas Triton backend; use {instead}")
+
+
+def sum_partials(parts):
+  """parts [ks, ...] fp32 -> their sum, added in index order (p0 + p1 + ...): the split GEMVs'
+  order (the LoRA finishing kernel, the routing kernel and the GDN layer kernel add them in it
+  too, so their results are this sum's bits)."""
+  total = parts[0]
+  for k in range(1, parts.shape[0]):
+    total = total + parts[k]
+  return total
+
+
+def sum_ref_partials(ref, n_parts, *ix):
+  """In a kernel: ref[s, *ix] for s < n_parts, in fp32, added in index order (`sum_partials`'
+  order, so a consumer kernel's sum of a GEMV's split partials is XLA's bit for bit)."""
+  total = ref[(jnp.int32(0), *ix)].astype(jnp.float32)
+  for s in range(1, n_parts):   # static indices as int32 (the interpreter's indexers)
+    total = total + ref[(jnp.int32(s), *ix)].astype(jnp.float32)
+  return total
 
 
 def compensated_add(total, comp, part):

@@ -111,8 +111,9 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
   devs = select_devices(split_devices) if layer_split is not None else None
   mf = read_model_gguf(path, dtype=dt, progress=progress, weights=weights,
                        layer_split=layer_split, devices=devs)
-  cfg = dataclasses.replace(mf.cfg, forms=(forms or Forms()).resolve(
-      jax.default_backend(), dt).check_backend(jax.default_backend()))
+  backend = jax.default_backend()
+  forms = (forms or Forms()).resolve(backend, dt).check_backend(backend)
+  cfg = dataclasses.replace(mf.cfg, forms=forms)
   one = mf.devices is None
   return Model(cfg=cfg, params=mf.stages[0] if one else None, dtype=dt, path=path,
                fingerprint=mf.fingerprint, tokenizer=mf.tokenizer, add_bos=mf.add_bos,

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import pow2, require_triton, triton_params
+from pallas_kernels._common import pow2, require_triton, sum_ref_partials, triton_params
 from pallas_kernels.gdn.decode_fused_kernel import _step
 
 _F32 = jnp.float32
@@ -84,10 +84,7 @@ def _kernel(layer_ref, valid_ref, x_ref, cs_ref, w_ref, z_ref, ba_ref, acoef_ref
   def parts(ref, *ix):
     """The projection's value at ix: its split partials added in index order, rounded to
     x's dtype (the projection's result), in fp32."""
-    v = ref[(jnp.int32(0), *ix)].astype(_F32)
-    for sp in range(1, ref.shape[0]):
-      v = v + ref[(jnp.int32(sp), *ix)].astype(_F32)
-    return v.astype(x_dtype).astype(_F32)
+    return sum_ref_partials(ref, ref.shape[0], *ix).astype(x_dtype).astype(_F32)
 
   base = hk * 2 * r + h % r
   b_gate = parts(ba_ref, b, base)

@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._common import sum_partials
+from pallas_kernels.attention.reference import rms_norm   # the model's (the gated norm's)
+
 _HI = lax.Precision.HIGHEST
 
 
@@ -121,13 +124,8 @@ def decode_layer_reference(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w
   _, bsz, hv, dv, dk = state.shape
   r, kd = hv // n_k_heads, n_k_heads * dk
 
-  def whole(v, ndim):   # split partials [S, ...] -> their index-order sum in x's dtype
-    if v.ndim == ndim:
-      return v
-    total = v[0].astype(f32)
-    for sp in range(1, v.shape[0]):
-      total = total + v[sp].astype(f32)
-    return total.astype(x.dtype)
+  # split partials [S, ...] -> their index-order sum in x's dtype (the projection's result)
+  whole = lambda v, ndim: v if v.ndim == ndim else sum_partials(v.astype(f32)).astype(x.dtype)
   z, ba = whole(z, 3), whole(ba, 2)
   c, conv_new = causal_conv_step(x, conv_state, conv_w, valid)
   q = c[:, :kd].reshape(bsz, n_k_heads, dk)
@@ -139,8 +137,7 @@ def decode_layer_reference(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w
   old = state[layer]
   o, s = delta_rule_step_fused(q, k, v, a, b, a_coef, dt_bias, old, valid)
   s = jnp.where((jnp.asarray(valid) != 0)[:, None, None, None], s, old)
-  y = o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
-  y = (y * norm_w.astype(f32)) * jax.nn.silu(z.astype(x.dtype).astype(f32))
+  y = rms_norm(o, norm_w, eps) * jax.nn.silu(z.astype(x.dtype).astype(f32))   # o: fp32
   return (y.astype(out_dtype or x.dtype), conv_new, state.at[layer].set(s))
 
 

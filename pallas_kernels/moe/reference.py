@@ -2,6 +2,8 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import sum_partials
+
 
 def moe_reference(x, wg, wu, wd, idx, w, precision=None):
   """routed[n] = sum_j w[n, j] * wd[e] @ (silu(wg[e] @ x[n]) * (wu[e] @ x[n])), e = idx[n, j].
@@ -45,9 +47,7 @@ def route_reference(logits, k):
   split partial sums [S, N, E], added in index order first (p0 + p1 + ...)."""
   logits = logits.astype(jnp.float32)
   if logits.ndim == 3:
-    parts, logits = logits, logits[0]
-    for s in range(1, parts.shape[0]):
-      logits = logits + parts[s]
+    logits = sum_partials(logits)
   probs = jax.nn.softmax(logits, axis=-1)
   w, idx = jax.lax.top_k(probs, k)
   return w / jnp.sum(w, axis=-1, keepdims=True), idx

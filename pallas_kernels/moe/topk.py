@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import require_triton, triton_params
+from pallas_kernels._common import require_triton, sum_ref_partials, triton_params
 from pallas_kernels.quant.gemv import masked_store
 
 _ROWS = 16   # rows a program at most (a prefill's N rows run N / 16 programs)
@@ -42,10 +42,7 @@ def _load_rows(x_ref, n_parts):
   [S, bn, E_pad] added in index order (`gemv.sum_partials`' order, so the same values)."""
   if n_parts == 0:
     return x_ref[...].astype(jnp.float32)
-  x = x_ref[0].astype(jnp.float32)
-  for s in range(1, n_parts):
-    x = x + x_ref[s].astype(jnp.float32)
-  return x
+  return sum_ref_partials(x_ref, n_parts)
 
 
 def _store_rows(ref, val, row0, k):
@@ -58,13 +55,15 @@ def _store_rows(ref, val, row0, k):
   masked_store(ref.at[pl.ds(row0, bn), pl.ds(0, k_pad)], val, cols < k)
 
 
-def _topk_kernel(x_ref, v_ref, i_ref, *, k, e, n_parts):
+def _rows_kernel(x_ref, v_ref, i_ref, *, k, e, n_parts, pick):
+  """One program of `_rows_call`: its rows [bn, E_pad] in fp32 (the partials summed), then
+  pick(x, taken, col, slot, k, shape) -> (values, ids) [bn, k_pad], stored k columns wide."""
   x = _load_rows(x_ref, n_parts)                                            # [bn, E_pad]
   bn, e_pad = x.shape
   k_pad = pl.next_power_of_2(k)
   col = lax.broadcasted_iota(jnp.int32, (bn, e_pad), 1)
   slot = lax.broadcasted_iota(jnp.int32, (bn, k_pad), 1)
-  vals, ids = _take_k(x, col >= e, col, slot, k, (bn, k_pad))             # (padding taken)
+  vals, ids = pick(x, col >= e, col, slot, k, (bn, k_pad))                 # (padding taken)
   row0 = pl.program_id(0) * bn
   _store_rows(v_ref, vals.astype(v_ref.dtype), row0, k)
   _store_rows(i_ref, ids, row0, k)
@@ -72,7 +71,7 @@ def _topk_kernel(x_ref, v_ref, i_ref, *, k, e, n_parts):
 
 def _rows_call(kernel, x, k, value_dtype, *, op, name, warps, interpret):
   """(values [N, k] in value_dtype, ids [N, k] int32) from `kernel(x_ref, v_ref, i_ref, k=,
-  e=, n_parts=)` run over x [N, E] (or split partials [S, N, E], summed in the kernel) in
+  e=, n_parts=)` (`_rows_kernel` with its pick) run over x [N, E] (or split partials [S, N, E], summed in the kernel) in
   programs of up to _ROWS whole rows (rows padded to a multiple of the block, columns to a
   power of 2, only when they need it; the outputs are stored k columns wide under a mask, so
   only a padded row count, never a decode batch of 1 to 16 or a multiple of 16, is sliced)."""
@@ -104,13 +103,13 @@ def _rows_call(kernel, x, k, value_dtype, *, op, name, warps, interpret):
 @functools.partial(jax.jit, static_argnames=("k", "interpret"))
 def top_k_pallas(x, k: int, *, interpret: bool = False):
   """(values [N, k] in x.dtype, ids [N, k] int32) of each row of x [N, E]: `lax.top_k`'s."""
-  return _rows_call(_topk_kernel, x, k, x.dtype, op="top_k", name="router_top_k", warps=4,
-                    interpret=interpret)
+  return _rows_call(functools.partial(_rows_kernel, pick=_take_k), x, k, x.dtype, op="top_k",
+                    name="router_top_k", warps=4, interpret=interpret)
 
 
 def _take_k(x, taken, col, slot, k, shape):
   """k rounds of (max over the entries not taken, the lowest column holding it): values
-  [bn, k_pad] (0 past k) and ids, as `_topk_kernel`."""
+  [bn, k_pad] (0 past k) and ids, for `_rows_kernel`."""
   e_pad = x.shape[1]
   vals = jnp.zeros(shape, jnp.float32)
   ids = jnp.zeros(shape, jnp.int32)
@@ -123,20 +122,13 @@ def _take_k(x, taken, col, slot, k, shape):
   return vals, ids
 
 
-def _route_kernel(x_ref, w_ref, i_ref, *, k, e, n_parts):
-  x = _load_rows(x_ref, n_parts)                                            # [bn, E_pad]
-  bn, e_pad = x.shape
-  k_pad = pl.next_power_of_2(k)
-  col = lax.broadcasted_iota(jnp.int32, (bn, e_pad), 1)
-  slot = lax.broadcasted_iota(jnp.int32, (bn, k_pad), 1)
-  pad = col >= e
+def _route_pick(x, pad, col, slot, k, shape):
+  """softmax over the real columns, their top k, renormalised (slots past k: 0)."""
   x = jnp.where(pad, -jnp.inf, x)
   ex = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))                      # padding: 0
   probs = ex / jnp.sum(ex, axis=1, keepdims=True)
-  vals, ids = _take_k(probs, pad, col, slot, k, (bn, k_pad))
-  row0 = pl.program_id(0) * bn
-  _store_rows(w_ref, vals / jnp.sum(vals, axis=1, keepdims=True), row0, k)
-  _store_rows(i_ref, ids, row0, k)
+  vals, ids = _take_k(probs, pad, col, slot, k, shape)
+  return vals / jnp.sum(vals, axis=1, keepdims=True), ids
 
 
 # Warps a routing program runs: one for a program of one row (a batch-1 decode step), four
@@ -155,5 +147,6 @@ def route_pallas(logits, k: int, *, interpret: bool = False):
   if logits.ndim not in (2, 3):
     raise ValueError(f"route: logits {logits.shape} must be [N, E] or split partials [S, N, E]")
   warps = ROUTE_WARPS_ONE_ROW if logits.shape[-2] == 1 else ROUTE_WARPS
-  return _rows_call(_route_kernel, logits.astype(jnp.float32), k, jnp.float32, op="route",
+  return _rows_call(functools.partial(_rows_kernel, pick=_route_pick),
+                    logits.astype(jnp.float32), k, jnp.float32, op="route",
                     name="router_route", warps=warps, interpret=interpret)

@@ -240,11 +240,7 @@ def dense_matmul_parts(x, stack, index, *, implementation="auto", few="dot", til
     raise ValueError(f"dense matmul parts: x must be float32 (got {x.dtype}): the partials "
                      "of a 16-bit x would round where its sum rounds once")
   if dense_kernel_rows(*x.shape, implementation):
-    impl = resolve(implementation)
-    tk, params = _kernel_params(impl, tiles)
-    idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
-    return dense_call(x[None], _stack3(stack), idx, interpret=impl == "pallas_interpret",
-                      compiler_params=params, partials=True, **tk)[:, 0]
+    return _dense_kernel(x, stack, index, resolve(implementation), tiles, partials=True)
   return dense_matmul(x, stack, index, implementation=implementation, few=few,
                       tiles=tiles)[None]
 
@@ -274,11 +270,13 @@ def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", pa
   return [y[None] for y in ys] if partials else ys
 
 
-def _dense_kernel(x, stack, index, impl, tiles):
+def _dense_kernel(x, stack, index, impl, tiles, partials=False):
+  """The in-place GEMV of one group: y [N, out], or its split partials [S, N, out]."""
   tk, params = _kernel_params(impl, tiles)
   idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
-  return dense_call(x[None], _stack3(stack), idx, interpret=impl == "pallas_interpret",
-                    compiler_params=params, **tk)[0]
+  y = dense_call(x[None], _stack3(stack), idx, interpret=impl == "pallas_interpret",
+                 compiler_params=params, partials=partials, **tk)
+  return y[:, 0] if partials else y[0]
 
 
 def _lora_pair(a, b, lora_index):

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._common import sum_partials  # noqa: F401 (the GEMV's, re-exported)
 from pallas_kernels.lora.kernel import dot_policy
 from pallas_kernels.quant.layout import BLOCK, PLANES
 from pallas_kernels.quant.multi import Part, launch
@@ -469,15 +470,6 @@ def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_pa
   if partials:
     return ys
   return [sum_partials(y).astype(dt) if ks > 1 else y[0] for y, ks in zip(ys, splits)]
-
-
-def sum_partials(parts):
-  """parts [ks, ...] fp32 -> their sum, added in index order (p0 + p1 + ...): the order the
-  LoRA finishing kernel adds them in too, so an off row there is this sum's bits."""
-  total = parts[0]
-  for k in range(1, parts.shape[0]):
-    total = total + parts[k]
-  return total
 
 
 # The LoRA rows in the GEMV's launch: the adapter's down projection h = A x is R more output

@@ -262,9 +262,9 @@ class Engine:
     self.lora_set = items[0] if len(items) == 1 and isinstance(items[0], LoraSet) else None
     # Forms live in the config, the steps' static argument: an engine with other forms
     # compiles and runs its own programs beside this model's other engines.
+    backend = jax.default_backend()
     cfg = model.cfg if forms is None else dataclasses.replace(
-        model.cfg, forms=forms.resolve(jax.default_backend(), model.dtype).check_backend(
-            jax.default_backend()))
+        model.cfg, forms=forms.resolve(backend, model.dtype).check_backend(backend))
     self.cfg = cfg
     self.block_size = int(block_size)
     self.state_every = max(1, int(state_every))

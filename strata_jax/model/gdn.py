@@ -77,7 +77,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     # conv, the gates, the delta rule (this layer of the stack, in place) and the gated norm.
     # z and ba go in as the projection launch's split partials, which the kernel adds.
     qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba], partials=True)
-    qkv = sum_partials(qkv).astype(x.dtype)[:, 0] if qkv.shape[0] > 1 else qkv[0, :, 0]
+    qkv = sum_partials(qkv).astype(x.dtype)[:, 0]                          # [B, C]
     o, conv_state, ssm = gdn_api.decode_layer(
         qkv, conv_state, p.conv, z.reshape(-1, B, Hv, Dv), ba[:, :, 0], p.a, p.dt_bias,
         p.norm, ssm, n_new > 0, layer, n_k_heads=Hk, eps=cfg.rms_eps, out_dtype=x.dtype,
