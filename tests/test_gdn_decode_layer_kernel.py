@@ -19,6 +19,10 @@ from pallas_kernels.gdn.decode_layer_kernel import gdn_decode_layer
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
 F32, BF16 = jnp.float32, jnp.bfloat16
+# Bit-for-bit claims between two interpreted programs hold on CPU. XLA:GPU compiles the
+# interpreter's body and rounds the two programs' fp32 ops differently (run 41), so there they
+# are checked to fp32 rounding; `test_gpu_*` check the compiled kernel.
+INTERP_BITS = jax.default_backend() == "cpu"
 
 # (B, Hk, Hv, Dk, Dv, K): the tiny model's (Hk 2, Hv 4, Dk 16, Dv 8, 4 taps); r = 1 and 3;
 # 2 and 3 taps; Dk != Dv both ways.
@@ -72,8 +76,8 @@ def test_layer_kernel_states_are_the_fused_paths_and_its_output_the_references(s
   assert y.dtype == dtype and conv_new.dtype == dtype and state.dtype == F32
   assert np.array_equal(np.asarray(conv_new), np.asarray(want_conv))
   assert np.array_equal(np.asarray(conv_new), np.asarray(fused_conv))
-  if dtype == BF16:   # the conv's output rounded to bf16: the fused kernel's q / k / v
-    assert np.array_equal(np.asarray(state), np.asarray(fused_state))
+  if dtype == BF16 and INTERP_BITS:   # the conv's output rounded to bf16: the fused kernel's
+    assert np.array_equal(np.asarray(state), np.asarray(fused_state))   # q / k / v
   # (fp32 q / k / v: the conv's silu inside the interpreted kernel and in XLA's own fusion
   # round the last bit differently)
   assert_close(state, fused_state, rel=KERNEL_REL["float32"], what="state vs fused")
@@ -112,7 +116,10 @@ def test_layer_kernel_adds_z_and_ba_split_partials_as_the_projection_does(dtype)
   whole = gdn_decode_layer(*args[:3], sum_partials(z_parts).astype(dtype),
                            sum_partials(ba_parts).astype(dtype), *args[5:], jnp.int32(0), **kw)
   for a, b in zip(got, whole):
-    assert np.array_equal(np.asarray(a), np.asarray(b))
+    if INTERP_BITS:
+      assert np.array_equal(np.asarray(a), np.asarray(b))
+    else:
+      assert_close(a, b, rel=KERNEL_REL["float32"], what="partials vs their sum")
   ref = reference.decode_layer_reference(*args[:3], z_parts, ba_parts, *args[5:], jnp.int32(0),
                                          n_k_heads=2, eps=1e-6)
   assert_close(got[0], ref[0], rel=KERNEL_REL[jnp.dtype(dtype).name], what="y")

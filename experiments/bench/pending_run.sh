@@ -142,7 +142,9 @@ fi
 # at 8 warps, Dv tiles of 32), the prologue (attn_decode="pallas_prologue", "attnpro"), both,
 # and four routing warps everywhere ("route4w"); the Engine at batch 32 / 8 on this commit with the server leg at 32; the MoE
 # tiling sweep (its stacks now arguments); bench_spec.
-if want owed8; then
+# Split over two calls in the session of 2026-12-04: owed8a (the tests and the A/B), owed8b (the
+# Engine, the sweep, bench_spec); owed8 runs both.
+if want owed8 || want owed8a; then
   JAX_PLATFORMS=cuda timeout ${TEST_CAP:-100} python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
     -n 4 tests/test_gdn_decode_layer_kernel.py tests/test_attention_prologue_kernel.py 2>&1 \
     | tee $OUT/gpu_tests_layer_kernels.log | tail -4
@@ -153,6 +155,9 @@ if want owed8; then
     --variants base,gdnlayer,gdnlayer+lw8,gdnlayer+lbv32,attnpro,gdnlayer+attnpro,route4w \
     --batches 1,32 --n_steps 16 --reps 5 --profile gdnlayer+attnpro --out $OUT/decode_probe_layer_kernels.json 2>&1 \
     | grep '"variant"' | cut -c1-200
+  echo "owed8a done $(( $(date +%s) - t0 )) s"
+fi
+if want owed8 || want owed8b; then
   timeout ${ENGINE_CAP:-260} python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8 \
     --out $OUT/bench_engine_b32.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
   echo "owed8 engine done $(( $(date +%s) - t0 )) s"
