@@ -147,7 +147,10 @@ CHOICES: dict[str, tuple] = {
     # "pallas_prologue" / "pallas_prologue_interpret": the kernel, with the q / k head norms,
     # RoPE and the new key / value's cache write before it in one launch too
     # (`pallas_kernels/attention/prologue_kernel.py`; the same caches in bf16, q to the
-    # norm's and the cos / sin's fp32 rounding). Not "auto": built without the GPU, unmeasured.
+    # norm's and the cos / sin's fp32 rounding). "auto" on the GPU for a 16-bit compute dtype:
+    # bench-a3b bf16 on the H200, 3.844 against 3.875 ms a step at batch 1 and 7.657 against
+    # 7.680 at batch 32 with "pallas" (experiments/results/device/run43/
+    # decode_probe_layer_kernels.json, "attnpro" against "base").
     "attn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_prologue",
                     "pallas_prologue_interpret"),
     # a layer's projections of one input (GDN qkv / gate / ba, attention q / k / v, the shared
@@ -232,7 +235,7 @@ class Forms:
         moe_topk=auto(self.moe_topk, "pallas", "xla"),
         dense_few=auto(self.dense_few, "dot", "dot"),
         attn_decode=auto(self.attn_decode, "xla" if _dtype_name(compute_dtype) == "float32"
-                         else "pallas", "xla"),
+                         else "pallas_prologue", "xla"),
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         matmul_precision=precision)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -64,6 +65,7 @@ FORM_VARIANTS = {
     "gdnfused": {"gdn_decode": "pallas_fused"},
     "gdnlayer": {"gdn_decode": "pallas_layer"},   # a GDN layer's decode core in one launch
     "attnpro": {"attn_decode": "pallas_prologue"},   # attention's norms, RoPE, cache write
+    "attnkernel": {"attn_decode": "pallas"},   # the decode kernel alone (the base before run 43)
     "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},
     "nogdn": {"gdn_decode": "xla"},
@@ -136,9 +138,10 @@ def patch(variant: str):
     elif part == "route1w":   # the routing kernel at one warp for every program
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS", 1)
-    elif part in ("lw8", "lbv32"):   # the GDN layer kernel at 8 warps / Dv tiles of 32
+    elif re.fullmatch(r"lw\d+|lbv\d+", part):   # the GDN layer kernel's warps / Dv tile
       from pallas_kernels.gdn import decode_layer_kernel as dlk
-      setattr_undo(dlk, *(("_NUM_WARPS", 8) if part == "lw8" else ("_BLOCK_V", 32)))
+      n = int(re.sub(r"\D", "", part))
+      setattr_undo(dlk, "_NUM_WARPS" if part.startswith("lw") else "_BLOCK_V", n)
     elif part == "route4w":   # the routing kernel at four warps for every program (run 38's base)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)
