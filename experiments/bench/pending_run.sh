@@ -135,6 +135,32 @@ if want s7c; then
   timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
 fi
+# Session of 2026-12-04 (eighth), after attn_decode "auto" became "pallas_prologue" (run 43):
+#  call B, SECTIONS=s8model,s8engine1: the GPU model set on the new default, the Engine at batch 1;
+#  call C, SECTIONS=s8engine,s8probe: the Engine at batch 32 / 8 with the server leg, the GDN layer
+#    kernel at wider Dv tiles (decode_probe), bench_spec with what time is left.
+if want s8model; then
+  GPU_SET=model CAP=${TEST_CAP:-230} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  echo "s8model done $(( $(date +%s) - t0 )) s"
+fi
+if want s8engine1; then
+  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
+    --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e "^serve" -e "^ttft" -e Error | cut -c1-300
+fi
+if want s8engine; then
+  timeout ${ENGINE_CAP:-280} python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8 \
+    --out $OUT/bench_engine_b32.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
+  echo "s8engine done $(( $(date +%s) - t0 )) s"
+fi
+if want s8probe; then
+  timeout ${PROBE_CAP:-200} python3 experiments/bench/decode_probe.py \
+    --variants base,attnkernel,gdnlayer+lbv64,gdnlayer+lbv128+lw8,gdnlayer+lbv128+lw16 \
+    --batches 1,32 --n_steps 16 --reps 5 --out $OUT/decode_probe_layer_tiles.json 2>&1 \
+    | grep '"variant"' | cut -c1-160
+  echo "s8probe done $(( $(date +%s) - t0 )) s"
+  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+    --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+fi
 # Owed to the next session (SECTIONS=owed8, ~9 min; carry .whl with opentelemetry-api: fastapi
 # 0.165 imports it, run 40): the GDN layer kernel and the attention prologue kernel compiled
 # (their tests first: nothing else runs if they fail), then decode_probe's A/B at batch 1 and
