@@ -51,7 +51,10 @@ CHOICES: dict[str, tuple] = {
     # projection reads: the conv, the gates, the delta rule, the gated norm
     # (`pallas_kernels/gdn/decode_layer_kernel.py`; "pallas_fused" wherever a step runs
     # alone). The state bits are the fused kernel's; the norm's sum runs in Dv tiles (fp32
-    # rounding). Not "auto": built without the GPU (issue 17 item 1), unmeasured.
+    # rounding). Not "auto": bench-a3b bf16 on the H200, a step takes 3.885 ms against the
+    # fused form's 3.842 at batch 1 (Dv tiles of 64, run 45) and 7.836 against 7.680 at batch
+    # 32 (tiles of 32, run 43): its (row, v-head) programs, 32 at batch 1, each run the head's
+    # Dv tiles one after another, where the fused kernel runs a program per tile.
     "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
                    "pallas_fused_interpret", "pallas_layer", "pallas_layer_interpret"),
     # MoE with more (token, expert) pairs than experts: "auto" = the grouped Pallas kernel on the
@@ -147,10 +150,11 @@ CHOICES: dict[str, tuple] = {
     # "pallas_prologue" / "pallas_prologue_interpret": the kernel, with the q / k head norms,
     # RoPE and the new key / value's cache write before it in one launch too
     # (`pallas_kernels/attention/prologue_kernel.py`; the same caches in bf16, q to the
-    # norm's and the cos / sin's fp32 rounding). "auto" on the GPU for a 16-bit compute dtype:
-    # bench-a3b bf16 on the H200, 3.844 against 3.875 ms a step at batch 1 and 7.657 against
-    # 7.680 at batch 32 with "pallas" (experiments/results/device/run43/
-    # decode_probe_layer_kernels.json, "attnpro" against "base").
+    # norm's and the cos / sin's fp32 rounding). Not "auto": bench-a3b bf16 on the H200, its
+    # plain decode program gains (3.844 against 3.875 ms a step at batch 1, 7.657 against 7.680
+    # at batch 32, run 43's decode_probe "attnpro" against "base"), but the Engine's sampling
+    # program loses 4.6 % at batch 1 (237.1 against 248.4 tok/s, the Engine 229.4 against
+    # 240.6: runs 45 and 46, bench_engine_b1*.json; cause not found).
     "attn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_prologue",
                     "pallas_prologue_interpret"),
     # a layer's projections of one input (GDN qkv / gate / ba, attention q / k / v, the shared
@@ -235,7 +239,7 @@ class Forms:
         moe_topk=auto(self.moe_topk, "pallas", "xla"),
         dense_few=auto(self.dense_few, "dot", "dot"),
         attn_decode=auto(self.attn_decode, "xla" if _dtype_name(compute_dtype) == "float32"
-                         else "pallas_prologue", "xla"),
+                         else "pallas", "xla"),
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         matmul_precision=precision)
 

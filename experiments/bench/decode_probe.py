@@ -65,7 +65,7 @@ FORM_VARIANTS = {
     "gdnfused": {"gdn_decode": "pallas_fused"},
     "gdnlayer": {"gdn_decode": "pallas_layer"},   # a GDN layer's decode core in one launch
     "attnpro": {"attn_decode": "pallas_prologue"},   # attention's norms, RoPE, cache write
-    "attnkernel": {"attn_decode": "pallas"},   # the decode kernel alone (the base before run 43)
+    "attnkernel": {"attn_decode": "pallas"},   # the decode kernel alone (base's GPU form)
     "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},
     "nogdn": {"gdn_decode": "xla"},
