@@ -135,6 +135,32 @@ if want s7c; then
   timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
 fi
+# Owed to the next session (SECTIONS=owed9a, then SECTIONS=owed9b; ~8 min each):
+#  owed9a: why the attention prologue costs the Engine's sampling program 4.6 % at batch 1 where
+#    the plain decode program gains (runs 43, 45, 46): both programs' optimised HLO under each
+#    form (bench_engine --dump-hlo; count the copies of the K/V stacks), then the Engine at
+#    batch 32 / 8 with the server leg (not measured since run 34 / 16);
+#  owed9b: the MoE tiling sweep (never produced a row on the device), the GDN layer kernel at
+#    batch 32 with Dv tiles of 64 and 128, bench_spec (not re-measured since run 5).
+if want owed9a; then
+  for f in pallas pallas_prologue; do
+    timeout ${HLO_CAP:-150} python3 experiments/bench/bench_engine.py --reps 1 --batches 1 \
+      --forms attn_decode=$f --dump-hlo $OUT/hlo_attn_$f \
+      --out $OUT/bench_engine_b1_$f.json 2>&1 | grep -e "^decode" -e Error | cut -c1-200
+    for h in $OUT/hlo_attn_$f/*; do echo "$h $(zgrep -c " copy(" $h) copies"; done
+  done
+  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8 \
+    --out $OUT/bench_engine_b32.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
+fi
+if want owed9b; then
+  timeout ${SWEEP_CAP:-200} python3 experiments/bench/moe_sweep.py --rows 1,8 --budget-s 170 \
+    --out $OUT/moe_sweep.json 2>&1 | grep -e best -e Error -e ready | cut -c1-400
+  timeout ${PROBE_CAP:-120} python3 experiments/bench/decode_probe.py \
+    --variants base,gdnlayer,gdnlayer+lbv128+lw8 --batches 32 --n_steps 16 --reps 5 \
+    --out $OUT/decode_probe_layer_b32.json 2>&1 | grep '"variant"' | cut -c1-160
+  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+    --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+fi
 # Session of 2026-12-04 (eighth), after attn_decode "auto" became "pallas_prologue" (run 43):
 #  call B, SECTIONS=s8model,s8engine1: the GPU model set on the new default, the Engine at batch 1;
 #  call C, SECTIONS=s8engine,s8probe: the Engine at batch 32 / 8 with the server leg, the GDN layer
