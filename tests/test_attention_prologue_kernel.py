@@ -54,8 +54,8 @@ def test_pow2_pieces_cover_a_range_in_powers_of_two():
 @pytest.mark.parametrize("shape", SHAPES, ids=[_id(s) for s in SHAPES])
 def test_prologue_kernel_gives_the_models_q_and_cache_writes(shape, dtype):
   """q to the dtype's rounding (the norm's sum and cos / sin round in their own order), the
-  caches: bit for bit in bf16 (on CPU), to fp32 rounding in fp32; an invalid row, a position past the
-  cache and the other layers are not written."""
+  caches: bit for bit in bf16 (on CPU), to fp32 rounding in fp32; an invalid row, a position
+  past the cache and the other layers are not written."""
   args = make_inputs(*shape, dtype=dtype, seed=sum(shape))
   kw = dict(n_rot=shape[4], rope_base=1e4, eps=1e-6)
   q, kc, vc = attention_decode_prologue(*args, jnp.int32(1), interpret=True, **kw)

@@ -20,8 +20,8 @@ ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
 F32, BF16 = jnp.float32, jnp.bfloat16
 # Bit-for-bit claims between two interpreted programs hold on CPU. XLA:GPU compiles the
-# interpreter's body and rounds the two programs' fp32 ops differently (run 41), so there they
-# are checked to fp32 rounding; `test_gpu_*` check the compiled kernel.
+# interpreter's body and rounds the two programs' ops differently (runs 41 and 42), so there
+# they are checked to the inputs' dtype rounding; `test_gpu_*` check the compiled kernel.
 INTERP_BITS = jax.default_backend() == "cpu"
 
 # (B, Hk, Hv, Dk, Dv, K): the tiny model's (Hk 2, Hv 4, Dk 16, Dv 8, 4 taps); r = 1 and 3;
