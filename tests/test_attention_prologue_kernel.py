@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from model_fixtures import decode_under_forms, random_lora
-from tolerances import ATTN_DECODE_REL_FP32, KERNEL_REL, assert_close
+from tolerances import ATTN_DECODE_REL_FP32, INTERP_BITS, KERNEL_REL, assert_close
 
 from pallas_kernels.attention import api
 from pallas_kernels.attention.prologue_kernel import attention_decode_prologue, pow2_pieces
@@ -17,9 +17,6 @@ from pallas_kernels.attention.reference import decode_prologue_reference
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
 F32, BF16 = jnp.float32, jnp.bfloat16
-# The caches' bits against the reference's hold under the interpreter on CPU; XLA:GPU compiles
-# the interpreter's body and rounds RoPE's products its own way (run 41: one bf16 step).
-INTERP_BITS = jax.default_backend() == "cpu"
 
 # (B, H, G, Hd, n_rot, S): the tiny model's (4 / 2 heads of 16, 8 rotated); every dim rotated;
 # a quarter rotated (bench-a3b's 64 of 256: the rest in two pieces); one kv head for 4.

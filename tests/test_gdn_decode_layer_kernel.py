@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from model_fixtures import decode_under_forms, random_lora
-from tolerances import GDN_LAYER_REL_FP32, KERNEL_REL, assert_close
+from tolerances import GDN_LAYER_REL_FP32, INTERP_BITS, KERNEL_REL, assert_close
 
 from pallas_kernels.gdn import api, reference
 from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused
@@ -19,10 +19,6 @@ from pallas_kernels.gdn.decode_layer_kernel import gdn_decode_layer
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
 F32, BF16 = jnp.float32, jnp.bfloat16
-# Bit-for-bit claims between two interpreted programs hold on CPU. XLA:GPU compiles the
-# interpreter's body and rounds the two programs' ops differently (runs 41 and 42), so there
-# they are checked to the inputs' dtype rounding; `test_gpu_*` check the compiled kernel.
-INTERP_BITS = jax.default_backend() == "cpu"
 
 # (B, Hk, Hv, Dk, Dv, K): the tiny model's (Hk 2, Hv 4, Dk 16, Dv 8, 4 taps); r = 1 and 3;
 # 2 and 3 taps; Dk != Dv both ways.

@@ -1,4 +1,5 @@
 """Tolerances, once, keyed by dtype. Never loosened in the change that makes a test pass."""
+import jax
 import numpy as np
 
 from strata_jax.testing import PARITY_LOGITS_ABS_FP32
@@ -58,3 +59,8 @@ ATTN_DECODE_REL_FP32 = 1e-5
 # three decode steps, max abs over max |want| (tests/test_gdn_decode_layer_kernel.py measured
 # 3.6e-6 on the tiny model).
 GDN_LAYER_REL_FP32 = 1e-5
+
+# Bit-for-bit claims between two interpreted Pallas programs hold on CPU, the interpreter's home.
+# XLA:GPU compiles the interpreter's body and rounds its ops its own way (runs 36, 41, 42), so
+# there such cases are held to the inputs' dtype rounding; compiled `gpu` cases keep their bits.
+INTERP_BITS = jax.default_backend() == "cpu"
