@@ -152,9 +152,12 @@ CHOICES: dict[str, tuple] = {
     # (`pallas_kernels/attention/prologue_kernel.py`; the same caches in bf16, q to the
     # norm's and the cos / sin's fp32 rounding). Not "auto": bench-a3b bf16 on the H200, its
     # plain decode program gains (3.844 against 3.875 ms a step at batch 1, 7.657 against 7.680
-    # at batch 32, run 43's decode_probe "attnpro" against "base"), but the Engine's sampling
-    # program loses 4.6 % at batch 1 (237.1 against 248.4 tok/s, the Engine 229.4 against
-    # 240.6: runs 45 and 46, bench_engine_b1*.json; cause not found).
+    # at batch 32, run 43's decode_probe "attnpro" against "base"), and that 0.8 % is below
+    # the Engine's run-to-run spread at batch 1: runs 45 / 46 saw its sampling program lose
+    # 4.6 % with the prologue (237.1 against 248.4 tok/s), run 47 saw it gain (238.3 against
+    # 236.7) with the plain program losing instead (228.7 against 249.2), and both programs'
+    # optimised HLO hold the same copies under either form (17 / 47: bench_engine_b1_*.json
+    # and hlo_attn_* in experiments/results/device/run47).
     "attn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_prologue",
                     "pallas_prologue_interpret"),
     # a layer's projections of one input (GDN qkv / gate / ba, attention q / k / v, the shared

@@ -55,9 +55,10 @@ def _row_state(eng, slot):
   return [np.asarray(k)[:, :n], np.asarray(v)[:, :n], np.asarray(conv), np.asarray(ssm)]
 
 
-@pytest.mark.parametrize("ranges", [[(0, 3), (3, 8)], [(0, 2), (2, 5), (5, 8)]],
-                         ids=["2-stages", "3-stages"])
-def test_split_sessions_are_v2_and_round_trip(model, tmp_path, ranges):
+def test_split_sessions_are_v2_and_round_trip(model, tmp_path):
+  """Three stages: a first, a middle and a last stage's states in one v2 file (a two-stage
+  case took 20 s more of the suite and has no state layout that three lack)."""
+  ranges = [(0, 2), (2, 5), (5, 8)]
   lora = random_lora(seed=4)
   prompt = list(range(30))
   straight = _engine(model, lora, ranges).generate(tokens=prompt, max_tokens=N + M)
@@ -72,8 +73,7 @@ def test_split_sessions_are_v2_and_round_trip(model, tmp_path, ranges):
   assert straight.tokens == _engine(model, lora).generate(tokens=prompt, max_tokens=N + M).tokens
   # another split, a v1-only reader, a different adapter: refused before any array is read
   with pytest.raises(sj.SessionError, match="stage"):
-    _engine(model, lora, [(0, 4), (4, 8)] if len(ranges) == 2 else [(0, 4), (4, 8)]).load_session(
-        0, tmp_path / "s")
+    _engine(model, lora, [(0, 4), (4, 8)]).load_session(0, tmp_path / "s")
   with pytest.raises(sj.SessionError, match="v2|version"):
     fresh.load_session(0, tmp_path / "s", supported_versions={1})
   with pytest.raises(sj.SessionError, match="fingerprint"):
