@@ -528,7 +528,7 @@ def _no_server_errors(case, fuzz_server):
 if schemathesis is not None:
   # Every route of the app's own OpenAPI schema: schema-conforming and violating bodies, path
   # and query values (the coverage phase adds boundary cases to the 30 random ones per route;
-  # 60 took 86 s of the suite on 2 cores, and derandomised, both draw the same kinds of case).
+  # 60 took 86 s of the suite on 2 cores).
   test_fuzz_no_server_errors = schemathesis.pytest.from_fixture("api_schema").parametrize()(
       settings(max_examples=30, deadline=None, derandomize=True, database=None,
                suppress_health_check=list(HealthCheck))(_no_server_errors))
