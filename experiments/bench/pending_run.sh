@@ -332,3 +332,15 @@ if want gdn; then
 fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
+# Owed to the next session (SECTIONS=owed10; ~7 min): the canonical benches on the defaults of
+# stop 42, which runs 47-50 measured only in parts: bench_model's decode at batch 1 / 8 / 32
+# (the roofline and LoRA entries of summary.json, last run 39; run 50's decode_probe put the
+# adapter's cost 1 point away from them), then the Engine at batch 1 with three reps (run 47's
+# batch-1 legs were one rep each, taken for the HLO).
+if want owed10; then
+  timeout ${MODEL_CAP:-200} python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
+  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
+    --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+fi
