@@ -330,8 +330,6 @@ if want gdn; then
     --profile --profile_batches 1,8,32 --skip chunked,layers,sweep,ffi --budget_s 120 \
     --out $OUT/gdn_probe_decode_profile.json 2>&1 | grep -e "^decode" -e "done" | cut -c1-300
 fi
-rm -rf $OUT/tmp
-echo "all done $(( $(date +%s) - t0 )) s"
 # Owed to the next session (SECTIONS=owed10; ~7 min): the canonical benches on the defaults of
 # stop 42, which runs 47-50 measured only in parts: bench_model's decode at batch 1 / 8 / 32
 # (the roofline and LoRA entries of summary.json, last run 39; run 50's decode_probe put the
@@ -344,3 +342,5 @@ if want owed10; then
   timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
     --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
 fi
+rm -rf $OUT/tmp
+echo "all done $(( $(date +%s) - t0 )) s"
