@@ -168,6 +168,16 @@ CHOICES: dict[str, tuple] = {
     # bf16 decode on the H200: 4.138 against 4.390 ms a step at batch 1, 7.624 against 7.987
     # at batch 32; experiments/results/device/decode_probe_multi_run33.json).
     "dense_launch": ("auto", "fused", "apart"),
+    # what follows a decode step's mixer output projection (ssm_out, attn_output) where the
+    # in-place dense kernels take its rows (`dense_weights="kernel"`): "xla" = XLA adds the
+    # projection's split sums, the residual and the next RMSNorm in its fusions, and the
+    # adapter's B h takes a finishing launch of its own (`gemv.lora_finish`; on the H200 3.2 us
+    # a call, a launch's floor: experiments/results/device/run50); "kernel" = one Pallas
+    # kernel does all of it in every path, no adapter, off and on
+    # (`pallas_kernels/quant/finish.py`), so the adapted step has the plain step's launches
+    # and an off row runs the plain step's instructions. The norm's sum then runs in the
+    # kernel's chunk order (fp32 rounding).
+    "proj_finish": ("auto", "xla", "kernel"),
 }
 
 
@@ -206,6 +216,7 @@ class Forms:
   dense_few: str = "auto"
   attn_decode: str = "auto"
   dense_launch: str = "auto"
+  proj_finish: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -244,6 +255,7 @@ class Forms:
         attn_decode=auto(self.attn_decode, "xla" if _dtype_name(compute_dtype) == "float32"
                          else "pallas", "xla"),
         dense_launch=auto(self.dense_launch, "fused", "fused"),
+        proj_finish=auto(self.proj_finish, "xla", "xla"),
         matmul_precision=precision)
 
   def check_backend(self, backend: str) -> Forms:

@@ -264,6 +264,53 @@ def test_dense_dot_lora_off_rows_are_the_bare_model_and_on_rows_as_close_to_fp32
     assert gap(got, bare) > 4 * gap(after, fp32), "the adapter's effect is lost in rounding"
 
 
+@pytest.mark.parametrize("dtype,switch", [(jnp.float32, (1,)), (jnp.bfloat16, (1, 0, 1))])
+def test_proj_finish_kernel_gives_the_adapted_step_the_bare_steps_launches_and_off_its_bits(
+    dtype, switch):
+  """`proj_finish="kernel"`: after each mixer's output projection one kernel adds the split
+  sums, the adapter's B h, the residual and the next norm, in every path. One fp32 row (the
+  in-place GEMV, A x in its launch) and three bf16 rows (dense_dot, the delta in its launch),
+  under `lora_branch="select"`: the adapted program launches as many kernels as the bare one
+  and no `lora_finish`; switched-off rows are the bare program's logits bit for bit; on rows
+  match the "xla" form (fp32: to summation order; bf16: no further from the fp32 model than
+  the "xla" form is, within a factor 2, as the dense_dot test above). On a GPU the kernels
+  are compiled."""
+  model = tiny_model(dtype=dtype)
+  lora = random_lora(rank=6, dtype=dtype).params
+  B, on = len(switch), np.asarray(switch) != 0
+  kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+  wide = lambda tree: jax.tree.map(lambda v: v.astype(jnp.float32), tree)
+
+  def run(finish, adapter, params=model.params, dtype=dtype, dense_weights="kernel"):
+    forms = Forms(dense_weights=dense_weights, quant_impl=kernels, lora_impl="xla",
+                  lora_branch="select", dense_few="dot", proj_finish=finish)
+    cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), dtype))
+    state = init_state(cfg, B, 64, dtype)
+    args = (jnp.asarray(switch, jnp.int32), jnp.ones(B, jnp.int32))
+    text = str(jax.make_jaxpr(steps.decode, static_argnums=0)(
+        cfg, params, adapter, state, jnp.full((B,), 5, jnp.int32), *args))
+    logits = []
+    for tok in (5, 9, 13):
+      out, state = jax.jit(steps.decode, static_argnums=0)(
+          cfg, params, adapter, state, jnp.full((B,), tok, jnp.int32), *args)
+      logits.append(np.asarray(out, np.float32))
+    return np.stack(logits, axis=1), text   # [B, steps, V]
+
+  bare, bare_text = run("kernel", None)
+  got, text = run("kernel", lora)
+  assert "proj_finish" in text and "lora_finish" not in text
+  assert text.count("pallas_call") == bare_text.count("pallas_call")
+  assert np.array_equal(got[~on], bare[~on]), "a switched-off row differs from no adapter"
+  xla, _ = run("xla", lora)
+  if dtype == jnp.float32:
+    assert_close(got[on], xla[on], rel=DENSE_GEMV_REL_FP32, what="kernel vs xla finish")
+  else:
+    fp32, _ = run("xla", wide(lora), wide(model.params), jnp.float32, "scan")
+    gap = lambda a, b: float(np.abs(a[on] - b[on]).max())
+    assert gap(got, fp32) <= 2 * gap(xla, fp32), (gap(got, fp32), gap(xla, fp32))
+  assert float(np.abs(got[on] - bare[on]).max()) > 0.1, "the adapter's effect is lost"
+
+
 def test_dense_launch_fused_is_the_apart_forms_decode_bit_for_bit():
   """`dense_launch="fused"`: a layer's projections of one input (GDN qkv / gate / ba,
   attention q / k / v, the shared expert's gate / up) run in one launch of the in-place

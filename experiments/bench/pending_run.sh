@@ -342,5 +342,21 @@ if want owed10; then
   timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
     --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
 fi
+# Session of 2026-12-04 (tenth), SECTIONS=pfin (~6 min): `proj_finish="kernel"` (one kernel
+# after each mixer's output projection: split sums, B h, residual, next norm) against the
+# default: its compiled kernel tests and the forms test, then decode_probe with no adapter,
+# on and off in both forms at batch 1 / 8 / 32, and kernel profiles at batch 1.
+if want pfin; then
+  JAX_PLATFORMS=cuda timeout ${TEST_CAP:-150} python3 -m pytest -p no:cacheprovider -W ignore \
+    -q -rfs -n 4 tests/test_finish_kernel.py tests/test_forms.py -k "finish or split" 2>&1 \
+    | tee $OUT/gpu_tests_finish.log | tail -3
+  for b in ${PFIN_BATCHES:-1 8 32}; do
+    prof=""; [ "$b" = 1 ] && prof="--profile pfin,pfin@on"
+    timeout ${PROBE_CAP:-150} python3 experiments/bench/decode_probe.py \
+      --variants base,base@on,base@off,pfin,pfin@on,pfin@off --batches $b --n_steps 16 \
+      --reps 5 $prof --out $OUT/decode_probe_pfin_b$b.json 2>&1 | grep '"variant"' | cut -c1-160
+  done
+  echo "pfin done $(( $(date +%s) - t0 )) s"
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.lora.kernel import dot_policy
-from pallas_kernels.quant import dense_dot, gemv
+from pallas_kernels.quant import dense_dot, finish, gemv
 from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, dense_lora_call, triton_params
 from pallas_kernels.quant.kernel import (
     ROWS_MAX,
@@ -357,6 +357,70 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
       x, _stack3(stack), jnp.asarray(index, jnp.int32), _stack3(a_stack), _stack3(b_stack),
       lidx, on.astype(jnp.int32), rank_scale, interpret=impl == "pallas_interpret",
       compiler_params=params, **tk)
+
+
+# A decode step's output projection, ended by one kernel (`Forms.proj_finish="kernel"`): the
+# product comes back as its split partial sums, and `finish_residual_norm` adds them, the
+# adapter's B h on rows that are on, the residual and the next RMSNorm in one launch.
+
+
+def dense_matmul_split(x, stack, index, *, implementation="auto", few="dot"):
+  """`dense_matmul`'s product as split partial sums [S, N, out] (fp32 when the kernel split
+  `in`; S = 1: the product itself in x's dtype): `gemv.sum_partials` of them, rounded to x's
+  dtype, is `dense_matmul`'s result bit for bit. Unlike `dense_matmul_parts`, x may be
+  16-bit: the sum is rounded once, where `dense_matmul` rounds it."""
+  if dense_kernel_rows(*x.shape, implementation):
+    return _dense_kernel(x, stack, index, resolve(implementation), None, partials=True)
+  if dense_dot_rows(x.shape[0], x.dtype, stack.dtype, implementation, few):
+    impl = resolve(implementation)
+    return dense_dot.dense_dot_call(x, _stack3(stack), index, partials=True,
+                                    interpret=impl == "pallas_interpret",
+                                    compiler_params=_kernel_params(impl, None)[1])
+  return dense_matmul(x, stack, index, implementation=implementation, few=few)[None]
+
+
+def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None,
+                            implementation="auto", few="dot", one_row="gemv"):
+  """`dense_matmul_lora` for `finish_residual_norm`: (partials [S, N, out], lora), where
+  `lora` is what the finishing kernel still adds, (hp, b_stack, lidx, on, rank_scale), or
+  None. The one-row GEMV leaves B h to it (its launch computes A x as R more rows, `gemv.
+  dense_lora_rows`): the step then has the no-adapter step's launches. dense_dot adds the
+  delta in its own launch, share by share, so its partials carry it already."""
+  n, d_in = x.shape
+  form = dense_lora_form(n, d_in, x.dtype, stack.dtype, implementation, few, one_row)
+  a_stack = _stack3(a if lora_index is not None else a[None])
+  b_stack = _stack3(b if lora_index is not None else b[None])
+  lidx = jnp.asarray(0 if lora_index is None else lora_index, jnp.int32)
+  impl = resolve(implementation)
+  params = _kernel_params(impl, None)[1]
+  if form == "gemv":
+    yp, hp = gemv.dense_lora_rows(x, _stack3(stack), jnp.asarray(index, jnp.int32), a_stack,
+                                  b_stack, lidx, on.astype(jnp.int32),
+                                  interpret=impl == "pallas_interpret", compiler_params=params)
+    return yp, (hp, b_stack, lidx, on.astype(jnp.int32), rank_scale)
+  if form == "dot":
+    return dense_dot.dense_dot_call(
+        x, _stack3(stack), index, lora=(a_stack, b_stack, lidx, on.astype(jnp.int32),
+                                        rank_scale),
+        partials=True, interpret=impl == "pallas_interpret", compiler_params=params), None
+  return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale,
+                              lora_index=lora_index)[None], None
+
+
+def finish_residual_norm(parts, res, norm_w, *, eps, lora=None, implementation="auto"):
+  """(x', h') [N, D] in res's dtype: x' = res + round(sum of the partials [S, N, D], plus
+  B h on rows that are on when `lora` is given), h' = RMSNorm(x') * norm_w (norm_w [D] with
+  GGUF's +1). One kernel launch (`finish.finish_call`; "xla": `finish.finish_reference`, the
+  same roundings) gives x' and its sums of squares by column tile, then one XLA pass the norm
+  (`finish.rms_norm_from_tiles`). lora: (hp [S', N, R] fp32, b_stack [L, D, R], lidx, on [N],
+  rank_scale [N, R] or None)."""
+  impl = resolve(implementation)
+  if impl == "xla":
+    xn, ss = finish.finish_reference(parts, res, lora=lora)
+  else:
+    xn, ss = finish.finish_call(parts, res, lora=lora, interpret=impl == "pallas_interpret",
+                                compiler_params=_kernel_params(impl, None)[1])
+  return xn, finish.rms_norm_from_tiles(xn, ss, norm_w, eps)
 
 
 def _lora_h(x, a, rank_scale=None):

@@ -176,13 +176,15 @@ def _program(refs, pid, *, t: Tiling):
 
 
 def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block_in=None,
-                   k_split=None, interpret=False, compiler_params=None):
+                   k_split=None, interpret=False, compiler_params=None, partials=False):
   """y = x @ stack[idx]^T for x [M, in] (16-bit, M <= ROWS_MAX) and a stack [S, out, in] of
   x's dtype, matrix idx ([1] or scalar int32, traced OK, clipped) read in place.
 
   lora: None, or (a_stack [L, R, in], b_stack [L, out, R], lidx int32, on [M] int32,
   rank_scale [M, R] or None): plus scale * B (A x) on the rows whose switch is on, with
-  A = a_stack[lidx] and B = b_stack[lidx] read in place (module docstring)."""
+  A = a_stack[lidx] and B = b_stack[lidx] read in place (module docstring).
+  partials: the split partial sums [k_split, M, out] unsummed (fp32 when split), for a
+  consumer kernel that adds them (`sum_partials`, then x's dtype: the result above)."""
   m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or stack.dtype != x.dtype or jnp.dtype(x.dtype) not in HALF:
@@ -228,6 +230,8 @@ def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block
       interpret=interpret, compiler_params=compiler_params,
       name="dense_dot_lora" if lora is not None else "dense_dot",
   )(*args)
+  if partials:
+    return y if ks > 1 else y[None]
   return sum_partials(y).astype(x.dtype) if ks > 1 else y
 
 

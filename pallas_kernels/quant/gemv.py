@@ -610,7 +610,22 @@ def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, 
   rank_scale [M, R] when given), with A = a_stack[lidx] [R, in] and B = b_stack[lidx]
   [out, R] read in place, like the weight: x [M, in] (one group), idx and lidx [1] int32,
   on [M] int32. Two launches: the GEMV with A's rows as extra programs (fp32 partials of
-  both, `lora_rows_call`), then `lora_finish`. Off rows are `dense_call`'s bits."""
+  both, `dense_lora_rows`), then `lora_finish`. Off rows are `dense_call`'s bits."""
+  if compiler_params is None and not interpret:
+    compiler_params = triton_params()
+  yp, hp = dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on, block_out=block_out,
+                           block_in=block_in, k_split=k_split, interpret=interpret,
+                           compiler_params=compiler_params)
+  return lora_finish(yp, hp, b_stack, lidx, on, rank_scale, out_dtype=x.dtype,
+                     block=finish_block, interpret=interpret, compiler_params=compiler_params)
+
+
+def dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on, *, block_out=None,
+                    block_in=None, k_split=None, interpret=False, compiler_params=None):
+  """`dense_lora_call`'s first launch: (yp [k_split, M, out], hp [k_split, M, R]) fp32 split
+  partial sums of x @ stack[idx]^T (`dense_call`'s tiling, so that `sum_partials` of yp,
+  rounded to x's dtype, is its result bit for bit) and of h = A x, for a kernel that
+  finishes them (`lora_finish`, `finish.finish_call`)."""
   m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or d_in % DENSE_UNIT:
@@ -624,18 +639,16 @@ def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, 
   units = d_in // DENSE_UNIT
   if compiler_params is None and not interpret:
     compiler_params = triton_params()
-  dt, cd = jnp.dtype(x.dtype), _dense_cd(x.dtype)
+  cd = _dense_cd(x.dtype)
   tw = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=d_out, block_out=bo,
               unroll=unroll, k_split=ks, out_tiles=pl.cdiv(d_out, bo), cd=cd, out_dtype=_F32)
   idx = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0, n_mats - 1)
   main_args = [idx, x.reshape(1, m, units, DENSE_UNIT),
                stack.reshape(n_mats, d_out, units, DENSE_UNIT)]
-  yp, hp = lora_rows_call(functools.partial(_program, t=tw), main_args, tw.out_tiles, x,
-                          a_stack, lidx, d_out=d_out, k_split=ks, block_out=bo,
-                          interpret=interpret, compiler_params=compiler_params,
-                          name="qgemv_dense_lora_rows")
-  return lora_finish(yp, hp, b_stack, lidx, on, rank_scale, out_dtype=dt, block=finish_block,
-                     interpret=interpret, compiler_params=compiler_params)
+  return lora_rows_call(functools.partial(_program, t=tw), main_args, tw.out_tiles, x,
+                        a_stack, lidx, d_out=d_out, k_split=ks, block_out=bo,
+                        interpret=interpret, compiler_params=compiler_params,
+                        name="qgemv_dense_lora_rows")
 
 
 def blocks_lora_call(x, planes, idx, a_stack, b_stack, lidx, on, rank_scale=None, *, qtype,

@@ -160,8 +160,50 @@ def dense_lora_in_kernel(gemv_lora, n_rows, d_in, x_dtype, w_dtype, implementati
       n_rows, d_in, x_dtype, w_dtype, implementation, few, _one_row(gemv_lora)) is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class Pending:
+  """A mixer's output projection not yet finished (`Forms.proj_finish="kernel"`): its split
+  partial sums [S, N, D] and what the finishing kernel still adds, the adapter's (hp, b_stack,
+  lidx, on, rank_scale) or None; `residual_norm` finishes it with the residual and the next
+  RMSNorm in one launch. Made inside the traced step; not a pytree."""
+  parts: object
+  lora: object
+  implementation: str
+
+
+def residual_norm(x, y, norm_w, eps):
+  """(x + y, rms_norm(x + y, norm_w)): the residual add after a mixer and the norm before the
+  MoE. A `Pending` y is finished by one kernel launch (`quant_api.finish_residual_norm`)."""
+  if not isinstance(y, Pending):
+    x = x + y
+    return x, rms_norm(x, norm_w, eps)
+  from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+  xn, hn = quant_api.finish_residual_norm(y.parts, x.reshape(-1, x.shape[-1]), norm_w,
+                                          eps=eps, lora=y.lora,
+                                          implementation=y.implementation)
+  return xn.reshape(x.shape), hn.reshape(x.shape)
+
+
+def _pending(x2, w, lora_a, lora_b, on, rank_scale, gemv_lora):
+  """A `Pending` of the projection x2 [N, in] @ w (a DRef), with the adapter's DRefs or
+  None, where an in-place dense kernel takes the N rows (`dense_lora_form`); else None."""
+  from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+  one_row = "gemv" if lora_a is None else _one_row(gemv_lora)
+  if quant_api.dense_lora_form(x2.shape[0], x2.shape[1], x2.dtype, w.w.dtype,
+                               w.implementation, w.few, one_row) is None:
+    return None
+  if lora_a is None:
+    parts = quant_api.dense_matmul_split(x2, w.w, w.index, implementation=w.implementation,
+                                         few=w.few)
+    return Pending(parts, None, w.implementation)
+  parts, lora = quant_api.dense_matmul_lora_split(
+      x2, w.w, w.index, lora_a.w, lora_b.w, on, rank_scale=rank_scale,
+      lora_index=lora_a.index, implementation=w.implementation, few=w.few, one_row=one_row)
+  return Pending(parts, lora, w.implementation)
+
+
 def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=None,
-                   gemv_lora="apart"):
+                   gemv_lora="apart", finish="xla"):
   """The mixer output projection with the LoRA hook.
 
   x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None, or DRefs of the adapter's
@@ -178,10 +220,22 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   With one row (B == 1: a prefill chunk, or a one-slot decode) the row's scales are folded
   into B's columns (one [D, R] multiply) and the plain kernel runs, so the large-N prefill
   keeps every kernel form; with several rows the kernel scales h = A x per row.
+
+  finish (`Forms.proj_finish`): "kernel" returns a `Pending` where an in-place dense kernel
+  takes the rows of a DRef `w` (with no adapter, or with the adapter's DRefs in a kernel:
+  `dense_lora_in_kernel`), for `residual_norm` to finish in one launch; else the result.
   """
+  B, T, _ = x.shape
+  if finish == "kernel" and isinstance(w, DRef) and (
+      lora_a is None or (isinstance(lora_a, DRef) and dense_lora_in_kernel(
+          gemv_lora, B * T, x.shape[-1], x.dtype, w.w.dtype, w.implementation, w.few))):
+    on = jnp.repeat(switch.astype(jnp.int32), T)
+    rank_scale = None if row_scale is None else jnp.repeat(row_scale, T, axis=0)
+    pending = _pending(x.reshape(B * T, -1), w, lora_a, lora_b, on, rank_scale, gemv_lora)
+    if pending is not None:
+      return pending
   if lora_a is None:
     return linear(x, w)
-  B, T, _ = x.shape
   if isinstance(lora_a, DRef):   # the adapter's stacks at the layer
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
     x2 = x.reshape(B * T, -1)

@@ -11,7 +11,8 @@ from pallas_kernels.gdn.api import in_place as gdn_in_place
 from pallas_kernels.quant.layout import QTensor
 from strata_jax.config import ATTN, GDN, ModelConfig
 from strata_jax.model.attention import attn_mixer
-from strata_jax.model.common import DRef, QRef, dense_lora_in_kernel, linear, rms_norm
+from strata_jax.model.common import (DRef, QRef, dense_lora_in_kernel, linear, residual_norm,
+                                     rms_norm)
 from strata_jax.model.gdn import gdn_mixer
 from strata_jax.model.moe import moe
 from strata_jax.params import QGroups
@@ -266,8 +267,8 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
           cut_out += at_cut
         conv_out.append(conv)
         gi += 1
-      x = x + y
-      h = rms_norm(x, post_norm[li], cfg.rms_eps).reshape(B * T, D)
+      x, h = residual_norm(x, y, post_norm[li], cfg.rms_eps)   # y may be `Pending`
+      h = h.reshape(B * T, D)
       x = x + moe(cfg, _layer(cfg, moe_p, moe_q, li, blk * period + li, moe_w), h, stacks,
                   blk * period + li, real=real,
                   form_tokens=B if keep_steps else None).reshape(B, T, D)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
 from strata_jax.model.attention import attn_mixer
-from strata_jax.model.common import QRef, linear, rms_norm
+from strata_jax.model.common import QRef, linear, residual_norm, rms_norm
 from strata_jax.model.forward import _is_q, _layer, _split_quant, embed
 from strata_jax.model.moe import moe
 
@@ -44,8 +44,8 @@ def mtp_forward(cfg: ModelConfig, params, tokens, hidden, k_cache, v_cache, pos,
   off = jnp.zeros((B,), jnp.int32)      # never adapted, whatever the row's switch
   y, k_cache, v_cache = attn_mixer(cfg, _layer(cfg, attn_d, attn_q, 0, 0), h, k_cache, v_cache,
                                    pos, n_new, None, None, off, kv_start=kv_start)
-  x = x + y
-  h = rms_norm(x, mp.post_norm[0], cfg.rms_eps).reshape(B * T, D)
+  x, h = residual_norm(x, y, mp.post_norm[0], cfg.rms_eps)
+  h = h.reshape(B * T, D)
   stacks = (mp.moe.gate_exps, mp.moe.up_exps, mp.moe.down_exps)
   x = x + moe(cfg, _layer(cfg, moe_d, moe_q, 0, 0), h, stacks, 0).reshape(B, T, D)
   w = params.lm_head

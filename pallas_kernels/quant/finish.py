@@ -1,0 +1,176 @@
+"""Pallas kernel: the end of a decode step's mixer, one launch after its output projection.
+
+    y    = round(sum_k yp[k])                     (the projection's split partial sums)
+    y    = round(sum_k yp[k] + s * B h)           on the rows whose adapter switch is on,
+           h = (sum_k hp[k]) * rank_scale          (A x, from the projection's own launch)
+    x'   = round(x + y)                           (the residual add)
+    ss_j = sum over tile j of x'^2                (fp32, per row and column tile)
+
+returns (x', ss). `rms_norm_from_tiles` then gives the next RMSNorm from x' and ss, adding the
+tiles' sums in index order (XLA fuses it into one elementwise pass).
+
+Why: XLA reads a GEMV's fp32 partials straight into the residual add and the norm's
+reduction, so a plain projection ends in those fusions, while an adapted one needs one more
+launch for B h (`gemv.lora_finish`, 3.2 us a call on the H200, a launch's floor;
+experiments/results/device/run50). With this kernel in every path (no adapter, off, on), it
+takes the place of XLA's reduction fusion: the adapted step has the plain step's launches,
+and its cost is B's reads. An off row runs the same instructions as a row of the no-adapter
+program (a select, never `+ 0 * d`), so it is that program's bits by construction.
+
+Grid: one program per tile of `block` columns, all rows in it (as `lora_finish`), so B's
+tile is read once per program. A first form (run 52) ran one program per row over the whole
+row, norm included: 5.2 us a call with no adapter against XLA's 2.9, and 48 with a rank-50
+B (its [512, 64] tiles spilled registers); the norm's sum across tiles is why the norm itself
+stays outside.
+
+Numerics: the jnp oracle is `finish_reference` (the same roundings; its sums of squares in
+XLA's order within a tile, so the two agree to fp32 summation order).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import sum_partials
+from pallas_kernels.quant.gemv import masked_load, masked_store, tile_mask, triton_params
+
+_F32 = jnp.float32
+_WHOLE = pl.BlockSpec()
+_HI = lax.Precision.HIGHEST
+
+
+class Finish(NamedTuple):
+  """Static description of one call."""
+  m: int
+  d: int
+  block: int
+  k_split: int
+  out_dtype: object
+  lora: bool = False
+  h_split: int = 0
+  rank: int = 0
+  rank_pad: int = 0
+  scaled: bool = False
+  scale: float = 1.0
+
+
+def _kernel(*refs, t: Finish):
+  yp_ref, res_ref, *rest = refs
+  if t.lora:
+    lidx_ref, on_ref, hp_ref, b_ref, *rest = rest
+    rs_ref, xo_ref, ss_ref = rest if t.scaled else (None, *rest)
+  else:
+    xo_ref, ss_ref = rest
+  j = pl.program_id(0)
+  bo, rp = t.block, t.rank_pad
+  c0 = j * bo
+  ok = (c0 + jnp.arange(bo)) < t.d if t.d % bo else None
+  if t.lora:
+    r_in = (jnp.arange(rp) < t.rank) if t.rank != rp else None
+    bt = masked_load(b_ref.at[lidx_ref[0], pl.ds(c0, bo), pl.ds(0, rp)],
+                     tile_mask(ok, r_in, bo, rp)).astype(_F32)  # [bo, Rp], once a program
+  for r in range(t.m):
+    ri = jnp.int32(r)   # static indices as int32 (the interpreter's indexers)
+    y = masked_load(yp_ref.at[jnp.int32(0), ri, pl.ds(c0, bo)], ok).astype(_F32)
+    for k in range(1, t.k_split):  # in index order, as `sum_partials`
+      y = y + masked_load(yp_ref.at[jnp.int32(k), ri, pl.ds(c0, bo)], ok).astype(_F32)
+    plain = y.astype(t.out_dtype)
+    if t.lora:
+      h = masked_load(hp_ref.at[jnp.int32(0), ri, pl.ds(0, rp)], r_in).astype(_F32)
+      for k in range(1, t.h_split):
+        h = h + masked_load(hp_ref.at[jnp.int32(k), ri, pl.ds(0, rp)], r_in).astype(_F32)
+      if t.scaled:
+        h = h * masked_load(rs_ref.at[ri, pl.ds(0, rp)], r_in).astype(_F32)
+      delta = jnp.sum(bt * h[None, :], axis=1)  # [bo]
+      if t.scale != 1.0:
+        delta = delta * t.scale
+      # A select, never y + 0 * delta: an off row keeps the plain projection's bits.
+      plain = jnp.where(on_ref[ri] != 0, (y + delta).astype(t.out_dtype), plain)
+    res = masked_load(res_ref.at[ri, pl.ds(c0, bo)], ok)
+    xn = (res.astype(_F32) + plain.astype(_F32)).astype(t.out_dtype)
+    masked_store(xo_ref.at[ri, pl.ds(c0, bo)], xn, ok)
+    xf = xn.astype(_F32)   # masked columns: 0 + 0
+    ss_ref.at[ri, pl.ds(j, 1)][...] = jnp.reshape(jnp.sum(xf * xf), (1,))
+
+
+def _block(d):
+  """Columns a program: 128 (16 programs over a 2,048-wide row), fewer for a narrower row."""
+  return min(128, pl.next_power_of_2(d))
+
+
+def finish_call(yp, res, *, lora=None, scale=1.0, block=None, interpret=False,
+                compiler_params=None):
+  """(x' [M, D] in res's dtype, ss [M, D / block] fp32) (module docstring). yp [S, M, D]:
+  the projection's split partial sums (fp32; S = 1 may be the product in res's dtype); res
+  [M, D]. lora: (hp [S', M, R] fp32 partial sums of A x, b_stack [L, D, R], lidx [1] int32,
+  on [M] int32, rank_scale [M, R] or None), B = b_stack[lidx] read in place."""
+  ks, m, d = yp.shape
+  if res.shape != (m, d):
+    raise ValueError(f"finish: partials {yp.shape} and residual {res.shape} must be "
+                     "[S, M, D] and [M, D]")
+  if compiler_params is None and not interpret:
+    compiler_params = triton_params()
+  t = Finish(m=m, d=d, block=block or _block(d), k_split=ks,
+             out_dtype=jnp.dtype(res.dtype))
+  args = [yp, res]
+  if lora is not None:
+    hp, b_stack, lidx, on, rank_scale = lora
+    n_ad, b_out, rank = b_stack.shape
+    if b_out != d or hp.shape[1:] != (m, rank) or on.shape != (m,):
+      raise ValueError(f"finish: B {b_stack.shape}, h {hp.shape} and on {on.shape} must be "
+                       f"[L, {d}, R], [S, {m}, R] and [{m}]")
+    t = t._replace(lora=True, h_split=hp.shape[0], rank=rank,
+                   rank_pad=max(1, pl.next_power_of_2(rank)),
+                   scaled=rank_scale is not None, scale=float(scale))
+    lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
+    args += [lidx, on.astype(jnp.int32), hp.astype(_F32), b_stack]
+    if rank_scale is not None:
+      args.append(rank_scale.astype(_F32))
+  n_tiles = pl.cdiv(d, t.block)
+  return pl.pallas_call(
+      functools.partial(_kernel, t=t), grid=(n_tiles,),
+      out_shape=(jax.ShapeDtypeStruct((m, d), res.dtype),
+                 jax.ShapeDtypeStruct((m, n_tiles), _F32)),
+      in_specs=[_WHOLE] * len(args), out_specs=(_WHOLE, _WHOLE),
+      interpret=interpret, compiler_params=compiler_params, name="proj_finish",
+  )(*args)
+
+
+def rms_norm_from_tiles(xn, ss, norm_w, eps):
+  """RMSNorm(x') * norm_w in x''s dtype from `finish_call`'s (x', ss): the tiles' sums added
+  in index order (a fixed order in every program, so equal inputs give equal bits), then the
+  model's `rms_norm` arithmetic (x' * rsqrt(mean + eps), times the weight, rounded)."""
+  total = ss[:, 0]
+  for j in range(1, ss.shape[1]):
+    total = total + ss[:, j]
+  xf = xn.astype(_F32)
+  inv = lax.rsqrt(total / xn.shape[-1] + eps)[:, None]
+  return ((xf * inv) * norm_w.astype(_F32)).astype(xn.dtype)
+
+
+def finish_reference(yp, res, *, lora=None, scale=1.0, block=None):
+  """`finish_call` in jnp: the same roundings, each tile's sum of squares in XLA's order."""
+  y = sum_partials(yp.astype(_F32))
+  plain = y.astype(res.dtype)
+  if lora is not None:
+    hp, b_stack, lidx, on, rank_scale = lora
+    b = lax.dynamic_index_in_dim(b_stack, jnp.reshape(lidx, ()), 0, False).astype(_F32)
+    h = sum_partials(hp.astype(_F32))
+    if rank_scale is not None:
+      h = h * rank_scale.astype(_F32)
+    delta = lax.dot_general(h, b, (((1,), (1,)), ((), ())), precision=_HI,
+                            preferred_element_type=_F32)
+    if scale != 1.0:
+      delta = delta * scale
+    plain = jnp.where((on != 0)[:, None], (y + delta).astype(res.dtype), plain)
+  xn = (res.astype(_F32) + plain.astype(_F32)).astype(res.dtype)
+  m, d = xn.shape
+  block = block or _block(d)
+  n_tiles = -(-d // block)
+  xf = jnp.pad(xn.astype(_F32), ((0, 0), (0, n_tiles * block - d)))
+  return xn, jnp.sum((xf * xf).reshape(m, n_tiles, block), axis=-1)
