@@ -48,6 +48,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
   assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
   assert (gpu.attn_decode, cpu.attn_decode) == ("pallas", "xla")   # measured: forms.py
+  assert (gpu.proj_finish, cpu.proj_finish) == ("gemv", "xla")     # measured: forms.py
   assert (gpu.dense_launch, cpu.dense_launch) == ("fused", "fused")   # the same numbers
   assert Forms().resolve("gpu", jnp.float32).attn_decode == "xla"   # forms.py says why
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
@@ -309,6 +310,24 @@ def test_proj_finish_kernel_gives_the_adapted_step_the_bare_steps_launches_and_o
     gap = lambda a, b: float(np.abs(a[on] - b[on]).max())
     assert gap(got, fp32) <= 2 * gap(xla, fp32), (gap(got, fp32), gap(xla, fp32))
   assert float(np.abs(got[on] - bare[on]).max()) > 0.1, "the adapter's effect is lost"
+
+
+def test_proj_finish_gemv_takes_the_kernel_for_one_row_and_xla_for_more():
+  """`proj_finish="gemv"` (the GPU's default): a one-row decode step ends each mixer in the
+  finishing kernel, a three-row step in XLA's fusions."""
+  model = tiny_model(dtype=jnp.bfloat16)
+  lora = random_lora(dtype=jnp.bfloat16).params
+  kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+  forms = Forms(dense_weights="kernel", quant_impl=kernels, proj_finish="gemv")
+  cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), jnp.bfloat16))
+
+  def text(rows):
+    return str(jax.make_jaxpr(steps.decode, static_argnums=0)(
+        cfg, model.params, lora, init_state(cfg, rows, 64, jnp.bfloat16),
+        jnp.full((rows,), 5, jnp.int32), jnp.ones(rows, jnp.int32), jnp.ones(rows, jnp.int32)))
+
+  assert "proj_finish" in text(1)
+  assert "proj_finish" not in text(3)
 
 
 def test_dense_launch_fused_is_the_apart_forms_decode_bit_for_bit():

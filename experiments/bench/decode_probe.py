@@ -66,6 +66,7 @@ FORM_VARIANTS = {
     "gdnlayer": {"gdn_decode": "pallas_layer"},   # a GDN layer's decode core in one launch
     "attnpro": {"attn_decode": "pallas_prologue"},   # attention's norms, RoPE, cache write
     "pfin": {"proj_finish": "kernel"},   # one kernel after each mixer's output projection
+    "xfin": {"proj_finish": "xla"},      # XLA's fusions after it (the default before run 54)
     "attnkernel": {"attn_decode": "pallas"},   # the decode kernel alone (base's GPU form)
     "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},

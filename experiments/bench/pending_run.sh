@@ -358,5 +358,20 @@ if want pfin; then
   done
   echo "pfin done $(( $(date +%s) - t0 )) s"
 fi
+# Then SECTIONS=pfin2 (~7 min): B h in the projection's launch and the kernel per column tile,
+# "auto" = "gemv" (the kernel at one row): its compiled kernel and forms tests, the GPU model
+# set on the new default, then decode_probe at batch 1 against "xla" (no adapter, on, off),
+# kernel profiles of the default.
+if want pfin2; then
+  JAX_PLATFORMS=cuda timeout ${TEST_CAP:-120} python3 -m pytest -p no:cacheprovider -W ignore \
+    -q -rfs -n 4 tests/test_finish_kernel.py tests/test_forms.py -k "finish or split" 2>&1 \
+    | tee $OUT/gpu_tests_finish.log | tail -3
+  GPU_SET=model CAP=${MODEL_TEST_CAP:-220} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  timeout ${PROBE_CAP:-150} python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,base@off,xfin,xfin@on,xfin@off --batches 1 --n_steps 16 \
+    --reps 5 --profile base,base@on --out $OUT/decode_probe_pfin2_b1.json 2>&1 \
+    | grep '"variant"' | cut -c1-160
+  echo "pfin2 done $(( $(date +%s) - t0 )) s"
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
