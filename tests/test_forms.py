@@ -161,14 +161,15 @@ def test_attn_decode_kernel_decodes_the_xla_forms_tokens_and_leaves_the_prompt_t
 
 def test_gemv_lora_rows_take_the_adapter_into_the_gemv_launch_and_apart_keeps_its_ops():
   """At one row with the in-place GEMV, `gemv_lora="rows"` computes the adapter in the
-  GEMV's launch and the finishing kernel: no LoRA dot and no slice of the adapter's stacks in
+  GEMV's launch and the LoRA finishing kernel (`proj_finish="xla"`): no LoRA dot and no slice of the adapter's stacks in
   the program; "apart" keeps the LoRA ops (h = A x, then B h) after the plain GEMV."""
   model = tiny_model()
   lora = random_lora(rank=5).params   # a rank no other dimension of TINY has
 
   def decode_jaxpr(gemv_lora):
     forms = Forms(dense_weights="kernel", quant_impl="pallas_interpret", lora_impl="xla",
-                  gemv_lora=gemv_lora).resolve(jax.default_backend(), jnp.float32)
+                  gemv_lora=gemv_lora, proj_finish="xla").resolve(jax.default_backend(),
+                                                                   jnp.float32)
     cfg = dataclasses.replace(TINY, forms=forms)
     return jax.make_jaxpr(lambda p, s: steps.decode(
         cfg, p, lora, s, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32),

@@ -382,11 +382,10 @@ def dense_matmul_split(x, stack, index, *, implementation="auto", few="dot"):
 def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None,
                             implementation="auto", few="dot", one_row="gemv"):
   """`dense_matmul_lora` for `finish_residual_norm`: (partials [S, N, out], lora), where
-  `lora` is what the finishing kernel still adds, (dp [S', N, out] B h's partials, on), or
-  None. The one-row GEMV's launch computes A x as R more rows, and those programs multiply
-  their tile of h by B's columns too (`gemv.dense_lora_rows(up=True)`): the step then has
-  the no-adapter step's launches. dense_dot adds the delta in its own launch, share by share,
-  so its partials carry it already."""
+  `lora` is what the finishing kernel still adds, (hp, b_stack, lidx, on, rank_scale), or
+  None. The one-row GEMV leaves B h to it (its launch computes A x as R more rows, `gemv.
+  dense_lora_rows`): the step then has the no-adapter step's launches. dense_dot adds the
+  delta in its own launch, share by share, so its partials carry it already."""
   n, d_in = x.shape
   form = dense_lora_form(n, d_in, x.dtype, stack.dtype, implementation, few, one_row)
   a_stack = _stack3(a if lora_index is not None else a[None])
@@ -395,11 +394,10 @@ def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_
   impl = resolve(implementation)
   params = _kernel_params(impl, None)[1]
   if form == "gemv":
-    yp, dp = gemv.dense_lora_rows(x, _stack3(stack), jnp.asarray(index, jnp.int32), a_stack,
-                                  b_stack, lidx, on.astype(jnp.int32), up=True,
-                                  rank_scale=rank_scale, interpret=impl == "pallas_interpret",
-                                  compiler_params=params)
-    return yp, (dp, on.astype(jnp.int32))
+    yp, hp = gemv.dense_lora_rows(x, _stack3(stack), jnp.asarray(index, jnp.int32), a_stack,
+                                  b_stack, lidx, on.astype(jnp.int32),
+                                  interpret=impl == "pallas_interpret", compiler_params=params)
+    return yp, (hp, b_stack, lidx, on.astype(jnp.int32), rank_scale)
   if form == "dot":
     return dense_dot.dense_dot_call(
         x, _stack3(stack), index, lora=(a_stack, b_stack, lidx, on.astype(jnp.int32),
@@ -414,7 +412,8 @@ def finish_residual_norm(parts, res, norm_w, *, eps, lora=None, implementation="
   B h on rows that are on when `lora` is given), h' = RMSNorm(x') * norm_w (norm_w [D] with
   GGUF's +1). One kernel launch (`finish.finish_call`; "xla": `finish.finish_reference`, the
   same roundings) gives x' and its sums of squares by column tile, then one XLA pass the norm
-  (`finish.rms_norm_from_tiles`). lora: (dp [S', N, D] fp32 partial sums of B h, on [N])."""
+  (`finish.rms_norm_from_tiles`). lora: (hp [S', N, R] fp32, b_stack [L, D, R], lidx, on [N],
+  rank_scale [N, R] or None)."""
   impl = resolve(implementation)
   if impl == "xla":
     xn, ss = finish.finish_reference(parts, res, lora=lora)

@@ -1,9 +1,8 @@
 """Pallas kernel: the end of a decode step's mixer, one launch after its output projection.
 
     y    = round(sum_k yp[k])                     (the projection's split partial sums)
-    y    = round(sum_k yp[k] + s * sum_k dp[k])   on the rows whose adapter switch is on
-                                                  (dp: B h's partials, from the projection's
-                                                  own launch, `gemv.lora_rows_call(up=)`)
+    y    = round(sum_k yp[k] + s * B h)           on the rows whose adapter switch is on,
+           h = (sum_k hp[k]) * rank_scale          (A x, from the projection's own launch)
     x'   = round(x + y)                           (the residual add)
     ss_j = sum over tile j of x'^2                (fp32, per row and column tile)
 
@@ -15,16 +14,18 @@ reduction, so a plain projection ends in those fusions, while an adapted one nee
 launch for B h (`gemv.lora_finish`, 3.2 us a call on the H200, a launch's floor;
 experiments/results/device/run50). With this kernel in every path (no adapter, off, on), it
 takes the place of XLA's reduction fusion: the adapted step has the plain step's launches,
-and its cost is the adapter's reads. An off row runs the same instructions as a row of the
+and its cost is B's reads. An off row runs the same instructions as a row of the
 no-adapter program (a select, never `+ 0 * d`), so it is that program's bits by construction.
 
-Grid: one program per tile of `block` columns, all rows in it (as `lora_finish`). Earlier
-forms, on the H200 at bench-a3b batch 1: one program per row over the whole row, norm
-included, took 5.2 us a call with no adapter against XLA's 2.9, and 48 with a rank-50 B (its
-[512, 64] tiles spilled registers; run 52); per column tile with B h here, 1.4 us with no
-adapter and 3.6 with it (run 53): B's tile waits on the layer index, a second round trip.
-So B h moved into the projection's launch, whose programs for A x multiply their tile of h
-by B's columns too; here it is one more set of partials read with the others.
+Grid: one program per tile of `block` columns, all rows in it (as `lora_finish`), so B's
+tile is read once per program. On the H200 at bench-a3b batch 1 it takes 1.4 us a call with
+no adapter and 3.6 with it (run 53: B's tile waits on the layer index, a second round trip).
+Two other forms measured slower (experiments/results/device/run52, run54): one program per
+row over the whole row, the norm included, 5.2 us with no adapter (XLA's fusion: 2.9) and 48
+with a rank-50 B (its [512, 64] tiles spilled registers); and B h moved into the projection's
+launch (A x's programs multiplying their tile of h by B's columns, this kernel adding those
+partials), which made the adapted step 4.18 ms against 3.96 with XLA's finish: those
+programs became the GEMV launch's tail.
 
 Numerics: the jnp oracle is `finish_reference` (the same roundings; its sums of squares in
 XLA's order within a tile, so the two agree to fp32 summation order).
@@ -40,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import sum_partials
-from pallas_kernels.quant.gemv import masked_load, masked_store, triton_params
+from pallas_kernels.quant.gemv import masked_load, masked_store, tile_mask, triton_params
 
 _F32 = jnp.float32
 _WHOLE = pl.BlockSpec()
@@ -54,26 +55,37 @@ class Finish(NamedTuple):
   k_split: int
   out_dtype: object
   lora: bool = False
-  d_split: int = 0
+  h_split: int = 0
+  rank: int = 0
+  rank_pad: int = 0
+  scaled: bool = False
   scale: float = 1.0
 
 
 def _kernel(*refs, t: Finish):
   yp_ref, res_ref, *rest = refs
   if t.lora:
-    on_ref, dp_ref, xo_ref, ss_ref = rest
+    lidx_ref, on_ref, hp_ref, b_ref, *rest = rest
+    rs_ref, xo_ref, ss_ref = rest if t.scaled else (None, *rest)
   else:
     xo_ref, ss_ref = rest
   j = pl.program_id(0)
-  bo = t.block
+  bo, rp = t.block, t.rank_pad
   c0 = j * bo
   ok = (c0 + jnp.arange(bo)) < t.d if t.d % bo else None
+  if t.lora:
+    r_in = (jnp.arange(rp) < t.rank) if t.rank != rp else None
+    bt = masked_load(b_ref.at[lidx_ref[0], pl.ds(c0, bo), pl.ds(0, rp)],
+                     tile_mask(ok, r_in, bo, rp)).astype(_F32)  # [bo, Rp], once a program
   for r in range(t.m):
     ri = jnp.int32(r)   # static indices as int32 (the interpreter's indexers)
     y = sum_ref_partials(yp_ref, t.k_split, ri, pl.ds(c0, bo), mask=ok)
     plain = y.astype(t.out_dtype)
     if t.lora:
-      delta = sum_ref_partials(dp_ref, t.d_split, ri, pl.ds(c0, bo), mask=ok)
+      h = sum_ref_partials(hp_ref, t.h_split, ri, pl.ds(0, rp), mask=r_in)
+      if t.scaled:
+        h = h * masked_load(rs_ref.at[ri, pl.ds(0, rp)], r_in).astype(_F32)
+      delta = jnp.sum(bt * h[None, :], axis=1)  # [bo]
       if t.scale != 1.0:
         delta = delta * t.scale
       # A select, never y + 0 * delta: an off row keeps the plain projection's bits.
@@ -102,8 +114,8 @@ def finish_call(yp, res, *, lora=None, scale=1.0, block=None, interpret=False,
                 compiler_params=None):
   """(x' [M, D] in res's dtype, ss [M, D / block] fp32) (module docstring). yp [S, M, D]:
   the projection's split partial sums (fp32; S = 1 may be the product in res's dtype); res
-  [M, D]. lora: (dp [S', M, D] fp32 partial sums of B h, on [M] int32): scale times their
-  sum is added on the rows that are on."""
+  [M, D]. lora: (hp [S', M, R] fp32 partial sums of A x, b_stack [L, D, R], lidx [1] int32,
+  on [M] int32, rank_scale [M, R] or None), B = b_stack[lidx] read in place."""
   ks, m, d = yp.shape
   if res.shape != (m, d):
     raise ValueError(f"finish: partials {yp.shape} and residual {res.shape} must be "
@@ -113,12 +125,18 @@ def finish_call(yp, res, *, lora=None, scale=1.0, block=None, interpret=False,
   t = Finish(m=m, d=d, block=block or _block(d), k_split=ks, out_dtype=jnp.dtype(res.dtype))
   args = [yp, res]
   if lora is not None:
-    dp, on = lora
-    if dp.shape[1:] != (m, d) or on.shape != (m,):
-      raise ValueError(f"finish: B h's partials {dp.shape} and on {on.shape} must be "
-                       f"[S, {m}, {d}] and [{m}]")
-    t = t._replace(lora=True, d_split=dp.shape[0], scale=float(scale))
-    args += [on.astype(jnp.int32), dp.astype(_F32)]
+    hp, b_stack, lidx, on, rank_scale = lora
+    n_ad, b_out, rank = b_stack.shape
+    if b_out != d or hp.shape[1:] != (m, rank) or on.shape != (m,):
+      raise ValueError(f"finish: B {b_stack.shape}, h {hp.shape} and on {on.shape} must be "
+                       f"[L, {d}, R], [S, {m}, R] and [{m}]")
+    t = t._replace(lora=True, h_split=hp.shape[0], rank=rank,
+                   rank_pad=max(1, pl.next_power_of_2(rank)),
+                   scaled=rank_scale is not None, scale=float(scale))
+    lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
+    args += [lidx, on.astype(jnp.int32), hp.astype(_F32), b_stack]
+    if rank_scale is not None:
+      args.append(rank_scale.astype(_F32))
   n_tiles = pl.cdiv(d, t.block)
   return pl.pallas_call(
       functools.partial(_kernel, t=t), grid=(n_tiles,),
@@ -146,8 +164,13 @@ def finish_reference(yp, res, *, lora=None, scale=1.0, block=None):
   y = sum_partials(yp.astype(_F32))
   plain = y.astype(res.dtype)
   if lora is not None:
-    dp, on = lora
-    delta = sum_partials(dp.astype(_F32))
+    hp, b_stack, lidx, on, rank_scale = lora
+    b = lax.dynamic_index_in_dim(b_stack, jnp.reshape(lidx, ()), 0, False).astype(_F32)
+    h = sum_partials(hp.astype(_F32))
+    if rank_scale is not None:
+      h = h * rank_scale.astype(_F32)
+    delta = lax.dot_general(h, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                            preferred_element_type=_F32)
     if scale != 1.0:
       delta = delta * scale
     plain = jnp.where((on != 0)[:, None], (y + delta).astype(res.dtype), plain)

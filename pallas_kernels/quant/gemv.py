@@ -167,9 +167,7 @@ def _kernel(*refs, t: Blocks):
     _program(refs, pid, g, t)
 
 
-def _program(refs, pid, g, t: Blocks, epilogue=None):
-  """Program `pid` (of group g): its tile's sums, stored to the last ref; with `epilogue`,
-  epilogue(accs, ks, j) takes them instead (the last ref then unused)."""
+def _program(refs, pid, g, t: Blocks):
   names = _PLANES[t.qtype]
   idx_ref, x_ref, *rest = refs
   planes = dict(zip(names, rest[:len(names)]))
@@ -243,9 +241,6 @@ def _program(refs, pid, g, t: Blocks, epilogue=None):
     return tuple(accs)
 
   accs = lax.fori_loop(0, n_steps, body, tuple(jnp.zeros((bo,), _F32) for _ in range(t.m)))
-  if epilogue is not None:
-    epilogue(accs, ks, j)
-    return
   if t.lora:
     accs = _lora_epilogue(accs, on_ref, h_ref, b_ref, ks, o0, o_ok, t)
   out = ks * t.groups + g
@@ -485,61 +480,18 @@ def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_pa
 # finish), where the plain projection with split sums is two as well (the GEMV and XLA's sum
 # of its partials) and the LoRA ops apart from the GEMV add the slices of A and B, the dots
 # and a select.
-def _lora_rows_kernel(*refs, n_main, main, main_tiles, ta, up=None):
+def _lora_rows_kernel(*refs, n_main, main, main_tiles, ta):
   """Grid (main_tiles + A's tiles) x k_split: `main(refs, pid, g)` (the weight's program,
   writing the first output) for the first main_tiles of each share of `in`, A's dense
-  program (the second output) for the rest. With `up` (an `Up`), A's program multiplies its
-  tile of h by B's matching columns too and writes that partial of B h instead."""
+  program (the second output) for the rest."""
   pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
   main_refs = list(refs[:n_main])
-  if up is None:
-    lidx_ref, xa_ref, a_ref, yp_ref, hp_ref = refs[n_main:]
-    epilogue = None
-  else:
-    lidx_ref, xa_ref, a_ref, b_ref, *rest = refs[n_main:]
-    rs_ref, yp_ref, hp_ref = rest if up.scaled else (None, *rest)
-    epilogue = functools.partial(_up_epilogue, lidx_ref=lidx_ref, b_ref=b_ref, rs_ref=rs_ref,
-                                 dp_ref=hp_ref, ta=ta, up=up)
+  lidx_ref, xa_ref, a_ref, yp_ref, hp_ref = refs[n_main:]
   tiles = main_tiles + ta.out_tiles
   ks, j = pid // tiles, pid % tiles
   pl.when(j < main_tiles)(lambda: main([*main_refs, yp_ref], ks * main_tiles + j, g))
   pl.when(j >= main_tiles)(lambda: _program(
-      [lidx_ref, xa_ref, a_ref, hp_ref], ks * ta.out_tiles + (j - main_tiles), g, ta,
-      epilogue=epilogue))
-
-
-class Up(NamedTuple):
-  """Static description of the up projection in A's programs (`lora_rows_call(up=)`)."""
-  d_out: int
-  chunk: int  # B's rows a step
-  scaled: bool
-
-
-def _up_epilogue(accs, ks, j, *, lidx_ref, b_ref, rs_ref, dp_ref, ta, up):
-  """A's program (share ks, rank tile j) holds h's rank rows o0.. of its share for every row:
-  writes B[:, tile] h_tile [out] per row to partial ks * tiles + j, one chunk of B's rows at
-  a time (B h is linear in h: the partials sum to B h)."""
-  bo, C = ta.block_out, up.chunk
-  o0 = j * bo
-  rank_ok = (o0 + jnp.arange(bo)) < ta.d_out if ta.d_out % bo else None
-  hs = list(accs)
-  if up.scaled:
-    hs = [h * masked_load(rs_ref.at[jnp.int32(r), pl.ds(o0, bo)], rank_ok).astype(_F32)
-          for r, h in enumerate(hs)]
-  lay = lidx_ref[0]
-  part = ks * ta.out_tiles + j
-
-  def chunk(c, carry):
-    c0 = c * C
-    c_ok = (c0 + jnp.arange(C)) < up.d_out if up.d_out % C else None
-    bt = masked_load(b_ref.at[lay, pl.ds(c0, C), pl.ds(o0, bo)],
-                     tile_mask(c_ok, rank_ok, C, bo)).astype(_F32)  # [C, bo]
-    for r, h in enumerate(hs):
-      masked_store(dp_ref.at[part, jnp.int32(r), pl.ds(c0, C)],
-                   jnp.sum(bt * h[None, :], axis=1), c_ok)
-    return carry
-
-  lax.fori_loop(0, pl.cdiv(up.d_out, C), chunk, 0)
+      [lidx_ref, xa_ref, a_ref, hp_ref], ks * ta.out_tiles + (j - main_tiles), g, ta))
 
 
 def _a_unroll(units, k_split, block_in=512):
@@ -552,14 +504,11 @@ def _a_unroll(units, k_split, block_in=512):
 
 
 def lora_rows_call(main, main_args, main_tiles, x, a_stack, lidx, *, d_out, k_split,
-                   block_out, interpret, compiler_params, name, up=None):
+                   block_out, interpret, compiler_params, name):
   """(yp [k_split, M, d_out], hp [k_split, M, R]) fp32 partial sums: `main` over
   `main_args` (the weight's program and inputs, its out_dtype fp32), and h = A x with A =
   a_stack[lidx] [R, in] read in place, both in one launch. x [M, in]: A's products are over
-  x and A rounded to x's 16-bit dtype when A has it too, else fp32 (`lora.kernel.dot_policy`).
-  up: (b_stack [L, d_out, R], rank_scale [M, R] or None): A's programs also multiply their
-  tile of h (times its rank scales) by B = b_stack[lidx]'s matching columns, and the second
-  result is dp [k_split * A's tiles, M, d_out], fp32 partials summing to B h."""
+  x and A rounded to x's 16-bit dtype when A has it too, else fp32 (`lora.kernel.dot_policy`)."""
   m, d_in = x.shape
   n_ad, rank, a_in = a_stack.shape
   if a_in != d_in or d_in % DENSE_UNIT:
@@ -577,24 +526,12 @@ def lora_rows_call(main, main_args, main_tiles, x, a_stack, lidx, *, d_out, k_sp
   lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
   args = [*main_args, lidx, x.reshape(1, m, units, DENSE_UNIT),
           a_stack.reshape(n_ad, rank, units, DENSE_UNIT)]
-  second = jax.ShapeDtypeStruct((k_split, m, rank), _F32)
-  up_t = None
-  if up is not None:
-    b_stack, rank_scale = up
-    if b_stack.shape != (n_ad, d_out, rank):
-      raise ValueError(f"lora rows: B {b_stack.shape} must be [{n_ad}, {d_out}, {rank}]")
-    # B's rows a step: a [C, bo] fp32 tile of at most 4,096 values (no register spills)
-    up_t = Up(d_out=d_out, chunk=min(max(16, 4096 // bo_a), pl.next_power_of_2(d_out)),
-              scaled=rank_scale is not None)
-    args.append(b_stack)
-    if rank_scale is not None:
-      args.append(rank_scale.astype(_F32))
-    second = jax.ShapeDtypeStruct((k_split * ta.out_tiles, m, d_out), _F32)
   return pl.pallas_call(
       functools.partial(_lora_rows_kernel, n_main=len(main_args), main=main,
-                        main_tiles=main_tiles, ta=ta, up=up_t),
+                        main_tiles=main_tiles, ta=ta),
       grid=((main_tiles + ta.out_tiles) * k_split, 1),
-      out_shape=(jax.ShapeDtypeStruct((k_split, m, d_out), _F32), second),
+      out_shape=(jax.ShapeDtypeStruct((k_split, m, d_out), _F32),
+                 jax.ShapeDtypeStruct((k_split, m, rank), _F32)),
       in_specs=[_WHOLE] * len(args), out_specs=(_WHOLE, _WHOLE),
       interpret=interpret, compiler_params=compiler_params, name=name,
   )(*args)
@@ -684,13 +621,11 @@ def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, 
 
 
 def dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on, *, block_out=None,
-                    block_in=None, k_split=None, interpret=False, compiler_params=None,
-                    up=False, rank_scale=None):
+                    block_in=None, k_split=None, interpret=False, compiler_params=None):
   """`dense_lora_call`'s first launch: (yp [k_split, M, out], hp [k_split, M, R]) fp32 split
   partial sums of x @ stack[idx]^T (`dense_call`'s tiling, so that `sum_partials` of yp,
-  rounded to x's dtype, is its result bit for bit) and of h = A x, for `lora_finish`.
-  up: B h's partials dp [S, M, out] (h times rank_scale [M, R] when given) in place of hp,
-  from the same launch (`lora_rows_call(up=)`), for `finish.finish_call`."""
+  rounded to x's dtype, is its result bit for bit) and of h = A x, for a kernel that
+  finishes them (`lora_finish`, `finish.finish_call`)."""
   m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or d_in % DENSE_UNIT:
@@ -713,8 +648,7 @@ def dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on, *, block_out=None
   return lora_rows_call(functools.partial(_program, t=tw), main_args, tw.out_tiles, x,
                         a_stack, lidx, d_out=d_out, k_split=ks, block_out=bo,
                         interpret=interpret, compiler_params=compiler_params,
-                        name="qgemv_dense_lora_rows",
-                        up=(b_stack, rank_scale) if up else None)
+                        name="qgemv_dense_lora_rows")
 
 
 def blocks_lora_call(x, planes, idx, a_stack, b_stack, lidx, on, rank_scale=None, *, qtype,
