@@ -373,5 +373,17 @@ if want pfin2; then
     | grep '"variant"' | cut -c1-160
   echo "pfin2 done $(( $(date +%s) - t0 )) s"
 fi
+# Owed to the next session (SECTIONS=owed11; ~9 min): the GPU model set on `proj_finish`
+# "auto" = "gemv" (made the default on run 53's device programs, with only its kernel and
+# forms tests compiled), then bench_model's decode (the roofline and LoRA entries) and the
+# Engine at batch 1 on it.
+if want owed11; then
+  GPU_SET=model CAP=${TEST_CAP:-230} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  timeout ${MODEL_CAP:-150} python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
+  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
+    --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
