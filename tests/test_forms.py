@@ -161,8 +161,9 @@ def test_attn_decode_kernel_decodes_the_xla_forms_tokens_and_leaves_the_prompt_t
 
 def test_gemv_lora_rows_take_the_adapter_into_the_gemv_launch_and_apart_keeps_its_ops():
   """At one row with the in-place GEMV, `gemv_lora="rows"` computes the adapter in the
-  GEMV's launch and the LoRA finishing kernel (`proj_finish="xla"`): no LoRA dot and no slice of the adapter's stacks in
-  the program; "apart" keeps the LoRA ops (h = A x, then B h) after the plain GEMV."""
+  GEMV's launch and the LoRA finishing kernel (`proj_finish="xla"`): no LoRA dot and no slice
+  of the adapter's stacks in the program; "apart" keeps the LoRA ops (h = A x, then B h) after
+  the plain GEMV."""
   model = tiny_model()
   lora = random_lora(rank=5).params   # a rank no other dimension of TINY has
 

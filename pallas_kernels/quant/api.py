@@ -359,7 +359,7 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
       compiler_params=params, **tk)
 
 
-# A decode step's output projection, ended by one kernel (`Forms.proj_finish="kernel"`): the
+# A decode step's output projection, ended by one kernel (`Forms.proj_finish`): the
 # product comes back as its split partial sums, and `finish_residual_norm` adds them, the
 # adapter's B h on rows that are on, the residual and the next RMSNorm in one launch.
 

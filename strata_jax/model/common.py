@@ -162,10 +162,10 @@ def dense_lora_in_kernel(gemv_lora, n_rows, d_in, x_dtype, w_dtype, implementati
 
 @dataclasses.dataclass(frozen=True)
 class Pending:
-  """A mixer's output projection not yet finished (`Forms.proj_finish="kernel"`): its split
-  partial sums [S, N, D] and what the finishing kernel still adds, the adapter's (hp, b_stack,
-  lidx, on, rank_scale) or None; `residual_norm` finishes it with the residual and the next
-  RMSNorm in one launch. Made inside the traced step; not a pytree."""
+  """A mixer's output projection not yet finished (`Forms.proj_finish` "kernel" / "gemv"): its
+  split partial sums [S, N, D] and what the finishing kernel still adds, the adapter's (hp,
+  b_stack, lidx, on, rank_scale) or None; `residual_norm` finishes it with the residual and
+  the next RMSNorm in one launch. Made inside the traced step; not a pytree."""
   parts: object
   lora: object
   implementation: str
