@@ -1,6 +1,7 @@
 """What every kernel file shares: the Triton lowering's import, its compiler parameters across
-JAX versions, the power-of-two tile check, the split GEMVs' partial sums in their one order
-(outside a kernel and inside one), and the compensated fp32 sum of tile products.
+JAX versions, the power-of-two tile check, the masked load, the split GEMVs' partial sums in
+their one order (outside a kernel and inside one), and the compensated fp32 sum of tile
+products.
 
 Every kernel here lowers through Pallas's Triton backend (`jax.experimental.pallas.triton`),
 deprecated in JAX 0.11; each kernel's README says why it still uses it. Without it (a future
@@ -48,12 +49,28 @@ def sum_partials(parts):
   return total
 
 
-def sum_ref_partials(ref, n_parts, *ix):
+def masked_load(view, mask):
+  """Load a ref view; where `mask` (None: everywhere) is false, 0."""
+  if mask is None:
+    return view[...]
+  zero = jnp.zeros((), view.dtype)
+  if pltriton is None:  # pragma: no cover - interpret-only fallback: the interpreter pads
+    return jnp.where(mask, view[...], zero)
+  return pltriton.load(view, mask=mask, other=zero)
+
+
+def sum_ref_partials(ref, n_parts, *ix, mask=None):
   """In a kernel: ref[s, *ix] for s < n_parts, in fp32, added in index order (`sum_partials`'
-  order, so a consumer kernel's sum of a GEMV's split partials is XLA's bit for bit)."""
-  total = ref[(jnp.int32(0), *ix)].astype(jnp.float32)
-  for s in range(1, n_parts):   # static indices as int32 (the interpreter's indexers)
-    total = total + ref[(jnp.int32(s), *ix)].astype(jnp.float32)
+  order, so a consumer kernel's sum of a GEMV's split partials is XLA's bit for bit); with
+  `mask`, each a `masked_load` (0 where it is false)."""
+  def load(s):   # static indices as int32 (the interpreter's indexers)
+    if mask is None:
+      return ref[(jnp.int32(s), *ix)].astype(jnp.float32)
+    return masked_load(ref.at[(jnp.int32(s), *ix)], mask).astype(jnp.float32)
+
+  total = load(0)
+  for s in range(1, n_parts):
+    total = total + load(s)
   return total
 
 

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._common import sum_partials
 from pallas_kernels.lora.kernel import dot_policy
 from pallas_kernels.quant import dense_dot, finish, gemv
-from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, dense_lora_call, triton_params
+from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, triton_params
 from pallas_kernels.quant.kernel import (
     ROWS_MAX,
     epilogue_outside,
@@ -324,39 +325,25 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
   launch: each program adds B times its own share's h = A x to its output tile.
 
   a: [R, in] and b: [out, R]; or, with `lora_index` (int32, traced OK), stacks [..., R, in]
-  and [..., out, R] whose pair `lora_index` is read in place, as the weight. The kernel
-  (`gemv.dense_lora_call`) computes h = A x as R more rows of the GEMV's launch, then one
-  finishing kernel sums the split partials, adds B h (h times rank_scale [N, R] when given)
-  on the rows whose switch is on and rounds once: a decode step's adapted projection is two
-  launches, with no slice of A or B copied. Rows with on == 0 are `dense_matmul`'s bit for
-  bit. on: [N] int32 / bool; tiles ({block_out, block_in, k_split, finish_block, num_warps,
-  num_stages}), rows_max: as `dense_matmul`."""
-  n, d_in = x.shape
-  d_out = stack.shape[-2]
-  a_stack = a if lora_index is not None else a[None]
-  b_stack = b if lora_index is not None else b[None]
-  if (a_stack.ndim < 3 or a_stack.shape[-1] != d_in
-      or b_stack.shape[-2:] != (d_out, a_stack.shape[-2])
-      or b_stack.shape[:-2] != a_stack.shape[:-2] or on.shape != (n,)):
-    raise ValueError(f"dense lora: a {a.shape}, b {b.shape}, on {on.shape} must be "
-                     f"[R, {d_in}], [{d_out}, R], [{n}] (stacks of them with lora_index)")
-  form = dense_lora_form(n, d_in, x.dtype, stack.dtype, implementation, few, one_row, rows_max)
-  if form is None:
-    return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale,
-                                lora_index=lora_index)
-  impl = resolve(implementation)
-  tk, params = _kernel_params(impl, tiles)
-  lidx = jnp.asarray(0 if lora_index is None else lora_index, jnp.int32)
-  if form == "dot":
-    tk.pop("finish_block", None)
-    return dense_dot.dense_dot_call(
-        x, _stack3(stack), index, lora=(_stack3(a_stack), _stack3(b_stack), lidx,
-                                        on.astype(jnp.int32), rank_scale),
-        interpret=impl == "pallas_interpret", compiler_params=params, **tk)
-  return dense_lora_call(
-      x, _stack3(stack), jnp.asarray(index, jnp.int32), _stack3(a_stack), _stack3(b_stack),
-      lidx, on.astype(jnp.int32), rank_scale, interpret=impl == "pallas_interpret",
-      compiler_params=params, **tk)
+  and [..., out, R] whose pair `lora_index` is read in place, as the weight. The GEMV
+  computes h = A x as R more rows of its launch (`gemv.dense_lora_rows`), then one finishing
+  kernel (`gemv.lora_finish`) sums the split partials, adds B h (h times rank_scale [N, R]
+  when given) on the rows whose switch is on and rounds once: a decode step's adapted
+  projection is two launches, with no slice of A or B copied. Rows with on == 0 are
+  `dense_matmul`'s bit for bit. on: [N] int32 / bool; tiles ({block_out, block_in, k_split,
+  finish_block, num_warps, num_stages}), rows_max: as `dense_matmul`."""
+  parts, lora = dense_matmul_lora_split(x, stack, index, a, b, on, rank_scale=rank_scale,
+                                        lora_index=lora_index, implementation=implementation,
+                                        tiles=tiles, rows_max=rows_max, few=few,
+                                        one_row=one_row)
+  if lora is not None:   # the GEMV's rows: B h, the select and the sums in one more launch
+    impl = resolve(implementation)
+    hp, b_stack, lidx, on, rank_scale = lora
+    return gemv.lora_finish(parts, hp, b_stack, lidx, on, rank_scale, out_dtype=x.dtype,
+                            block=(tiles or {}).get("finish_block"),
+                            interpret=impl == "pallas_interpret",
+                            compiler_params=_kernel_params(impl, tiles)[1])
+  return sum_partials(parts).astype(x.dtype) if parts.shape[0] > 1 else parts[0]
 
 
 # A decode step's output projection, ended by one kernel (`Forms.proj_finish`): the
@@ -380,31 +367,41 @@ def dense_matmul_split(x, stack, index, *, implementation="auto", few="dot"):
 
 
 def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None,
-                            implementation="auto", few="dot", one_row="gemv"):
-  """`dense_matmul_lora` for `finish_residual_norm`: (partials [S, N, out], lora), where
-  `lora` is what the finishing kernel still adds, (hp, b_stack, lidx, on, rank_scale), or
-  None. The one-row GEMV leaves B h to it (its launch computes A x as R more rows, `gemv.
-  dense_lora_rows`): the step then has the no-adapter step's launches. dense_dot adds the
-  delta in its own launch, share by share, so its partials carry it already."""
+                            implementation="auto", tiles=None, rows_max=None, few="dot",
+                            one_row="gemv"):
+  """`dense_matmul_lora` as (partials [S, N, out], lora), where `lora` is what a finishing
+  kernel still adds, (hp, b_stack, lidx, on, rank_scale), or None (the partials sum to the
+  result, rounded to x's dtype). The one-row GEMV leaves B h to it (its launch computes A x
+  as R more rows, `gemv.dense_lora_rows`): `gemv.lora_finish`, or `finish_residual_norm`,
+  which gives the step the no-adapter step's launches. dense_dot adds the delta in its own
+  launch, share by share, so its partials carry it already. Arguments: `dense_matmul_lora`'s
+  (tiles' finish_block is the finishing kernel's, not read here)."""
   n, d_in = x.shape
-  form = dense_lora_form(n, d_in, x.dtype, stack.dtype, implementation, few, one_row)
-  a_stack = _stack3(a if lora_index is not None else a[None])
-  b_stack = _stack3(b if lora_index is not None else b[None])
+  d_out = stack.shape[-2]
+  a_stack = a if lora_index is not None else a[None]
+  b_stack = b if lora_index is not None else b[None]
+  if (a_stack.ndim < 3 or a_stack.shape[-1] != d_in
+      or b_stack.shape[-2:] != (d_out, a_stack.shape[-2])
+      or b_stack.shape[:-2] != a_stack.shape[:-2] or on.shape != (n,)):
+    raise ValueError(f"dense lora: a {a.shape}, b {b.shape}, on {on.shape} must be "
+                     f"[R, {d_in}], [{d_out}, R], [{n}] (stacks of them with lora_index)")
+  form = dense_lora_form(n, d_in, x.dtype, stack.dtype, implementation, few, one_row, rows_max)
+  if form is None:
+    return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale,
+                                lora_index=lora_index)[None], None
+  a_stack, b_stack = _stack3(a_stack), _stack3(b_stack)
   lidx = jnp.asarray(0 if lora_index is None else lora_index, jnp.int32)
+  on = on.astype(jnp.int32)
   impl = resolve(implementation)
-  params = _kernel_params(impl, None)[1]
+  tk, params = _kernel_params(impl, tiles)
+  tk.pop("finish_block", None)
+  kw = dict(interpret=impl == "pallas_interpret", compiler_params=params, **tk)
   if form == "gemv":
     yp, hp = gemv.dense_lora_rows(x, _stack3(stack), jnp.asarray(index, jnp.int32), a_stack,
-                                  b_stack, lidx, on.astype(jnp.int32),
-                                  interpret=impl == "pallas_interpret", compiler_params=params)
-    return yp, (hp, b_stack, lidx, on.astype(jnp.int32), rank_scale)
-  if form == "dot":
-    return dense_dot.dense_dot_call(
-        x, _stack3(stack), index, lora=(a_stack, b_stack, lidx, on.astype(jnp.int32),
-                                        rank_scale),
-        partials=True, interpret=impl == "pallas_interpret", compiler_params=params), None
-  return dense_lora_reference(x, stack, index, a, b, on, rank_scale=rank_scale,
-                              lora_index=lora_index)[None], None
+                                  b_stack, lidx, on, **kw)
+    return yp, (hp, b_stack, lidx, on, rank_scale)
+  return dense_dot.dense_dot_call(x, _stack3(stack), index, partials=True,
+                                  lora=(a_stack, b_stack, lidx, on, rank_scale), **kw), None
 
 
 def finish_residual_norm(parts, res, norm_w, *, eps, lora=None, implementation="auto"):

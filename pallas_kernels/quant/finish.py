@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import sum_partials
-from pallas_kernels.quant.gemv import masked_load, masked_store, tile_mask, triton_params
+from pallas_kernels._common import masked_load, sum_partials, sum_ref_partials
+from pallas_kernels.quant.gemv import masked_store, tile_mask, triton_params
 
 _F32 = jnp.float32
 _WHOLE = pl.BlockSpec()
@@ -97,14 +97,6 @@ def _kernel(*refs, t: Finish):
     ss_ref.at[ri, pl.ds(j, 1)][...] = jnp.reshape(jnp.sum(xf * xf), (1,))
 
 
-def sum_ref_partials(ref, n, ri, cols, mask):
-  """ref[k, ri, cols] for k < n in fp32, added in index order (`sum_partials`'), masked."""
-  total = masked_load(ref.at[jnp.int32(0), ri, cols], mask).astype(_F32)
-  for k in range(1, n):
-    total = total + masked_load(ref.at[jnp.int32(k), ri, cols], mask).astype(_F32)
-  return total
-
-
 def _block(d):
   """Columns a program: 128 (16 programs over a 2,048-wide row), fewer for a narrower row."""
   return min(128, pl.next_power_of_2(d))
@@ -151,11 +143,8 @@ def rms_norm_from_tiles(xn, ss, norm_w, eps):
   """RMSNorm(x') * norm_w in x''s dtype from `finish_call`'s (x', ss): the tiles' sums added
   in index order (a fixed order in every program, so equal inputs give equal bits), then the
   model's `rms_norm` arithmetic (x' * rsqrt(mean + eps), times the weight, rounded)."""
-  total = ss[:, 0]
-  for j in range(1, ss.shape[1]):
-    total = total + ss[:, j]
   xf = xn.astype(_F32)
-  inv = lax.rsqrt(total / xn.shape[-1] + eps)[:, None]
+  inv = lax.rsqrt(sum_partials(ss.T) / xn.shape[-1] + eps)[:, None]
   return ((xf * inv) * norm_w.astype(_F32)).astype(xn.dtype)
 
 

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import sum_partials  # noqa: F401 (the GEMV's, re-exported)
+from pallas_kernels._common import masked_load, sum_partials  # noqa: F401 (re-exported)
 from pallas_kernels.lora.kernel import dot_policy
 from pallas_kernels.quant.layout import BLOCK, PLANES
 from pallas_kernels.quant.multi import Part, launch
@@ -115,16 +115,6 @@ def plane_views(planes, qtype, units):
   """{name: [S, out, cols]} -> the N-D views the kernel indexes (free reshapes)."""
   return {name: p.reshape(p.shape[0], p.shape[1], units, *UNIT_VIEW[qtype][name])
           for name, p in planes.items()}
-
-
-def masked_load(view, mask):
-  """Load a ref view; where `mask` (None: everywhere) is false, 0."""
-  if mask is None:
-    return view[...]
-  zero = jnp.zeros((), view.dtype)
-  if pltriton is None:  # pragma: no cover - interpret-only fallback: the interpreter pads
-    return jnp.where(mask, view[...], zero)
-  return pltriton.load(view, mask=mask, other=zero)
 
 
 def masked_store(view, val, mask):

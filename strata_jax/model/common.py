@@ -222,14 +222,13 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   keeps every kernel form; with several rows the kernel scales h = A x per row.
 
   finish (`Forms.proj_finish`): "kernel" returns a `Pending` where an in-place dense kernel
-  takes the rows of a DRef `w` (with no adapter, or with the adapter's DRefs in a kernel:
-  `dense_lora_in_kernel`), for `residual_norm` to finish in one launch ("gemv": for one row
-  only); else the result.
+  takes the rows of a DRef `w` (with no adapter, or with the adapter's DRefs, which
+  `forward.run_layers` passes only where a kernel takes the rows: `dense_lora_in_kernel`),
+  for `residual_norm` to finish in one launch ("gemv": for one row only); else the result.
   """
   B, T, _ = x.shape
-  if (finish == "kernel" or (finish == "gemv" and B * T == 1)) and isinstance(w, DRef) and (
-      lora_a is None or (isinstance(lora_a, DRef) and dense_lora_in_kernel(
-          gemv_lora, B * T, x.shape[-1], x.dtype, w.w.dtype, w.implementation, w.few))):
+  if ((finish == "kernel" or (finish == "gemv" and B * T == 1)) and isinstance(w, DRef)
+      and (lora_a is None or isinstance(lora_a, DRef))):
     on = jnp.repeat(switch.astype(jnp.int32), T)
     rank_scale = None if row_scale is None else jnp.repeat(row_scale, T, axis=0)
     pending = _pending(x.reshape(B * T, -1), w, lora_a, lora_b, on, rank_scale, gemv_lora)
