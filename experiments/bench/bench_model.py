@@ -2,7 +2,9 @@
 
 Model: bench-a3b (common.BENCH_A3B: 48 layers, attention every 4th, 64 experts top-10),
 random bf16 weights drawn on the device. Adapter: rank 50 on ssm_out and attn_output of all
-48 layers. Three adapter states, two compiled programs per shape:
+48 layers, in the layout an Engine places (`--lora_layout engine`: the rank zero-padded to 64
+and a per-row scale table, as `AdapterTable`; runs before 56 measured `raw`, rank 50 and no
+table, a layout no user path runs). Three adapter states, two compiled programs per shape:
   none  lora=None                        (the program without the hook)
   off   LoraParams loaded, switch zeros  (same program as `on`: the switch is data)
   on    LoraParams loaded, switch ones
@@ -44,6 +46,9 @@ flags.DEFINE_integer("lora_tokens", 300, "prefill length of the LoRA-cost measur
 flags.DEFINE_integer("prefill_reps", 5, "timed rounds per prefill variant")
 flags.DEFINE_integer("compile_threads", 6, "programs compiled at once")
 flags.DEFINE_bool("single_step", True, "also time decode stepped from Python (batch 1)")
+flags.DEFINE_enum("lora_layout", "engine", ["engine", "raw"],
+                  "the adapter's device layout: an Engine's (rank padded to 64, per-row table) "
+                  "or the bare rank-50 LoraParams (runs before 56)")
 flags.DEFINE_string("lora_impl", "", "Forms.lora_impl for the adapter programs ('' = default)")
 flags.DEFINE_string("lora_alt_impl", "xla", "a second LoRA implementation (or a forms spec "
                     "NAME=VALUE,..., e.g. gemv_lora=rows) timed beside "
@@ -95,10 +100,11 @@ class Bench:
                            matmul_TFLOPs=self.ceil["flops"] / 1e12,
                            source=self.ceil["source"])
     res["geometry"] = dict(geom, layer_types=cfg.layer_types, lora_rank=common.LORA_RANK,
-                           dtype="bfloat16")
+                           lora_layout=F.lora_layout, dtype="bfloat16")
     t0 = common.now()
     self.params = common.device_params(cfg, self.dtype)
-    self.lora = common.device_lora(cfg, common.LORA_RANK, self.dtype)
+    make = common.engine_lora if F.lora_layout == "engine" else common.device_lora
+    self.lora = make(cfg, common.LORA_RANK, self.dtype)
     wb = common.weight_bytes(cfg)
     res["model"] = dict(params=common.param_count(cfg), init_s=common.now() - t0,
                         active_bytes_per_token=common.decode_step_bytes(cfg, 1, 0)["weights"],

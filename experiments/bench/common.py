@@ -111,6 +111,24 @@ def device_lora(cfg, rank: int, dtype, seed: int = 1, std: float = 0.02):
   return lora
 
 
+def engine_lora(cfg, rank: int, dtype, rows: int = 2, seed: int = 1):
+  """`device_lora` in the layout an Engine places (its `AdapterTable`): the rank zero-padded to
+  a multiple of 64 and a per-row scale table [rows, R] (row 0 off, the others the adapter at
+  scale 1), so a switch of 1 runs what an Engine's request with the adapter runs."""
+  import jax
+
+  from strata_jax.engine.adapters import AdapterTable
+  from strata_jax.params import LoraSet
+  ls = LoraSet(params=device_lora(cfg, rank, dtype, seed=seed), files=(f"<random rank {rank}>",),
+               ignored=(), rank_total=rank, adapter_id=0xBE7C)
+  table = AdapterTable(cfg, dtype, rows, adapters=[ls])
+  for row in range(1, rows):
+    table.set_row(row, table.default_choice())
+  lora = table.params()
+  jax.block_until_ready(lora)
+  return lora
+
+
 # ---------------------------------------------------------------------------------------------
 # Byte and FLOP counts (bf16 weights unless itemsize says otherwise).
 

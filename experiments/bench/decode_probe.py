@@ -25,6 +25,7 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             the in-place tensor-core kernel (Forms.dense_few)
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
             the Pallas kernels that dequantise in place (Forms.quant_impl)
+  fin64/fin32  proj_finish's kernel on 64 / 32 columns a program (128 by default)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
   cond      adapter programs branch (lax.cond) to the no-adapter layers when every switch is off
   fastgdn   prefill's chunked delta rule from `chunked.py` (products, default precision)
@@ -32,7 +33,9 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   moekernel many-token MoE by the grouped Pallas kernel (STRATA_MOE_MANY=pallas)
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead.
   Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
-  name ends in '@on' / '@off', with the adapter loaded and switched on / off.
+  name ends in '@on' / '@off', with the adapter loaded and switched on / off: rank 50 in the
+  layout an Engine places (rank padded to 64, a per-row scale table). '@rawon' / '@rawoff'
+  load it bare (rank 50, no table), the layout runs before 56 measured.
 
   python experiments/bench/decode_probe.py --variants base,bf16dot --out probe.json
 
@@ -97,6 +100,10 @@ def variant_cfg(cfg, variant: str):
   return dataclasses.replace(cfg, forms=dataclasses.replace(cfg.forms, **changes))
 
 
+def pl_next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
 def patch(variant: str):
   """Apply a variant's switches to the model modules; returns an undo function."""
   import functools
@@ -132,6 +139,10 @@ def patch(variant: str):
       from pallas_kernels.quant import kernel as qk
       setattr_undo(qk, "default_form",
                    lambda m, lora="none": "rows" if m <= qk.ROWS_MAX else "dot")
+    elif part in ("fin64", "fin32"):   # proj_finish's column tile (128 columns a program)
+      from pallas_kernels.quant import finish
+      cols = int(part[3:])
+      setattr_undo(finish, "_block", lambda d, cols=cols: min(cols, pl_next_pow2(d)))
     elif part == "widesteps":   # the dense GEMV's tiling before MIN_STEP_COLS (512 columns a step)
       from pallas_kernels.quant import gemv
       setattr_undo(gemv, "MIN_STEP_COLS", 512)
@@ -194,7 +205,10 @@ def main():
     import dataclasses
     cfg = dataclasses.replace(cfg, forms=cfg.forms.resolve(jax.default_backend(), dtype))
     params = common.device_params(cfg, dtype)
-  lora = common.device_lora(cfg, common.LORA_RANK, dtype)
+  loras = {"": None, "on": common.engine_lora(cfg, common.LORA_RANK, dtype)}
+  loras["off"] = loras["on"]
+  loras["rawon"] = loras["rawoff"] = common.device_lora(cfg, common.LORA_RANK, dtype)
+  lora = loras["on"]
   print(f"params {time.perf_counter() - t0:.1f}s", flush=True)
   res = dict(tag=args.tag, xla_flags=os.environ.get("XLA_FLAGS", ""), device=str(jax.devices()[0]),
              jax=jax.__version__, max_seq=args.max_seq, results=[])
@@ -207,7 +221,7 @@ def main():
   for B in (int(b) for b in args.batches.split(",")):
     for variant in args.variants.split(","):
       name, _, lstate = variant.partition("@")   # "@on" / "@off": adapter loaded
-      on = lstate == "on"
+      on = lstate in ("on", "rawon")
       undo = patch(name)
       jax.clear_caches()   # the monkeypatched variants change code jit cannot see
       vcfg = variant_cfg(cfg, name)
@@ -216,7 +230,7 @@ def main():
         toks = jnp.zeros((B,), jnp.int32)
         sw = jnp.full((B,), 1 if on else 0, jnp.int32)
         act = jnp.ones((B,), jnp.int32)
-        lp = lora if lstate else None
+        lp = loras[lstate]
         t = time.perf_counter()
         lowered = steps.decode_greedy.lower(vcfg, params, lp, state, toks, sw, act,
                                             n_steps=args.n_steps)

@@ -385,5 +385,24 @@ if want owed11; then
   timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
     --out $OUT/bench_engine_b1.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
 fi
+# Session of 2026-12-04 (eleventh), SECTIONS=s11 (~8 min): the adapter in the layout an Engine
+# places (rank 50 padded to 64, a per-row scale table; bench_model and decode_probe until run
+# 55 loaded it bare, rank 50 and no table, which no user path runs). decode_probe at batch 1
+# and 8: no adapter, on / off in that layout, on bare, and proj_finish's kernel at 64 / 32
+# columns a program; profiles of base and base@on. Then bench_model's decode (roofline and
+# the LoRA entries) in that layout.
+if want s11; then
+  timeout ${PROBE_CAP:-170} python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,base@off,base@rawon,fin64@on,fin32@on --batches 1 --n_steps 16 \
+    --reps 5 --profile base,base@on --out $OUT/decode_probe_s11_b1.json 2>&1 \
+    | grep '"variant"' | cut -c1-160
+  timeout ${PROBE8_CAP:-100} python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,base@rawon --batches 8 --n_steps 16 \
+    --reps 5 --out $OUT/decode_probe_s11_b8.json 2>&1 | grep '"variant"' | cut -c1-160
+  echo "s11 probe done $(( $(date +%s) - t0 )) s"
+  timeout $(left) python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
