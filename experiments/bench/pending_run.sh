@@ -391,13 +391,30 @@ fi
 # and 8: no adapter, on / off in that layout, on bare, and proj_finish's kernel at 64 / 32
 # columns a program; profiles of base and base@on. Then bench_model's decode (roofline and
 # the LoRA entries) in that layout.
+# First, why run 55's GPU model set had three off-bits failures (off_bits_probe.py, plain and
+# with XLA's autotuning off, beside the Engine test of a rank-128 stack with autotuning off).
 if want s11; then
+  mkdir -p $OUT/s11
+  (STRATA_JAX_CACHE= timeout 150 python3 experiments/bench/off_bits_probe.py \
+     --out $OUT/s11/off_bits_default.json > $OUT/s11/off_bits_default.log 2>&1) &
+  (STRATA_JAX_CACHE= XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 150 python3 \
+     experiments/bench/off_bits_probe.py --out $OUT/s11/off_bits_noautotune.json \
+     > $OUT/s11/off_bits_noautotune.log 2>&1) &
+  (STRATA_JAX_CACHE= XLA_FLAGS=--xla_gpu_autotune_level=0 JAX_PLATFORMS=cuda timeout 170 \
+     python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+     "tests/test_lora_switch.py::test_adapter_stack_beyond_the_rank_bucket_off_is_bit_identical" \
+     "tests/test_forms.py::test_gemv_lora_rows_off_is_the_bare_model_and_on_is_the_apart_forms_numbers" \
+     > $OUT/s11/tests_noautotune.log 2>&1) &
+  wait
+  grep -h -e "^gemv\|^kernel\|^xla" $OUT/s11/off_bits_*.log | cut -c1-200
+  tail -2 $OUT/s11/tests_noautotune.log
+  echo "s11 bits done $(( $(date +%s) - t0 )) s"
   timeout ${PROBE_CAP:-170} python3 experiments/bench/decode_probe.py \
-    --variants base,base@on,base@off,base@rawon,fin64@on,fin32@on --batches 1 --n_steps 16 \
+    --variants base,base@on,base@off,base@rawon,fin64@on --batches 1 --n_steps 16 \
     --reps 5 --profile base,base@on --out $OUT/decode_probe_s11_b1.json 2>&1 \
     | grep '"variant"' | cut -c1-160
   timeout ${PROBE8_CAP:-100} python3 experiments/bench/decode_probe.py \
-    --variants base,base@on,base@rawon --batches 8 --n_steps 16 \
+    --variants base,base@on --batches 8 --n_steps 16 \
     --reps 5 --out $OUT/decode_probe_s11_b8.json 2>&1 | grep '"variant"' | cut -c1-160
   echo "s11 probe done $(( $(date +%s) - t0 )) s"
   timeout $(left) python3 experiments/bench/bench_model.py --sections decode \
