@@ -1,37 +1,35 @@
 """The kernel that ends a decode step's mixer after its output projection
-(pallas_kernels/quant/finish.py): the split sums, the adapter's B h on rows that are on, the
-residual add and the next RMSNorm in one launch. Interpret-mode parity against float64 and the
-jnp reference (ragged chunks, split sums, rank padding, per-row scales), off rows bit for bit
-the no-adapter call's, its refusals, its Triton lowering, and the compiled kernel under the
-`gpu` marker."""
+(pallas_kernels/quant/finish.py): the split sums, the adapter's B h on rows that are on and
+the residual add in one launch. Interpret-mode parity against float64 and the jnp reference
+(ragged chunks, split sums, rank padding, per-row scales), off rows bit for bit the
+no-adapter call's, its refusals, its Triton lowering, and the compiled kernel under the `gpu`
+marker."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from tolerances import KERNEL_REL, assert_close
 
-from pallas_kernels.quant.finish import finish_call, finish_reference, rms_norm_from_tiles
+from pallas_kernels.quant.finish import finish_call, finish_reference
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 ON_GPU = jax.default_backend() == "gpu"
-EPS = 1e-6
 
 
 def _case(ks, m, d, dtype, rank=0, n_ad=3, seed=0):
   rng = np.random.default_rng(seed)
   yp = jnp.asarray(rng.standard_normal((ks, m, d)), F32)
   res = jnp.asarray(rng.standard_normal((m, d)), dtype)
-  w = jnp.asarray(1 + 0.1 * rng.standard_normal(d), F32)
   if not rank:
-    return yp, res, w, None
+    return yp, res, None
   hp = jnp.asarray(rng.standard_normal((2, m, rank)), F32)
   b = jnp.asarray(0.1 * rng.standard_normal((n_ad, d, rank)), dtype)
   on = jnp.asarray(np.arange(m) % 2 == 0, jnp.int32)
-  return yp, res, w, (hp, b, jnp.int32(1), on, None)
+  return yp, res, (hp, b, jnp.int32(1), on, None)
 
 
-def _want(yp, res, w, lora, scale=1.0):
-  """float64 numbers of x' and h' (no intermediate rounding)."""
+def _want(yp, res, lora, scale=1.0):
+  """float64 numbers of x' (no intermediate rounding)."""
   y = np.asarray(yp, np.float64).sum(0)
   if lora is not None:
     hp, b, li, on, rs = lora
@@ -40,14 +38,11 @@ def _want(yp, res, w, lora, scale=1.0):
       h = h * np.asarray(rs, np.float64)
     delta = scale * h @ np.asarray(b[int(li)], np.float64).T
     y = np.where(np.asarray(on)[:, None] != 0, y + delta, y)
-  xn = np.asarray(res, np.float64) + y
-  hn = xn / np.sqrt((xn ** 2).mean(-1, keepdims=True) + EPS) * np.asarray(w, np.float64)
-  return xn, hn
+  return np.asarray(res, np.float64) + y
 
 
-def _finish(yp, res, w, lora, scale=1.0, block=None, interpret=True):
-  xn, ss = finish_call(yp, res, lora=lora, scale=scale, block=block, interpret=interpret)
-  return xn, rms_norm_from_tiles(xn, ss, w, EPS), ss
+def _finish(yp, res, lora, scale=1.0, block=None, interpret=True):
+  return finish_call(yp, res, lora=lora, scale=scale, block=block, interpret=interpret)
 
 
 @pytest.mark.parametrize("ks,m,d,rank,block,dtype", [
@@ -58,41 +53,34 @@ def _finish(yp, res, w, lora, scale=1.0, block=None, interpret=True):
     (1, 2, 2048, 8, None, BF16),   # bench-a3b's width, 16 tiles of 128
 ])
 def test_finish_matches_float64_and_the_reference(ks, m, d, rank, block, dtype):
-  yp, res, w, lora = _case(ks, m, d, dtype, rank, seed=d + rank)
-  xn, hn, ss = jax.jit(lambda yp, res, w, lora: _finish(yp, res, w, lora, block=block))(
-      yp, res, w, lora)
-  assert ss.shape == (m, -(-d // (block or min(128, d))))
-  want_x, want_h = _want(yp, res, w, lora)
+  yp, res, lora = _case(ks, m, d, dtype, rank, seed=d + rank)
+  xn = jax.jit(lambda yp, res, lora: _finish(yp, res, lora, block=block))(yp, res, lora)
+  assert xn.shape == (m, d) and xn.dtype == dtype
   rel = KERNEL_REL[jnp.dtype(dtype).name]
-  assert_close(xn, want_x, rel=rel, what="x'")
-  assert_close(hn, want_h, rel=rel, what="h'")
-  ref_x, ref_ss = jax.jit(lambda yp, res, lora: finish_reference(yp, res, lora=lora,
-                                                                 block=block))(yp, res, lora)
+  assert_close(xn, _want(yp, res, lora), rel=rel, what="x'")
+  ref_x = jax.jit(lambda yp, res, lora: finish_reference(yp, res, lora=lora))(yp, res, lora)
   if lora is None:  # the same roundings; with the adapter, B h sums in another order
     assert np.array_equal(np.asarray(xn, np.float32), np.asarray(ref_x, np.float32))
   assert_close(xn, ref_x, rel=rel, what="x' vs reference")
-  assert_close(ss, ref_ss, rel=KERNEL_REL["float32"] * 10, what="tile sums vs reference")
 
 
 def test_finish_off_rows_are_the_no_adapter_calls_bits_and_scales_apply_per_row():
   """Compiled on a GPU (the interpreter's jnp ops would be XLA's there, fused differently in
   the two programs), interpreted elsewhere."""
-  yp, res, w, (hp, b, li, on, _) = _case(2, 6, 160, BF16, rank=12, seed=5)
+  yp, res, (hp, b, li, on, _) = _case(2, 6, 160, BF16, rank=12, seed=5)
   rs = jnp.asarray(np.random.default_rng(1).uniform(0.5, 2, (6, 12)), F32)
-  got = _finish(yp, res, w, (hp, b, li, on, rs), scale=0.5, block=64, interpret=not ON_GPU)
-  plain = _finish(yp, res, w, None, block=64, interpret=not ON_GPU)
+  got = np.asarray(_finish(yp, res, (hp, b, li, on, rs), scale=0.5, block=64,
+                           interpret=not ON_GPU), np.float32)
+  plain = np.asarray(_finish(yp, res, None, block=64, interpret=not ON_GPU), np.float32)
   off = np.asarray(on) == 0
-  for g, p in zip(got, plain):   # x', h' and the tile sums
-    g, p = np.asarray(g, np.float32), np.asarray(p, np.float32)
-    assert np.array_equal(g[off], p[off])
-    assert not np.array_equal(g[~off], p[~off])
-  want_x, want_h = _want(yp, res, w, (hp, b, li, on, rs), scale=0.5)
-  assert_close(got[0], want_x, rel=KERNEL_REL["bfloat16"], what="x' on rows")
-  assert_close(got[1], want_h, rel=KERNEL_REL["bfloat16"], what="h' on rows")
+  assert np.array_equal(got[off], plain[off])
+  assert not np.array_equal(got[~off], plain[~off])
+  want = _want(yp, res, (hp, b, li, on, rs), scale=0.5)
+  assert_close(got[~off], want[~off], rel=KERNEL_REL["bfloat16"], what="x' on rows")
 
 
 def test_finish_refuses_mismatched_shapes():
-  yp, res, w, (hp, b, li, on, _) = _case(2, 3, 64, F32, rank=4)
+  yp, res, (hp, b, li, on, _) = _case(2, 3, 64, F32, rank=4)
   with pytest.raises(ValueError, match="residual"):
     finish_call(yp, res[:, :32], interpret=True)
   with pytest.raises(ValueError, match="must be"):
@@ -100,7 +88,7 @@ def test_finish_refuses_mismatched_shapes():
 
 
 def test_finish_lowers_to_triton_for_the_gpu():
-  yp, res, w, lora = _case(4, 1, 2048, BF16, rank=16)
+  yp, res, lora = _case(4, 1, 2048, BF16, rank=16)
   low = jax.jit(lambda yp, res, lora: finish_call(yp, res, lora=lora)).trace(
       yp, res, lora).lower(lowering_platforms=("cuda",))
   assert "xla.gpu.triton" in low.as_text()
@@ -108,21 +96,19 @@ def test_finish_lowers_to_triton_for_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
-@pytest.mark.parametrize("ks,m,rank", [(4, 1, 16), (1, 8, 16), (2, 32, 50), (4, 1, 0)])
+@pytest.mark.parametrize("ks,m,rank", [(4, 1, 16), (1, 8, 16), (2, 32, 50), (4, 1, 0),
+                                       (2, 4, 6)])
 def test_gpu_finish(ks, m, rank):
   """Compiled, at bench-a3b's width: float64's numbers to the bf16 bound, and off rows the
-  no-adapter launch's bits."""
-  yp, res, w, lora = _case(ks, m, 2048, BF16, rank, seed=m)
-  f = jax.jit(lambda yp, res, w, lora: _finish(yp, res, w, lora, interpret=False))
-  got = f(yp, res, w, lora)
-  want = _want(yp, res, w, lora)
-  for g, v, what in zip(got, want, ("x'", "h'")):
-    assert_close(g, v, rel=KERNEL_REL["bfloat16"], what=f"gpu {what}")
+  no-adapter launch's bits (rank 6 as the model tests' adapter: run 55's failures)."""
+  yp, res, lora = _case(ks, m, 2048, BF16, rank, seed=m)
+  f = jax.jit(lambda yp, res, lora: _finish(yp, res, lora, interpret=False))
+  got = f(yp, res, lora)
+  assert_close(got, _want(yp, res, lora), rel=KERNEL_REL["bfloat16"], what="gpu x'")
   if lora is not None:
-    plain = f(yp, res, w, None)
+    plain = f(yp, res, None)
     off = np.asarray(lora[3]) == 0
-    for g, p in zip(got, plain):
-      assert np.array_equal(np.asarray(g, np.float32)[off], np.asarray(p, np.float32)[off])
+    assert np.array_equal(np.asarray(got, np.float32)[off], np.asarray(plain, np.float32)[off])
 
 
 @pytest.mark.parametrize("n,dtype", [(1, F32), (3, BF16)])
@@ -146,8 +132,7 @@ def test_split_products_sum_to_the_plain_products_bits(n, dtype):
   lparts, lora = api.dense_matmul_lora_split(x, stack, jnp.int32(1), a, b, on,
                                              lora_index=jnp.int32(2), **kw)
   res = jnp.zeros((n, 96), dtype)
-  w = jnp.ones((96,), F32)
-  got, _ = api.finish_residual_norm(lparts, res, w, eps=EPS, lora=lora, **kw)
+  got = api.finish_residual(lparts, res, lora=lora, **kw)
   want = np.asarray(api.dense_matmul_lora(x, stack, jnp.int32(1), a, b, on,
                                           lora_index=jnp.int32(2), **kw), np.float32)
   off = np.asarray(on) == 0

@@ -347,8 +347,8 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
 
 
 # A decode step's output projection, ended by one kernel (`Forms.proj_finish`): the
-# product comes back as its split partial sums, and `finish_residual_norm` adds them, the
-# adapter's B h on rows that are on, the residual and the next RMSNorm in one launch.
+# product comes back as its split partial sums, and `finish_residual` adds them, the
+# adapter's B h on rows that are on and the residual in one launch.
 
 
 def dense_matmul_split(x, stack, index, *, implementation="auto", few="dot"):
@@ -372,7 +372,7 @@ def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_
   """`dense_matmul_lora` as (partials [S, N, out], lora), where `lora` is what a finishing
   kernel still adds, (hp, b_stack, lidx, on, rank_scale), or None (the partials sum to the
   result, rounded to x's dtype). The one-row GEMV leaves B h to it (its launch computes A x
-  as R more rows, `gemv.dense_lora_rows`): `gemv.lora_finish`, or `finish_residual_norm`,
+  as R more rows, `gemv.dense_lora_rows`): `gemv.lora_finish`, or `finish_residual`,
   which gives the step the no-adapter step's launches. dense_dot adds the delta in its own
   launch, share by share, so its partials carry it already. Arguments: `dense_matmul_lora`'s
   (tiles' finish_block is the finishing kernel's, not read here)."""
@@ -404,20 +404,16 @@ def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_
                                   lora=(a_stack, b_stack, lidx, on, rank_scale), **kw), None
 
 
-def finish_residual_norm(parts, res, norm_w, *, eps, lora=None, implementation="auto"):
-  """(x', h') [N, D] in res's dtype: x' = res + round(sum of the partials [S, N, D], plus
-  B h on rows that are on when `lora` is given), h' = RMSNorm(x') * norm_w (norm_w [D] with
-  GGUF's +1). One kernel launch (`finish.finish_call`; "xla": `finish.finish_reference`, the
-  same roundings) gives x' and its sums of squares by column tile, then one XLA pass the norm
-  (`finish.rms_norm_from_tiles`). lora: (hp [S', N, R] fp32, b_stack [L, D, R], lidx, on [N],
-  rank_scale [N, R] or None)."""
+def finish_residual(parts, res, *, lora=None, implementation="auto"):
+  """x' [N, D] in res's dtype: res + round(sum of the partials [S, N, D], plus B h on rows
+  that are on when `lora` is given), in one kernel launch (`finish.finish_call`; "xla":
+  `finish.finish_reference`, the same roundings). The caller takes the next RMSNorm of x'.
+  lora: (hp [S', N, R] fp32, b_stack [L, D, R], lidx, on [N], rank_scale [N, R] or None)."""
   impl = resolve(implementation)
   if impl == "xla":
-    xn, ss = finish.finish_reference(parts, res, lora=lora)
-  else:
-    xn, ss = finish.finish_call(parts, res, lora=lora, interpret=impl == "pallas_interpret",
-                                compiler_params=_kernel_params(impl, None)[1])
-  return xn, finish.rms_norm_from_tiles(xn, ss, norm_w, eps)
+    return finish.finish_reference(parts, res, lora=lora)
+  return finish.finish_call(parts, res, lora=lora, interpret=impl == "pallas_interpret",
+                            compiler_params=_kernel_params(impl, None)[1])
 
 
 def _lora_h(x, a, rank_scale=None):

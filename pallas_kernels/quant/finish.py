@@ -4,21 +4,27 @@
     y    = round(sum_k yp[k] + s * B h)           on the rows whose adapter switch is on,
            h = (sum_k hp[k]) * rank_scale          (A x, from the projection's own launch)
     x'   = round(x + y)                           (the residual add)
-    ss_j = sum over tile j of x'^2                (fp32, per row and column tile)
 
-returns (x', ss). `rms_norm_from_tiles` then gives the next RMSNorm from x' and ss, adding the
-tiles' sums in index order (XLA fuses it into one elementwise pass).
+returns x'. The next RMSNorm is the model's own, in XLA (one reduction fusion over x').
 
 Why: XLA reads a GEMV's fp32 partials straight into the residual add and the norm's
 reduction, so a plain projection ends in those fusions, while an adapted one needs one more
 launch for B h (`gemv.lora_finish`, 3.2 us a call on the H200, a launch's floor;
 experiments/results/device/run50). With this kernel in every path (no adapter, off, on), it
-takes the place of XLA's reduction fusion: the adapted step has the plain step's launches,
-and its cost is B's reads. An off row runs the same instructions as a row of the
-no-adapter program (a select, never `+ 0 * d`), so it is that program's bits by construction.
+takes the place of XLA's add fusion: the adapted step has the plain step's launches, and its
+cost is B's reads. An off row runs the same instructions as a row of the no-adapter program
+(a select, never `+ 0 * d`), and every one of them is elementwise, so its bits are that
+program's whatever layout Triton gives the tile.
+
+No reduction on an off row's path: until run 56 the kernel also wrote x'^2's sums per column
+tile for the norm. Compiled, the bare and the adapted kernel laid the tile out differently
+(the adapter's [block, rank] product sets the layout of what it meets), so those sums were
+added in different orders and a switched-off row's logits moved by up to 1.7e-6 from the
+no-adapter program's (experiments/results/device/run56/s11: off_bits_probe.py, with and
+without XLA's autotuning; the "xla" form stayed bit-identical).
 
 Grid: one program per tile of `block` columns, all rows in it (as `lora_finish`), so B's
-tile is read once per program. On the H200 at bench-a3b batch 1 it takes 1.4 us a call with
+tile is read once per program. On the H200 at bench-a3b batch 1 it took 1.4 us a call with
 no adapter and 3.6 with it (run 53: B's tile waits on the layer index, a second round trip).
 Two other forms measured slower (experiments/results/device/run52, run54): one program per
 row over the whole row, the norm included, 5.2 us with no adapter (XLA's fusion: 2.9) and 48
@@ -27,8 +33,8 @@ launch (A x's programs multiplying their tile of h by B's columns, this kernel a
 partials), which made the adapted step 4.18 ms against 3.96 with XLA's finish: those
 programs became the GEMV launch's tail.
 
-Numerics: the jnp oracle is `finish_reference` (the same roundings; its sums of squares in
-XLA's order within a tile, so the two agree to fp32 summation order).
+Numerics: the jnp oracle is `finish_reference` (the same roundings; with no adapter the same
+bits).
 """
 from __future__ import annotations
 
@@ -66,9 +72,9 @@ def _kernel(*refs, t: Finish):
   yp_ref, res_ref, *rest = refs
   if t.lora:
     lidx_ref, on_ref, hp_ref, b_ref, *rest = rest
-    rs_ref, xo_ref, ss_ref = rest if t.scaled else (None, *rest)
+    rs_ref, xo_ref = rest if t.scaled else (None, *rest)
   else:
-    xo_ref, ss_ref = rest
+    (xo_ref,) = rest
   j = pl.program_id(0)
   bo, rp = t.block, t.rank_pad
   c0 = j * bo
@@ -93,8 +99,6 @@ def _kernel(*refs, t: Finish):
     res = masked_load(res_ref.at[ri, pl.ds(c0, bo)], ok)
     xn = (res.astype(_F32) + plain.astype(_F32)).astype(t.out_dtype)
     masked_store(xo_ref.at[ri, pl.ds(c0, bo)], xn, ok)
-    xf = xn.astype(_F32)   # masked columns: 0 + 0
-    ss_ref.at[ri, pl.ds(j, 1)][...] = jnp.reshape(jnp.sum(xf * xf), (1,))
 
 
 def _block(d):
@@ -104,7 +108,7 @@ def _block(d):
 
 def finish_call(yp, res, *, lora=None, scale=1.0, block=None, interpret=False,
                 compiler_params=None):
-  """(x' [M, D] in res's dtype, ss [M, D / block] fp32) (module docstring). yp [S, M, D]:
+  """x' [M, D] in res's dtype (module docstring). yp [S, M, D]:
   the projection's split partial sums (fp32; S = 1 may be the product in res's dtype); res
   [M, D]. lora: (hp [S', M, R] fp32 partial sums of A x, b_stack [L, D, R], lidx [1] int32,
   on [M] int32, rank_scale [M, R] or None), B = b_stack[lidx] read in place."""
@@ -132,24 +136,14 @@ def finish_call(yp, res, *, lora=None, scale=1.0, block=None, interpret=False,
   n_tiles = pl.cdiv(d, t.block)
   return pl.pallas_call(
       functools.partial(_kernel, t=t), grid=(n_tiles,),
-      out_shape=(jax.ShapeDtypeStruct((m, d), res.dtype),
-                 jax.ShapeDtypeStruct((m, n_tiles), _F32)),
-      in_specs=[_WHOLE] * len(args), out_specs=(_WHOLE, _WHOLE),
+      out_shape=jax.ShapeDtypeStruct((m, d), res.dtype),
+      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
       interpret=interpret, compiler_params=compiler_params, name="proj_finish",
   )(*args)
 
 
-def rms_norm_from_tiles(xn, ss, norm_w, eps):
-  """RMSNorm(x') * norm_w in x''s dtype from `finish_call`'s (x', ss): the tiles' sums added
-  in index order (a fixed order in every program, so equal inputs give equal bits), then the
-  model's `rms_norm` arithmetic (x' * rsqrt(mean + eps), times the weight, rounded)."""
-  xf = xn.astype(_F32)
-  inv = lax.rsqrt(sum_partials(ss.T) / xn.shape[-1] + eps)[:, None]
-  return ((xf * inv) * norm_w.astype(_F32)).astype(xn.dtype)
-
-
-def finish_reference(yp, res, *, lora=None, scale=1.0, block=None):
-  """`finish_call` in jnp: the same roundings, each tile's sum of squares in XLA's order."""
+def finish_reference(yp, res, *, lora=None, scale=1.0):
+  """`finish_call` in jnp: the same roundings."""
   y = sum_partials(yp.astype(_F32))
   plain = y.astype(res.dtype)
   if lora is not None:
@@ -163,9 +157,4 @@ def finish_reference(yp, res, *, lora=None, scale=1.0, block=None):
     if scale != 1.0:
       delta = delta * scale
     plain = jnp.where((on != 0)[:, None], (y + delta).astype(res.dtype), plain)
-  xn = (res.astype(_F32) + plain.astype(_F32)).astype(res.dtype)
-  m, d = xn.shape
-  block = block or _block(d)
-  n_tiles = -(-d // block)
-  xf = jnp.pad(xn.astype(_F32), ((0, 0), (0, n_tiles * block - d)))
-  return xn, jnp.sum((xf * xf).reshape(m, n_tiles, block), axis=-1)
+  return (res.astype(_F32) + plain.astype(_F32)).astype(res.dtype)

@@ -164,8 +164,8 @@ def dense_lora_in_kernel(gemv_lora, n_rows, d_in, x_dtype, w_dtype, implementati
 class Pending:
   """A mixer's output projection not yet finished (`Forms.proj_finish` "kernel" / "gemv"): its
   split partial sums [S, N, D] and what the finishing kernel still adds, the adapter's (hp,
-  b_stack, lidx, on, rank_scale) or None; `residual_norm` finishes it with the residual and
-  the next RMSNorm in one launch. Made inside the traced step; not a pytree."""
+  b_stack, lidx, on, rank_scale) or None; `residual_norm` finishes it with the residual in one
+  launch, then takes the next RMSNorm. Made inside the traced step; not a pytree."""
   parts: object
   lora: object
   implementation: str
@@ -173,15 +173,15 @@ class Pending:
 
 def residual_norm(x, y, norm_w, eps):
   """(x + y, rms_norm(x + y, norm_w)): the residual add after a mixer and the norm before the
-  MoE. A `Pending` y is finished by one kernel launch (`quant_api.finish_residual_norm`)."""
+  MoE. A `Pending` y is finished by one kernel launch (`quant_api.finish_residual`), and the
+  norm is this module's in either case."""
   if not isinstance(y, Pending):
     x = x + y
     return x, rms_norm(x, norm_w, eps)
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
-  xn, hn = quant_api.finish_residual_norm(y.parts, x.reshape(-1, x.shape[-1]), norm_w,
-                                          eps=eps, lora=y.lora,
-                                          implementation=y.implementation)
-  return xn.reshape(x.shape), hn.reshape(x.shape)
+  x = quant_api.finish_residual(y.parts, x.reshape(-1, x.shape[-1]), lora=y.lora,
+                                implementation=y.implementation).reshape(x.shape)
+  return x, rms_norm(x, norm_w, eps)
 
 
 def _pending(x2, w, lora_a, lora_b, on, rank_scale, gemv_lora):
