@@ -421,5 +421,24 @@ if want s11; then
     --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
 fi
+# Then SECTIONS=s11b (~7 min): proj_finish's kernel with no reduction (x' only; the norm in
+# XLA): off_bits_probe.py, the finishing kernel's compiled cases, the GPU model set (run 55's
+# three failures), decode_probe at batch 1 (no adapter, on, off, and "xla" beside them) with
+# profiles of base and base@on.
+if want s11b; then
+  mkdir -p $OUT/s11b
+  STRATA_JAX_CACHE= timeout 120 python3 experiments/bench/off_bits_probe.py \
+    --out $OUT/s11b/off_bits_default.json > $OUT/s11b/off_bits_default.log 2>&1
+  grep -h -e "^gemv\|^kernel\|^xla" $OUT/s11b/off_bits_default.log | cut -c1-120
+  GPU_SET=kernels GPU_TESTS="tests/test_finish_kernel.py" CAP=90 WORKERS=4 \
+    bash experiments/bench/gpu_tests.sh | tail -1
+  mv $OUT/gpu_tests_kernels.log $OUT/s11b/ 2>/dev/null
+  GPU_SET=model CAP=${TEST_CAP:-230} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  echo "s11b tests done $(( $(date +%s) - t0 )) s"
+  timeout $(left) python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,base@off,xfin,xfin@on --batches 1 --n_steps 16 \
+    --reps 5 --profile base,base@on --out $OUT/decode_probe_s11b_b1.json 2>&1 \
+    | grep '"variant"' | cut -c1-160
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
