@@ -25,6 +25,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             the in-place tensor-core kernel (Forms.dense_few)
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
             the Pallas kernels that dequantise in place (Forms.quant_impl)
+  sample    the Engine's own program, `steps.decode_sample` with a greedy plan (the sampler's
+            rows in the scan's carry), in place of `decode_greedy`
   fin64/fin32  proj_finish's kernel on 64 / 32 columns a program (128 by default)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
   cond      adapter programs branch (lax.cond) to the no-adapter layers when every switch is off
@@ -158,8 +160,8 @@ def patch(variant: str):
     elif part == "route4w":   # the routing kernel at four warps for every program (run 38's base)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)
-    elif part in FORM_VARIANTS:
-      continue   # variant_cfg
+    elif part in FORM_VARIANTS or part == "sample":
+      continue   # variant_cfg; "sample": the program (main)
     else:
       raise SystemExit(f"unknown variant part {part!r}")
   return lambda: [u() for u in reversed(undo)]
@@ -232,18 +234,30 @@ def main():
         act = jnp.ones((B,), jnp.int32)
         lp = loras[lstate]
         t = time.perf_counter()
-        lowered = steps.decode_greedy.lower(vcfg, params, lp, state, toks, sw, act,
-                                            n_steps=args.n_steps)
-        compiled = lowered.compile()
+        if "sample" in name.split("+"):   # the Engine's program: sampler rows in the carry
+          rows, sp, stop, plan = sample_inputs(B)
+          lowered = steps.decode_sample.lower(vcfg, params, lp, state, rows, sp, sw, stop,
+                                              n_steps=args.n_steps, plan=plan)
+          run_sample = lowered.compile()
+          holder = [rows]
+
+          def compiled(params, lp, state, toks, sw, act):
+            out, holder[0], state = run_sample(params, lp, state, holder[0], sp, sw, stop)
+            return out[0], state
+        else:
+          lowered = steps.decode_greedy.lower(vcfg, params, lp, state, toks, sw, act,
+                                              n_steps=args.n_steps)
+          compiled = lowered.compile()
         t_compile = time.perf_counter() - t
-        counts = common.hlo_counts(compiled.as_text())
+        text = (run_sample if "sample" in name.split("+") else compiled).as_text()
+        counts = common.hlo_counts(text)
         if args.dump_hlo:
           import gzip
           os.makedirs(args.dump_hlo, exist_ok=True)
           safe = variant.replace("@", "_at_").replace("+", "_and_")   # $OUT takes plain names
           with gzip.open(os.path.join(args.dump_hlo, f"decode_{safe}_b{B}.hlo.txt.gz"),
                          "wt") as f:
-            f.write(compiled.as_text())
+            f.write(text)
         out, state = compiled(params, lp, state, toks, sw, act)
         out.block_until_ready()
         times = []
@@ -268,6 +282,26 @@ def main():
       os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
       with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
+
+
+def sample_inputs(B):
+  """decode_sample's sampler inputs for B greedy rows that never stop: (rows, sampling
+  params, stop ids, plan), as an Engine builds them for greedy requests."""
+  import jax
+  import numpy as np
+
+  from strata_jax.engine import sampling as hs
+  from strata_jax.engine.engine import Request
+  from strata_jax.sampling import Rows
+  req = Request(tokens=[0], max_tokens=1 << 30)
+  rp = hs.RowParams(B)
+  for i in range(B):
+    rp.set(i, req, 1)
+  rows = Rows(last=np.zeros(B, np.int32), active=np.ones(B, np.int32),
+              remaining=np.full(B, 1 << 30, np.int32), n_gen=np.zeros(B, np.int32),
+              recent=np.full((B, hs.dev.RECENT), -1, np.int32))
+  rows, sp, stop = jax.device_put((rows, rp.params(), rp.stops()))
+  return rows, sp, stop, hs.plan_for([req])
 
 
 def time_gdn_ops(cfg, T):

@@ -440,5 +440,18 @@ if want s11b; then
     --reps 5 --profile base,base@on --out $OUT/decode_probe_s11b_b1.json 2>&1 \
     | grep '"variant"' | cut -c1-160
 fi
+# Then SECTIONS=s11c (~5 min): why the Engine's own program (`decode_sample`, greedy plan) runs
+# ~5 % behind `decode_greedy` at batch 1 in most runs (236.3 against 249.3 tok/s in run 55) and
+# level in others (run 46): both programs at batch 1, adapter on, with kernel profiles, once
+# plainly and once with XLA's autotuning off (does the head's GEMM config move?).
+if want s11c; then
+  timeout 200 python3 experiments/bench/decode_probe.py --variants base@on,sample@on,base@on \
+    --batches 1 --n_steps 16 --reps 7 --profile base@on,sample@on \
+    --out $OUT/decode_probe_s11c_sample_b1.json 2>&1 | grep '"variant"' | cut -c1-120
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(left) python3 experiments/bench/decode_probe.py \
+    --variants base@on,sample@on --batches 1 --n_steps 16 --reps 7 --profile base@on,sample@on \
+    --tag noautotune --out $OUT/decode_probe_s11c_sample_b1_noautotune.json 2>&1 \
+    | grep '"variant"' | cut -c1-120
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
