@@ -25,6 +25,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             the in-place tensor-core kernel (Forms.dense_few)
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
             the Pallas kernels that dequantise in place (Forms.quant_impl)
+  headgemv  the output head by the in-place dense kernels (GEMV at one row, dense_dot to 64),
+            not XLA's autotuned GEMM (run 58: 141.5 us tuned, 342 untuned)
   sample    the Engine's own program, `steps.decode_sample` with a greedy plan (the sampler's
             rows in the scan's carry), in place of `decode_greedy`
   fin64/fin32  proj_finish's kernel on 64 / 32 columns a program (128 by default)
@@ -110,6 +112,8 @@ def patch(variant: str):
   """Apply a variant's switches to the model modules; returns an undo function."""
   import functools
 
+  import jax
+  import jax.numpy as jnp
   from jax import lax
 
   from strata_jax.model import attention, forward, gdn, moe
@@ -160,6 +164,17 @@ def patch(variant: str):
     elif part == "route4w":   # the routing kernel at four warps for every program (run 38's base)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)
+    elif part == "headgemv":   # the output head by the in-place dense kernels, not XLA's GEMM
+      from strata_jax.model.common import DRef
+
+      def logits_from_hidden(cfg, params, x, _orig=forward.logits_from_hidden):
+        w = params.lm_head
+        if not isinstance(w, jax.Array) or x.reshape(-1, x.shape[-1]).shape[0] > 64:
+          return _orig(cfg, params, x)
+        h = mc.rms_norm(x, params.final_norm, cfg.rms_eps)
+        ref = DRef(w[None], jnp.int32(0), cfg.forms.quant_impl, cfg.forms.dense_few)
+        return mc.linear(h, ref).astype(jnp.float32)
+      setattr_undo(forward, "logits_from_hidden", logits_from_hidden)
     elif part in FORM_VARIANTS or part == "sample":
       continue   # variant_cfg; "sample": the program (main)
     else:

@@ -453,5 +453,12 @@ if want s11c; then
     --tag noautotune --out $OUT/decode_probe_s11c_sample_b1_noautotune.json 2>&1 \
     | grep '"variant"' | cut -c1-120
 fi
+# Then SECTIONS=s11d (~4 min): run 58 found the gap is the output head's XLA GEMM (141.5 us a
+# step tuned, 342 untuned). The head by the in-place dense kernels instead, batch 1 and 8.
+if want s11d; then
+  timeout $(left) python3 experiments/bench/decode_probe.py --variants base@on,headgemv@on \
+    --batches 1,8 --n_steps 16 --reps 7 --profile base@on,headgemv@on \
+    --out $OUT/decode_probe_s11d_head.json 2>&1 | grep '"variant"' | cut -c1-120
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
