@@ -173,16 +173,25 @@ CHOICES: dict[str, tuple] = {
     # projection's split sums, the residual and the next RMSNorm in its fusions, and the
     # adapter's B h takes a finishing launch of its own (`gemv.lora_finish`; on the H200 3.2 us
     # a call, a launch's floor: experiments/results/device/run50); "kernel" = one Pallas
-    # kernel does all of it in every path, no adapter, off and on
+    # kernel adds the sums, B h and the residual in every path, no adapter, off and on
     # (`pallas_kernels/quant/finish.py`), so the adapted step has the plain step's launches
-    # and an off row runs the plain step's instructions. The norm's sum then runs by column
-    # tiles (fp32 rounding). "gemv" = "kernel" where the one-row GEMV takes the projection (a
+    # and an off row runs the plain step's instructions; the norm stays XLA's. "gemv" =
+    # "kernel" where the one-row GEMV takes the projection (a
     # decode step of one row), "xla" for more rows. "auto" = "gemv" on the GPU: bench-a3b
     # bf16 on the H200, "kernel" took 3.794 against 3.847 ms a step at batch 1 with no
     # adapter and 3.925 against 3.971 with it on, but 5.943 against 5.800 at batch 8 and 8.385
     # against 7.641 at batch 32, where its 16 programs each run every row
     # (experiments/results/device/run53); "xla" elsewhere.
     "proj_finish": ("auto", "xla", "kernel", "gemv"),
+    # the output head (a plain float `lm_head`) at a decode step's few rows: "xla" = XLA's
+    # GEMM, whose tiling XLA's autotuner picks per program: on the H200 at bench-a3b batch 1
+    # it took 141.5 us a step tuned and 342 untuned (run 58), and the Engine's own program
+    # lost ~5 % to a decode_greedy of the same step in most runs (run 55: 236.3 against 249.3
+    # tok/s), in some none (run 46); "kernel" = the in-place dense kernels (`Forms.dense_few`:
+    # the GEMV at one row, dense_dot to 64 rows of a 16-bit model), no autotuning: 149.4 us
+    # at batch 1 and 143.3 at 8, steps level with XLA's tuned head (run 59). "auto" = "kernel"
+    # on the GPU, "xla" elsewhere.
+    "head": ("auto", "xla", "kernel"),
 }
 
 
@@ -222,6 +231,7 @@ class Forms:
   attn_decode: str = "auto"
   dense_launch: str = "auto"
   proj_finish: str = "auto"
+  head: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -261,6 +271,7 @@ class Forms:
                          else "pallas", "xla"),
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
+        head=auto(self.head, "kernel", "xla"),
         matmul_precision=precision)
 
   def check_backend(self, backend: str) -> Forms:

@@ -332,6 +332,43 @@ def test_proj_finish_gemv_takes_the_kernel_for_one_row_and_xla_for_more():
   assert "proj_finish" not in text(3)
 
 
+@pytest.mark.parametrize("dtype,rows,kernel", [(jnp.float32, 1, "qgemv_dense"),
+                                               (jnp.bfloat16, 3, "dense_dot")])
+def test_head_kernel_takes_the_decode_rows_and_gives_xlas_logits(dtype, rows, kernel):
+  """`head="kernel"` (the GPU's default): a decode step's output head runs the in-place dense
+  kernel (the GEMV at one row, dense_dot at three bf16 rows) instead of XLA's GEMM, one more
+  launch, with "xla"'s logits (fp32: to summation order; bf16: to a bf16 rounding of the
+  logits) and its greedy tokens; the adapter switched off still gives the no-adapter logits
+  bit for bit. Interpreted here; compiled on a GPU."""
+  model = tiny_model(dtype=dtype)
+  lora = random_lora(rank=6, dtype=dtype).params
+  kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+
+  def run(head, adapter):
+    forms = Forms(dense_weights="kernel", quant_impl=kernels, lora_branch="select", head=head)
+    cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), dtype))
+    state = init_state(cfg, rows, 64, dtype)
+    args = (jnp.zeros(rows, jnp.int32), jnp.ones(rows, jnp.int32))
+    text = str(jax.make_jaxpr(steps.decode, static_argnums=0)(
+        cfg, model.params, adapter, state, jnp.full((rows,), 5, jnp.int32), *args))
+    logits = []
+    for tok in (5, 9, 13):
+      out, state = jax.jit(steps.decode, static_argnums=0)(
+          cfg, model.params, adapter, state, jnp.full((rows,), tok, jnp.int32), *args)
+      logits.append(np.asarray(out, np.float32))
+    return np.stack(logits, axis=1), text
+
+  got, text = run("kernel", None)
+  want, xla_text = run("xla", None)
+  assert text.count("pallas_call") == xla_text.count("pallas_call") + 1
+  assert text.count(kernel) > xla_text.count(kernel)
+  rel = DENSE_GEMV_REL_FP32 if dtype == jnp.float32 else 2.0 ** -7
+  assert_close(got, want, rel=rel, what="kernel head vs XLA's")
+  assert np.array_equal(got.argmax(-1), want.argmax(-1))
+  off, _ = run("kernel", lora)
+  assert np.array_equal(off, got), "switched off differs from no adapter"
+
+
 def test_dense_launch_fused_is_the_apart_forms_decode_bit_for_bit():
   """`dense_launch="fused"`: a layer's projections of one input (GDN qkv / gate / ba,
   attention q / k / v, the shared expert's gate / up) run in one launch of the in-place

@@ -303,9 +303,21 @@ def embed(params, tokens):
 
 
 def logits_from_hidden(cfg: ModelConfig, params, x):
-  """x [..., D] -> float32 logits [..., V]."""
+  """x [..., D] -> float32 logits [..., V]. Under `Forms.head="kernel"` a plain float head's
+  rows go to the in-place dense kernels (the matrix as a stack of one) where one takes them
+  (the GEMV's one row, dense_dot's few 16-bit rows), not to XLA's autotuned GEMM."""
   h = rms_norm(x, params.final_norm, cfg.rms_eps)
   w = params.lm_head
   if _is_q(w):
     w = QRef(w, None, cfg.forms.quant_impl)
+  elif cfg.forms.head == "kernel" and _head_kernel_rows(cfg, h, w):
+    w = DRef(w[None], jnp.int32(0), cfg.forms.quant_impl, _dense_few(cfg))
   return linear(h, w).astype(jnp.float32)
+
+
+def _head_kernel_rows(cfg, h, w) -> bool:
+  from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+  n, d = h.size // h.shape[-1], h.shape[-1]
+  impl = cfg.forms.quant_impl
+  return (quant_api.dense_kernel_rows(n, d, impl)
+          or quant_api.dense_dot_rows(n, h.dtype, w.dtype, impl, _dense_few(cfg)))
