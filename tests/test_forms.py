@@ -119,7 +119,8 @@ def test_dense_weights_kernel_decodes_the_scanned_forms_tokens_and_keeps_off_bit
   program = _decode_jaxpr(model, kernel)
   assert "qgemv_dense" in program
   assert "qgemv_dense_multi" in program   # dense_launch "auto": a layer's inputs in one launch
-  assert "qgemv_dense" not in _decode_jaxpr(model, Forms(dense_weights="in_place"))
+  # (the layers' projections: the head has its own form, "kernel" on the GPU)
+  assert "qgemv_dense" not in _decode_jaxpr(model, Forms(dense_weights="in_place", head="xla"))
   run = lambda forms, lo, on: sj.Engine(model, lora=lo, slots=1, max_seq=128, block_size=32,
                                         forms=forms).generate(
       tokens=prompt, max_tokens=4, return_logits=True, return_step_logits=True, lora=on)
