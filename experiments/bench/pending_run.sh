@@ -129,7 +129,7 @@ fi
 #  call C, SECTIONS=s7c: the Engine at batch 1 / 8 / 32 on this commit with the server leg at
 #    batch 32 (fastapi and its dependencies now carried), then bench_spec.
 if want s7c; then
-  timeout ${ENGINE_CAP:-330} python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8,1 \
+  timeout ${ENGINE_CAP:-330} python3 experiments/bench/bench_engine.py --reps 3 --batches 8,1 \
     --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
   echo "s7c engine done $(( $(date +%s) - t0 )) s"
   timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
@@ -459,6 +459,16 @@ if want s11d; then
   timeout $(left) python3 experiments/bench/decode_probe.py --variants base@on,headgemv@on \
     --batches 1,8 --n_steps 16 --reps 7 --profile base@on,headgemv@on \
     --out $OUT/decode_probe_s11d_head.json 2>&1 | grep '"variant"' | cut -c1-120
+fi
+# Owed to the next session (SECTIONS=owed12; ~9 min): the Engine at batch 1 and 8 (three
+# reps) on `head` "kernel" (the GPU's default since run 59; the Engine never ran on it) and the
+# fixed finishing kernel (run 57), then bench_model's decode (roofline, LoRA entries).
+if want owed12; then
+  timeout ${ENGINE_CAP:-380} python3 experiments/bench/bench_engine.py --reps 3 --batches 8,1 \
+    --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+  timeout $(left) python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
 fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
