@@ -176,8 +176,8 @@ CHOICES: dict[str, tuple] = {
     # kernel adds the sums, B h and the residual in every path, no adapter, off and on
     # (`pallas_kernels/quant/finish.py`), so the adapted step has the plain step's launches
     # and an off row runs the plain step's instructions; the norm stays XLA's. "gemv" =
-    # "kernel" where the one-row GEMV takes the projection (a
-    # decode step of one row), "xla" for more rows. "auto" = "gemv" on the GPU: bench-a3b
+    # "kernel" where the one-row GEMV takes the projection (a decode step of one row), "xla"
+    # for more rows. "auto" = "gemv" on the GPU: bench-a3b
     # bf16 on the H200, "kernel" took 3.794 against 3.847 ms a step at batch 1 with no
     # adapter and 3.925 against 3.971 with it on, but 5.943 against 5.800 at batch 8 and 8.385
     # against 7.641 at batch 32, where its 16 programs each run every row

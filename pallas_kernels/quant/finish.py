@@ -17,11 +17,12 @@ cost is B's reads. An off row runs the same instructions as a row of the no-adap
 program's whatever layout Triton gives the tile.
 
 No reduction on an off row's path: until run 56 the kernel also wrote x'^2's sums per column
-tile for the norm. Compiled, the bare and the adapted kernel laid the tile out differently
-(the adapter's [block, rank] product sets the layout of what it meets), so those sums were
-added in different orders and a switched-off row's logits moved by up to 1.7e-6 from the
+tile for the norm, and compiled, a switched-off row's logits moved by up to 1.7e-6 from the
 no-adapter program's (experiments/results/device/run56/s11: off_bits_probe.py, with and
-without XLA's autotuning; the "xla" form stayed bit-identical).
+without XLA's autotuning; the "xla" form stayed bit-identical). The likely mechanism: the
+adapter's [block, rank] product sets the layout of the tile it meets, so the bare and the
+adapted kernel added the squares in different orders. Without the sums, run 57 found the
+bits equal.
 
 Grid: one program per tile of `block` columns, all rows in it (as `lora_finish`), so B's
 tile is read once per program. On the H200 at bench-a3b batch 1 it took 1.4 us a call with

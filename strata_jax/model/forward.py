@@ -316,6 +316,7 @@ def logits_from_hidden(cfg: ModelConfig, params, x):
 
 
 def _head_kernel_rows(cfg, h, w) -> bool:
+  """Whether an in-place dense kernel takes the head's rows of h (else XLA's GEMM)."""
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
   n, d = h.size // h.shape[-1], h.shape[-1]
   impl = cfg.forms.quant_impl
