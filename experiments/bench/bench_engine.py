@@ -229,30 +229,12 @@ def program_rate(eng, B, steps_per_call, calls, prompt_sets):
   return rate, times, tokens
 
 
-def _sample_inputs(B, kw, first):
-  """decode_sample's inputs for B rows of one request's parameters `kw` (no length limit),
-  starting from tokens `first` [B]: (rows, sampling params, switch, stop ids, plan)."""
-  import jax
-  import numpy as np
-
-  from strata_jax.engine import sampling as hs
-  from strata_jax.engine.engine import Request
-  from strata_jax.sampling import Rows
-  req = Request(tokens=[0], max_tokens=1 << 30, **kw)
-  rp = hs.RowParams(B)
-  for i in range(B):
-    rp.set(i, req, 1)
-  rows = Rows(last=np.asarray(first, np.int32), active=np.ones(B, np.int32),
-              remaining=np.full(B, 1 << 30, np.int32), n_gen=np.zeros(B, np.int32),
-              recent=np.full((B, hs.dev.RECENT), -1, np.int32))
-  return (*jax.device_put((rows, rp.params(), rp.switch, rp.stops())), hs.plan_for([req]))
-
-
 def sample_program_rate(eng, B, steps_per_call, calls, prompt_sets, kw):
   """`steps.decode_sample`, the engine's own decode program, called back to back as
   `program_rate` calls decode_greedy, from the same prompt sets (B rows active, request
   parameters `kw`, switch on): the device-side price of on-device sampling and row
   bookkeeping, apart from the engine's host loop."""
+  import common
   import jax
 
   from strata_jax import steps
@@ -260,7 +242,7 @@ def sample_program_rate(eng, B, steps_per_call, calls, prompt_sets, kw):
   times = []
   for r, prompts in enumerate(prompt_sets):
     state, first = prefilled_state(eng, prompts)
-    rows, sp, switch, stop, plan = _sample_inputs(B, kw, first)
+    rows, sp, switch, stop, plan = common.sample_inputs(B, kw, first)
     jax.block_until_ready((rows, state))
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -279,12 +261,14 @@ def dump_hlo(eng, B, steps_per_call, folder):
   `folder`/decode_{greedy,sample}_b{B}.hlo.txt.gz: where the profile's fusions differ."""
   import gzip
 
+  import common
+
   import jax.numpy as jnp
 
   from strata_jax import steps
   st, state = eng.stages[0], eng.states[0]
   one = jnp.ones((B,), jnp.int32)
-  rows, sp, switch, stop, plan = _sample_inputs(B, {}, one)
+  rows, sp, switch, stop, plan = common.sample_inputs(B, {}, one)
   programs = {
       "greedy": steps.decode_greedy.lower(st.cfg, st.params, st.lora, state, one, one, one,
                                           n_steps=steps_per_call, cvec=st.cvec),

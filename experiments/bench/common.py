@@ -129,6 +129,26 @@ def engine_lora(cfg, rank: int, dtype, rows: int = 2, seed: int = 1):
   return lora
 
 
+def sample_inputs(B, kw, first):
+  """decode_sample's inputs for B rows of one request's parameters `kw` (no length limit),
+  starting from tokens `first` [B], as an Engine builds them: (rows, sampling params,
+  switch, stop ids, plan), on the default device."""
+  import jax
+  import numpy as np
+
+  from strata_jax.engine import sampling as hs
+  from strata_jax.engine.engine import Request
+  from strata_jax.sampling import Rows
+  req = Request(tokens=[0], max_tokens=1 << 30, **kw)
+  rp = hs.RowParams(B)
+  for i in range(B):
+    rp.set(i, req, 1)
+  rows = Rows(last=np.asarray(first, np.int32), active=np.ones(B, np.int32),
+              remaining=np.full(B, 1 << 30, np.int32), n_gen=np.zeros(B, np.int32),
+              recent=np.full((B, hs.dev.RECENT), -1, np.int32))
+  return (*jax.device_put((rows, rp.params(), rp.switch, rp.stops())), hs.plan_for([req]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Byte and FLOP counts (bf16 weights unless itemsize says otherwise).
 

@@ -250,7 +250,7 @@ def main():
         lp = loras[lstate]
         t = time.perf_counter()
         if "sample" in name.split("+"):   # the Engine's program: sampler rows in the carry
-          rows, sp, stop, plan = sample_inputs(B)
+          rows, sp, _, stop, plan = common.sample_inputs(B, {}, [0] * B)
           lowered = steps.decode_sample.lower(vcfg, params, lp, state, rows, sp, sw, stop,
                                               n_steps=args.n_steps, plan=plan)
           run_sample = lowered.compile()
@@ -297,26 +297,6 @@ def main():
       os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
       with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-
-
-def sample_inputs(B):
-  """decode_sample's sampler inputs for B greedy rows that never stop: (rows, sampling
-  params, stop ids, plan), as an Engine builds them for greedy requests."""
-  import jax
-  import numpy as np
-
-  from strata_jax.engine import sampling as hs
-  from strata_jax.engine.engine import Request
-  from strata_jax.sampling import Rows
-  req = Request(tokens=[0], max_tokens=1 << 30)
-  rp = hs.RowParams(B)
-  for i in range(B):
-    rp.set(i, req, 1)
-  rows = Rows(last=np.zeros(B, np.int32), active=np.ones(B, np.int32),
-              remaining=np.full(B, 1 << 30, np.int32), n_gen=np.zeros(B, np.int32),
-              recent=np.full((B, hs.dev.RECENT), -1, np.int32))
-  rows, sp, stop = jax.device_put((rows, rp.params(), rp.stops()))
-  return rows, sp, stop, hs.plan_for([req])
 
 
 def time_gdn_ops(cfg, T):
