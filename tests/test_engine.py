@@ -8,7 +8,7 @@ from model_fixtures import TINY, random_lora, tiny_model
 from tolerances import CHUNK_SHAPE_REL_FP32, assert_close
 
 import strata_jax as sj
-from strata_jax.engine.engine import Request, _snap_bytes
+from strata_jax.engine.engine import Request, _snap_bytes, chunk_steps
 
 BS = 32
 
@@ -272,6 +272,35 @@ def test_time_to_first_token_counts_the_wait_for_a_slot(model):
   # the second was submitted before the first's first token and started after its last
   assert second.ttft_s >= stamps[-1] - stamps[0] > 0
   assert first.ttft_s < second.ttft_s
+
+
+@pytest.mark.parametrize("limit,buckets,steps", [
+    (5, (1, 4, 16), 4),     # 16 would leave 11 spare steps: 4 now, 1 next
+    (1, (1, 4, 16), 1),
+    (3, (1, 4, 16), 4),     # one spare step beats two more dispatches
+    (14, (1, 4, 16), 16),   # two spare of 16: an eighth
+    (13, (1, 4, 16), 4),    # three spare of 16: too many
+    (40, (1, 4, 16), 16),   # more than the largest: the largest
+    (15, (16,), 16),
+    (2, (4, 16), 4),        # less than the smallest: the smallest
+])
+def test_chunk_steps_covers_the_limit_unless_that_wastes_steps(limit, buckets, steps):
+  assert chunk_steps(limit, buckets) == steps
+
+
+def test_a_short_request_decodes_in_the_steps_it_needs(model):
+  """A request with 5 tokens left after its first runs 4 + 1 decode steps from the default
+  buckets (1, 4, 16), not 16 (a spare step costs a whole step), with the same tokens as one
+  step a dispatch."""
+  eng = sj.Engine(model, slots=1, max_seq=128, block_size=BS, prefix_cache_bytes=0)
+  ran = []
+  real = eng._decode_chunk
+  eng._decode_chunk = lambda rows, n, *a, **k: ran.append(n) or real(rows, n, *a, **k)
+  got = eng.generate(tokens=[3, 4, 5], max_tokens=6).tokens
+  assert ran == [4, 1]
+  one = sj.Engine(model, slots=1, max_seq=128, block_size=BS, prefix_cache_bytes=0,
+                  decode_steps=(1,))
+  assert got == one.generate(tokens=[3, 4, 5], max_tokens=6).tokens
 
 
 def test_conversation_cache_extends(model):

@@ -33,6 +33,21 @@ from strata_jax.state import init_state
 log = logging.getLogger("strata_jax")
 
 
+def chunk_steps(limit: int, buckets: Sequence[int]) -> int:
+  """Decode steps for the next dispatch, one of the sorted `buckets`, for rows that need at
+  most `limit` more: the fewest that cover `limit` if at most one step or an eighth of them
+  would be spare, else the most that fit in it (the rest goes in later dispatches), else the
+  fewest.
+  A spare step costs a whole step (the weights are read for inactive rows all the same),
+  while one more dispatch, queued behind the running one, costs the host a little: five
+  tokens from (1, 4, 16) take 4 + 1 steps, not 16."""
+  cover = [b for b in buckets if b >= limit]
+  if cover and cover[0] - limit <= max(1, cover[0] // 8):
+    return cover[0]
+  fit = [b for b in buckets if b <= limit]
+  return fit[-1] if fit else buckets[0]
+
+
 @dataclasses.dataclass
 class Request:
   """One generation request.
@@ -215,7 +230,8 @@ class Engine:
       block_size). Chunks are padded to power-of-two buckets (one program per bucket).
     decode_steps: the decode steps per dispatch the engine may use (one program each): a
       dispatch takes the fewest that cover the running rows' remaining length (with requests
-      queued, the first row's to finish), else the most.
+      queued, the first row's to finish) when at most one step or an eighth of them would be
+      spare, else the most that fit in it (`chunk_steps`).
     warmup: compile the programs before the first request: True for every prefill bucket, or
       a list of prompt lengths for the buckets those use; plus the greedy decode programs
       (for every row bucket).
@@ -951,10 +967,7 @@ class Engine:
     limit = min(left) if self._pending else max(left)
     reqs = [run.req for _, run in self._running.values()]
     with_logits = any(r.return_logits or r.return_step_logits for r in reqs)
-    # the fewest steps that cover the limit, else the most: the device stops each row at its
-    # own length, so a few spare steps cost less than another program or dispatch
-    n = 1 if with_logits or len(self.stages) > 1 else min(
-        [b for b in self.decode_steps if b >= limit] or [self.decode_steps[-1]])
+    n = 1 if with_logits or len(self.stages) > 1 else chunk_steps(limit, self.decode_steps)
     plan = host_sampling.plan_for(reqs)
     sp, switch, stop = self._device_rows()
     cols = None
