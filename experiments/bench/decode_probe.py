@@ -25,8 +25,9 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             the in-place tensor-core kernel (Forms.dense_few)
   qxla/qpallas  quantised weights (--gguf) multiplied by XLA (gather, dequantise, dot) or by
             the Pallas kernels that dequantise in place (Forms.quant_impl)
-  headgemv  the output head by the in-place dense kernels (GEMV at one row, dense_dot to 64),
-            not XLA's autotuned GEMM (run 58: 141.5 us tuned, 342 untuned)
+  headgemv/headxla  the output head by the in-place dense kernels (Forms.head="kernel", the
+            GPU's default since run 59) or XLA's autotuned GEMM (run 58: 141.5 us tuned, 342
+            untuned)
   sample    the Engine's own program, `steps.decode_sample` with a greedy plan (the sampler's
             rows in the scan's carry), in place of `decode_greedy`
   fin64/fin32  proj_finish's kernel on 64 / 32 columns a program (128 by default)
@@ -74,6 +75,8 @@ FORM_VARIANTS = {
     "attnpro": {"attn_decode": "pallas_prologue"},   # attention's norms, RoPE, cache write
     "pfin": {"proj_finish": "kernel"},   # one kernel after each mixer's output projection
     "xfin": {"proj_finish": "xla"},      # XLA's fusions after it (the default before run 54)
+    "headgemv": {"head": "kernel"},   # the head by the in-place kernels (the GPU's default)
+    "headxla": {"head": "xla"},       # XLA's autotuned GEMM (the default before run 59)
     "attnkernel": {"attn_decode": "pallas"},   # the decode kernel alone (base's GPU form)
     "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},
@@ -104,16 +107,10 @@ def variant_cfg(cfg, variant: str):
   return dataclasses.replace(cfg, forms=dataclasses.replace(cfg.forms, **changes))
 
 
-def pl_next_pow2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
 def patch(variant: str):
   """Apply a variant's switches to the model modules; returns an undo function."""
   import functools
 
-  import jax
-  import jax.numpy as jnp
   from jax import lax
 
   from strata_jax.model import attention, forward, gdn, moe
@@ -147,8 +144,8 @@ def patch(variant: str):
                    lambda m, lora="none": "rows" if m <= qk.ROWS_MAX else "dot")
     elif part in ("fin64", "fin32"):   # proj_finish's column tile (128 columns a program)
       from pallas_kernels.quant import finish
-      cols = int(part[3:])
-      setattr_undo(finish, "_block", lambda d, cols=cols: min(cols, pl_next_pow2(d)))
+      cols, block = int(part[3:]), finish._block
+      setattr_undo(finish, "_block", lambda d: min(cols, block(d)))
     elif part == "widesteps":   # the dense GEMV's tiling before MIN_STEP_COLS (512 columns a step)
       from pallas_kernels.quant import gemv
       setattr_undo(gemv, "MIN_STEP_COLS", 512)
@@ -164,17 +161,6 @@ def patch(variant: str):
     elif part == "route4w":   # the routing kernel at four warps for every program (run 38's base)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)
-    elif part == "headgemv":   # the output head by the in-place dense kernels, not XLA's GEMM
-      from strata_jax.model.common import DRef
-
-      def logits_from_hidden(cfg, params, x, _orig=forward.logits_from_hidden):
-        w = params.lm_head
-        if not isinstance(w, jax.Array) or x.reshape(-1, x.shape[-1]).shape[0] > 64:
-          return _orig(cfg, params, x)
-        h = mc.rms_norm(x, params.final_norm, cfg.rms_eps)
-        ref = DRef(w[None], jnp.int32(0), cfg.forms.quant_impl, cfg.forms.dense_few)
-        return mc.linear(h, ref).astype(jnp.float32)
-      setattr_undo(forward, "logits_from_hidden", logits_from_hidden)
     elif part in FORM_VARIANTS or part == "sample":
       continue   # variant_cfg; "sample": the program (main)
     else:
@@ -251,20 +237,18 @@ def main():
         t = time.perf_counter()
         if "sample" in name.split("+"):   # the Engine's program: sampler rows in the carry
           rows, sp, _, stop, plan = common.sample_inputs(B, {}, [0] * B)
-          lowered = steps.decode_sample.lower(vcfg, params, lp, state, rows, sp, sw, stop,
-                                              n_steps=args.n_steps, plan=plan)
-          run_sample = lowered.compile()
+          program = steps.decode_sample.lower(vcfg, params, lp, state, rows, sp, sw, stop,
+                                              n_steps=args.n_steps, plan=plan).compile()
           holder = [rows]
 
           def compiled(params, lp, state, toks, sw, act):
-            out, holder[0], state = run_sample(params, lp, state, holder[0], sp, sw, stop)
+            out, holder[0], state = program(params, lp, state, holder[0], sp, sw, stop)
             return out[0], state
         else:
-          lowered = steps.decode_greedy.lower(vcfg, params, lp, state, toks, sw, act,
-                                              n_steps=args.n_steps)
-          compiled = lowered.compile()
+          program = compiled = steps.decode_greedy.lower(
+              vcfg, params, lp, state, toks, sw, act, n_steps=args.n_steps).compile()
         t_compile = time.perf_counter() - t
-        text = (run_sample if "sample" in name.split("+") else compiled).as_text()
+        text = program.as_text()
         counts = common.hlo_counts(text)
         if args.dump_hlo:
           import gzip

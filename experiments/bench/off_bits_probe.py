@@ -67,23 +67,18 @@ def main():
              xla_flags=os.environ.get("XLA_FLAGS", ""), gemv_lora=args.gemv_lora, forms={})
   diff = lambda a, b: dict(equal=bool(np.array_equal(a, b)),
                            max_abs=float(np.abs(a - b).max()))
-  ref_off = None
+  offs = {}
   for finish in args.finish.split(","):
     bare, g_bare = run(finish, None)
     bare2, _ = run(finish, None)
-    off, g_off = run(finish, lora)
-    row = {"bare-bare": diff(bare, bare2), "bare-off": diff(bare, off),
-           "gemms_bare": g_bare, "gemms_off": g_off}
-    if finish == "xla":
-      ref_off = off
-    res["forms"][finish] = row
-    res["forms"][finish]["_off"] = off
-    print(finish, {k: v for k, v in row.items() if k != "_off"}, flush=True)
-  if ref_off is not None:
+    offs[finish], g_off = run(finish, lora)
+    row = res["forms"][finish] = {"bare-bare": diff(bare, bare2),
+                                  "bare-off": diff(bare, offs[finish]),
+                                  "gemms_bare": g_bare, "gemms_off": g_off}
+    print(finish, row, flush=True)
+  if "xla" in offs:
     for finish, row in res["forms"].items():
-      row["xla-kernel"] = diff(row["_off"], ref_off)
-  for row in res["forms"].values():
-    row.pop("_off")
+      row["xla-kernel"] = diff(offs[finish], offs["xla"])
   print(json.dumps(res, indent=1))
   with open(args.out, "w") as f:
     json.dump(res, f, indent=1)
