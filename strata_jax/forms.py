@@ -192,6 +192,13 @@ CHOICES: dict[str, tuple] = {
     # at batch 1 and 143.3 at 8, steps level with XLA's tuned head (run 59). "auto" = "kernel"
     # on the GPU, "xla" elsewhere.
     "head": ("auto", "xla", "kernel"),
+    # where the finishing kernel after the one-row GEMV's adapted projection (`gemv_lora`
+    # "rows" / "rows_dense") reads the layer's B: "in_place" = in the adapter's stack at the
+    # layer index, which the kernel loads first, so B's tile waits on a second round trip
+    # (run 57: the finish took 2.9 us a call with the adapter, 1.3 without); "staged" = the
+    # GEMV's launch copies B at the layer to a buffer (16 more programs of a 128-row tile
+    # each), and the finish reads that with no index. The same numbers. "auto" = "in_place".
+    "lora_b": ("auto", "in_place", "staged"),
 }
 
 
@@ -232,6 +239,7 @@ class Forms:
   dense_launch: str = "auto"
   proj_finish: str = "auto"
   head: str = "auto"
+  lora_b: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -272,6 +280,7 @@ class Forms:
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
         head=auto(self.head, "kernel", "xla"),
+        lora_b=auto(self.lora_b, "in_place", "in_place"),
         matmul_precision=precision)
 
   def check_backend(self, backend: str) -> Forms:

@@ -31,6 +31,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   sample    the Engine's own program, `steps.decode_sample` with a greedy plan (the sampler's
             rows in the scan's carry), in place of `decode_greedy`
   fin64/fin32  proj_finish's kernel on 64 / 32 columns a program (128 by default)
+  bstaged   the finishing kernel reads the layer's B from a copy the projection's launch
+            makes, not from the stack behind the layer index's load (Forms.lora_b="staged")
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
   cond      adapter programs branch (lax.cond) to the no-adapter layers when every switch is off
   fastgdn   prefill's chunked delta rule from `chunked.py` (products, default precision)
@@ -77,6 +79,7 @@ FORM_VARIANTS = {
     "xfin": {"proj_finish": "xla"},      # XLA's fusions after it (the default before run 54)
     "headgemv": {"head": "kernel"},   # the head by the in-place kernels (the GPU's default)
     "headxla": {"head": "xla"},       # XLA's autotuned GEMM (the default before run 59)
+    "bstaged": {"lora_b": "staged"},  # B copied by the GEMV's launch; the finish reads it
     "attnkernel": {"attn_decode": "pallas"},   # the decode kernel alone (base's GPU form)
     "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},
