@@ -470,5 +470,28 @@ if want owed12; then
     --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
 fi
+# Session of 2026-12-04 (twelfth), SECTIONS=s12a (~9 min): `Forms.lora_b` "staged" (the one-row
+# GEMV's launch copies the layer's B; the finish reads it with no layer index) against B read
+# in place, decode_probe at batch 1 with profiles of both adapted programs; the same program
+# under XLA command buffers around the loops (one process each, a --tag); then the compiled
+# kernel tests of the LoRA rows and the finish (staged B's bits), then the GPU model set
+# (the forms tests with staged B, the head pinned to "xla" in one test).
+if want s12a; then
+  timeout 200 python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,base@off,bstaged@on,bstaged@off,base@on --batches 1 --n_steps 16 \
+    --reps 7 --profile base@on,bstaged@on --out $OUT/decode_probe_s12a_b1.json 2>&1 \
+    | grep '"variant"' | cut -c1-120
+  for cb in "+WHILE,+CONDITIONAL" "+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
+    tag=cb$( [[ $cb == *min_graph* ]] && echo 1 || echo 0 )
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=$cb" timeout 90 python3 \
+      experiments/bench/decode_probe.py --variants base@on --batches 1 --n_steps 16 --reps 7 \
+      --tag $tag --out $OUT/decode_probe_s12a_$tag.json 2>&1 | grep -e '"variant"' -e Error \
+      | cut -c1-160
+  done
+  echo "s12a probes done $(( $(date +%s) - t0 )) s"
+  GPU_SET=kernels GPU_TESTS="tests/test_finish_kernel.py tests/test_quant_kernel.py" CAP=100 \
+    WORKERS=6 bash experiments/bench/gpu_tests.sh | tail -1
+  GPU_SET=model CAP=$(left) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
