@@ -192,12 +192,14 @@ CHOICES: dict[str, tuple] = {
     # at batch 1 and 143.3 at 8, steps level with XLA's tuned head (run 59). "auto" = "kernel"
     # on the GPU, "xla" elsewhere.
     "head": ("auto", "xla", "kernel"),
-    # where the finishing kernel after the one-row GEMV's adapted projection (`gemv_lora`
-    # "rows" / "rows_dense") reads the layer's B: "in_place" = in the adapter's stack at the
-    # layer index, which the kernel loads first, so B's tile waits on a second round trip
-    # (run 57: the finish took 2.9 us a call with the adapter, 1.3 without); "staged" = the
-    # GEMV's launch copies B at the layer to a buffer (16 more programs of a 128-row tile
-    # each), and the finish reads that with no index. The same numbers. "auto" = "in_place".
+    # where an adapted projection's in-place kernels (`gemv_lora` "rows" / "rows_dense" /
+    # "dot") fetch the layer's B: "in_place" = where it is used: the one-row GEMV's finishing
+    # kernel loads the layer index first, so B's tile waits on a second round trip (run 57:
+    # the finish took 2.9 us a call with the adapter, 1.3 without), and dense_dot loads its B
+    # tile after its K loop; "staged" = ahead of that: the GEMV's launch copies B at the layer
+    # to a buffer (16 more programs of a 128-row tile each) that the finish reads with no
+    # index, and dense_dot loads its tile before the loop, where the latency hides behind
+    # it. The same numbers. "auto" = "in_place".
     "lora_b": ("auto", "in_place", "staged"),
 }
 

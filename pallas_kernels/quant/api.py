@@ -34,8 +34,10 @@ from pallas_kernels.quant.reference import dequantize, select_matrix
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
 LORA_DOWN = ("h", "a")  # x @ A^T once outside the kernel, or inside every program
-# Where the one-row GEMV's finishing kernel reads B: in the stack at the layer index, or
-# staged, copied by the GEMV's own launch to a stack of one (`Forms.lora_b`).
+# Where an adapted projection's kernels fetch the layer's B (`Forms.lora_b`): "in_place" where
+# it is used; "staged" ahead of that: the one-row GEMV's launch copies it to a stack of one
+# that its finishing kernel reads with no index, and dense_dot loads its B tile before its K
+# loop.
 LORA_B = ("in_place", "staged")
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
@@ -335,8 +337,9 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
   projection is two launches, with no slice of A or B copied. Rows with on == 0 are
   `dense_matmul`'s bit for bit. on: [N] int32 / bool; tiles ({block_out, block_in, k_split,
   finish_block, num_warps, num_stages}), rows_max: as `dense_matmul`. lora_b: where the
-  finishing kernel reads B (`Forms.lora_b`): "in_place" in the stack at `lora_index`, or
-  "staged", copied to a buffer by the GEMV's launch; the same numbers."""
+  kernels fetch B (`Forms.lora_b`): "in_place" where it is used, or "staged" ahead of that
+  (the GEMV's launch copies it for the finish; dense_dot loads it before its K loop); the
+  same numbers."""
   parts, lora = dense_matmul_lora_split(x, stack, index, a, b, on, rank_scale=rank_scale,
                                         lora_index=lora_index, implementation=implementation,
                                         tiles=tiles, rows_max=rows_max, few=few,
@@ -410,7 +413,8 @@ def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_
                                          stage_b=lora_b == "staged", **kw)
     return yp, (hp, b_fin, lidx, on, rank_scale)
   return dense_dot.dense_dot_call(x, _stack3(stack), index, partials=True,
-                                  lora=(a_stack, b_stack, lidx, on, rank_scale), **kw), None
+                                  lora=(a_stack, b_stack, lidx, on, rank_scale),
+                                  b_early=lora_b == "staged", **kw), None
 
 
 def finish_residual(parts, res, *, lora=None, implementation="auto"):
