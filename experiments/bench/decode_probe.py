@@ -32,7 +32,10 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             rows in the scan's carry), in place of `decode_greedy`
   fin64/fin32  proj_finish's kernel on 64 / 32 columns a program (128 by default)
   bstaged   the finishing kernel reads the layer's B from a copy the projection's launch
-            makes, not from the stack behind the layer index's load (Forms.lora_b="staged")
+            makes, not from the stack behind the layer index's load, and dense_dot loads
+            its B tile before its K loop (Forms.lora_b="staged")
+  lorabo128 dense_dot's adapted programs on 128 output rows, not 64 (fewer programs each
+            computing its share's A x again)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
   cond      adapter programs branch (lax.cond) to the no-adapter layers when every switch is off
   fastgdn   prefill's chunked delta rule from `chunked.py` (products, default precision)
@@ -149,6 +152,9 @@ def patch(variant: str):
       from pallas_kernels.quant import finish
       cols, block = int(part[3:]), finish._block
       setattr_undo(finish, "_block", lambda d: min(cols, block(d)))
+    elif part == "lorabo128":   # dense_dot's adapted programs on 128 output rows (64)
+      from pallas_kernels.quant import dense_dot
+      setattr_undo(dense_dot, "LORA_BLOCK_OUT", 128)
     elif part == "widesteps":   # the dense GEMV's tiling before MIN_STEP_COLS (512 columns a step)
       from pallas_kernels.quant import gemv
       setattr_undo(gemv, "MIN_STEP_COLS", 512)

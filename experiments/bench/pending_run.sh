@@ -493,5 +493,21 @@ if want s12a; then
     WORKERS=6 bash experiments/bench/gpu_tests.sh | tail -1
   GPU_SET=model CAP=$(left) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
 fi
+# Then SECTIONS=s12b (~6 min): run 62 found "staged" B level with B in place at batch 1 (the
+# finish 2.46 against 2.92 us a call, the GEMV launch 0.17 us slower, steps within spread).
+# Batch 8 and 32, where dense_dot takes the rows: B's tile before the K loop ("bstaged") and
+# 128-row adapted tiles ("lorabo128") against the default, with profiles at batch 8; then
+# the Engine's own program (`sample`) with the attention prologue ("attnpro", opt-in since
+# run 43 because the Engine's batch-1 spread hid its 0.8 %; run 61 found that spread gone).
+if want s12b; then
+  timeout 240 python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,bstaged@on,lorabo128@on,base@on --batches 8,32 --n_steps 16 \
+    --reps 7 --profile base@on,lorabo128@on --out $OUT/decode_probe_s12b_b8.json 2>&1 \
+    | grep '"variant"' | cut -c1-120
+  timeout $(left) python3 experiments/bench/decode_probe.py \
+    --variants sample@on,sample+attnpro@on,sample@on,sample+attnpro@on --batches 1,8 \
+    --n_steps 16 --reps 7 --out $OUT/decode_probe_s12b_attnpro.json 2>&1 \
+    | grep '"variant"' | cut -c1-120
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

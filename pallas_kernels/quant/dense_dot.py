@@ -76,6 +76,10 @@ class Tiling(NamedTuple):
 # each pipelined stage plus the adapter's A tile, which sits under a branch and is loaded once.
 SMEM_BUDGET = 200 * 1024
 STAGES = 3   # gemv.triton_params' default num_stages
+# Output rows a program with an adapter: every program of a share of `in` computes that
+# share's h = A x again, so wider tiles mean fewer copies of that work (decode_probe's
+# "lorabo128" variant times 128).
+LORA_BLOCK_OUT = 64
 
 
 def defaults(m, d_out, d_in, *, rank_pad=0, interpret=False):
@@ -87,7 +91,7 @@ def defaults(m, d_out, d_in, *, rank_pad=0, interpret=False):
   if interpret:
     return (min(256, max(_MIN_TILE, pl.next_power_of_2(d_out))),
             _largest_block(d_in, 2048), 1)
-  bo, bk = 64, _largest_block(d_in, 256)
+  bo, bk = LORA_BLOCK_OUT if rank_pad else 64, _largest_block(d_in, 256)
   rp = _rows_pad(m)
   while bk > 32 and ((rp + bo) * STAGES + rank_pad) * bk * 2 > SMEM_BUDGET:
     bk //= 2
