@@ -136,7 +136,8 @@ CHOICES: dict[str, tuple] = {
     # reads the layer's K/V cache in place and only each row's keys up to its position
     # (`pallas_kernels/attention`), "xla" = the model's einsums, which copy the layer's cache
     # out of the stack, convert it to fp32 and score the whole capacity. "auto" = "pallas" on
-    # the GPU for a 16-bit compute dtype (bench-a3b bf16 on the H200: decode roofline 0.402 /
+    # the GPU for a 16-bit compute dtype, in its prologue form below (bench-a3b bf16 on the
+    # H200, the kernel alone: decode roofline 0.402 /
     # 0.519 / 0.489 at batch 1 / 8 / 32 against 0.398 / 0.513 / 0.476,
     # experiments/results/device/bench_model_decode_run31_attn.json and _run28_moe.json),
     # "xla" for float32 and elsewhere. Why float32 keeps XLA: run 31's GPU test that every
@@ -150,14 +151,14 @@ CHOICES: dict[str, tuple] = {
     # "pallas_prologue" / "pallas_prologue_interpret": the kernel, with the q / k head norms,
     # RoPE and the new key / value's cache write before it in one launch too
     # (`pallas_kernels/attention/prologue_kernel.py`; the same caches in bf16, q to the
-    # norm's and the cos / sin's fp32 rounding). Not "auto": bench-a3b bf16 on the H200, its
-    # plain decode program gains (3.844 against 3.875 ms a step at batch 1, 7.657 against 7.680
-    # at batch 32, run 43's decode_probe "attnpro" against "base"), and that 0.8 % is below
-    # the Engine's run-to-run spread at batch 1: runs 45 / 46 saw its sampling program lose
-    # 4.6 % with the prologue (237.1 against 248.4 tok/s), run 47 saw it gain (238.3 against
-    # 236.7) with the plain program losing instead (228.7 against 249.2), and both programs'
-    # optimised HLO hold the same copies under either form (17 / 47: bench_engine_b1_*.json
-    # and hlo_attn_* in experiments/results/device/run47).
+    # norm's and the cos / sin's fp32 rounding). "auto" on the GPU for a 16-bit compute dtype
+    # since run 63: bench-a3b bf16 on the H200, the Engine's own program (`decode_sample`)
+    # took 3.936 / 3.945 ms a step with it against 3.973 / 3.980 without at batch 1 (two
+    # alternating timings each), 6.081 / 6.074 against 6.088 / 6.086 at batch 8
+    # (experiments/results/device/run63/decode_probe_s12b_attnpro.json); run 43's plain
+    # program gained the same 0.8 %. Until then the Engine's run-to-run spread at batch 1
+    # (runs 45-47: ±5 %) hid it; that spread was the output head's autotuned GEMM
+    # (`head` below), gone since run 61.
     "attn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_prologue",
                     "pallas_prologue_interpret"),
     # a layer's projections of one input (GDN qkv / gate / ba, attention q / k / v, the shared
@@ -278,7 +279,7 @@ class Forms:
         moe_topk=auto(self.moe_topk, "pallas", "xla"),
         dense_few=auto(self.dense_few, "dot", "dot"),
         attn_decode=auto(self.attn_decode, "xla" if _dtype_name(compute_dtype) == "float32"
-                         else "pallas", "xla"),
+                         else "pallas_prologue", "xla"),
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
         head=auto(self.head, "kernel", "xla"),

@@ -78,13 +78,17 @@ def test_defaults_fill_the_grid_by_splitting_in_and_keep_two_steps_a_share():
   assert dense_dot.defaults(8, 8192, 2048) == (64, 256, 2)   # 128 tiles: 256 programs
   assert dense_dot.defaults(8, 16384, 2048) == (64, 256, 1)   # 256 tiles: no split
   assert dense_dot.defaults(8, 512, 2048)[2] == 4   # 8 tiles, 8 steps: 2 a share
-  # the measured adapter calls keep 256 columns (batch 8 / 32, rank 50 padded to 64); 64 rows
-  # with an adapter, or a rank past 64, halve them to stay in an SM's shared memory
-  assert dense_dot.defaults(8, 2048, 4096, rank_pad=64)[1] == 256
-  assert dense_dot.defaults(32, 2048, 4096, rank_pad=64)[1] == 256
+  # an adapted call: LORA_BLOCK_OUT rows a program, `in` tiles halved to stay in an SM's
+  # shared memory, and always the plain call's split of `in` (its off rows' summation order)
+  bo = dense_dot.LORA_BLOCK_OUT
+  assert dense_dot.defaults(8, 2048, 4096, rank_pad=64) == (bo, 128, 8)
+  assert dense_dot.defaults(32, 2048, 4096, rank_pad=64) == (bo, 128, 8)
   assert dense_dot.defaults(64, 2048, 4096)[1] == 256
-  assert dense_dot.defaults(64, 2048, 4096, rank_pad=64)[1] == 128
   assert dense_dot.defaults(64, 2048, 4096, rank_pad=512)[1] == 64
+  for m, d_out, d_in in ((8, 2048, 4096), (64, 4096, 4096), (5, 72, 512), (32, 16384, 2048)):
+    for rank_pad in (16, 64, 512):
+      assert (dense_dot.defaults(m, d_out, d_in, rank_pad=rank_pad)[2]
+              == dense_dot.defaults(m, d_out, d_in)[2]), (m, d_out, d_in, rank_pad)
 
 
 def test_dense_matmul_routes_a_few_16_bit_rows_to_the_dot_and_the_rest_to_xla():

@@ -47,7 +47,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert (gpu.gemv_lora, cpu.gemv_lora) == ("rows_dense", "rows")   # measured: forms.py
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
   assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
-  assert (gpu.attn_decode, cpu.attn_decode) == ("pallas", "xla")   # measured: forms.py
+  assert (gpu.attn_decode, cpu.attn_decode) == ("pallas_prologue", "xla")   # measured: forms.py
   assert (gpu.proj_finish, cpu.proj_finish) == ("gemv", "xla")     # measured: forms.py
   assert (gpu.dense_launch, cpu.dense_launch) == ("fused", "fused")   # the same numbers
   assert Forms().resolve("gpu", jnp.float32).attn_decode == "xla"   # forms.py says why

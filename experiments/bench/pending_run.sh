@@ -509,5 +509,18 @@ if want s12b; then
     --n_steps 16 --reps 7 --out $OUT/decode_probe_s12b_attnpro.json 2>&1 \
     | grep '"variant"' | cut -c1-120
 fi
+# Then SECTIONS=s12c (~7 min): the defaults run 63 chose, dense_dot's adapted programs on 128
+# output rows (`LORA_BLOCK_OUT`; `in` tiles of 128, the plain call's split) and the attention
+# prologue for bf16: dense_dot's compiled tests (off rows the plain kernel's bits under the
+# new tiling), bench_model's decode (roofline, LoRA entries), the GPU model set.
+if want s12c; then
+  GPU_SET=kernels GPU_TESTS="tests/test_dense_dot_kernel.py" CAP=100 WORKERS=4 \
+    bash experiments/bench/gpu_tests.sh | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_dense_dot.log 2>/dev/null
+  timeout 170 python3 experiments/bench/bench_model.py --sections decode \
+    --batches 1,8,32 --alt_batches "" --dump_hlo "" --kernels_json experiments/results/bench_kernels.json \
+    --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
+  GPU_SET=model CAP=$(left) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

@@ -77,27 +77,31 @@ class Tiling(NamedTuple):
 SMEM_BUDGET = 200 * 1024
 STAGES = 3   # gemv.triton_params' default num_stages
 # Output rows a program with an adapter: every program of a share of `in` computes that
-# share's h = A x again, so wider tiles mean fewer copies of that work (decode_probe's
-# "lorabo128" variant times 128).
-LORA_BLOCK_OUT = 64
+# share's h = A x again, so wider tiles mean fewer copies of that work. On the H200,
+# bench-a3b rank 50 padded to 64: 128 rows took the adapter's cost from 4.1-4.5 % of a decode
+# step to 2.0 % at batch 8 and from 4.3-4.5 % to 1.1 % at 32, against 64 rows
+# (experiments/results/device/run63/decode_probe_s12b_b8.json, decode_probe "lorabo128").
+LORA_BLOCK_OUT = 128
 
 
 def defaults(m, d_out, d_in, *, rank_pad=0, interpret=False):
-  """(block_out, block_in, k_split): 64 x 256 weight tiles (`in` tiles halved while the
-  x, weight and A tiles of a program would pass SMEM_BUDGET: 33 to 64 rows with an adapter),
-  `in` split (up to 8 ways, while each share keeps 2 or more loop steps) until the grid has
-  256 programs, two per SM of an H200. Interpret: one big tile (the interpreter's cost is per
-  program)."""
+  """(block_out, block_in, k_split): 64 x 256 weight tiles, `in` split (up to 8 ways, while
+  each share keeps 2 or more loop steps) until the grid has 256 programs, two per SM of an
+  H200. An adapted call (rank_pad > 0) keeps that split, so its off rows sum in the plain
+  call's order, on LORA_BLOCK_OUT output rows a program, with `in` tiles halved while the x,
+  weight and A tiles of a program would pass SMEM_BUDGET (the tensor cores chain a program's
+  K tiles into one accumulator, so the order within a share is the same). Interpret: one big
+  tile (the interpreter's cost is per program)."""
   if interpret:
     return (min(256, max(_MIN_TILE, pl.next_power_of_2(d_out))),
             _largest_block(d_in, 2048), 1)
-  bo, bk = LORA_BLOCK_OUT if rank_pad else 64, _largest_block(d_in, 256)
-  rp = _rows_pad(m)
-  while bk > 32 and ((rp + bo) * STAGES + rank_pad) * bk * 2 > SMEM_BUDGET:
-    bk //= 2
-  tiles, steps, ks = -(-d_out // bo), d_in // bk, 1
+  bk = _largest_block(d_in, 256)
+  tiles, steps, ks = -(-d_out // 64), d_in // bk, 1
   while ks < 8 and tiles * ks < 256 and steps % (2 * ks) == 0 and steps // (2 * ks) >= 2:
     ks *= 2
+  bo, rp = (LORA_BLOCK_OUT if rank_pad else 64), _rows_pad(m)
+  while bk > 32 and ((rp + bo) * STAGES + rank_pad) * bk * 2 > SMEM_BUDGET:
+    bk //= 2
   return bo, bk, ks
 
 
