@@ -135,9 +135,9 @@ CHOICES: dict[str, tuple] = {
     # one decode step's attention (a single new position a row): "pallas" = the kernel that
     # reads the layer's K/V cache in place and only each row's keys up to its position
     # (`pallas_kernels/attention`), "xla" = the model's einsums, which copy the layer's cache
-    # out of the stack, convert it to fp32 and score the whole capacity. "auto" = "pallas" on
-    # the GPU for a 16-bit compute dtype, in its prologue form below (bench-a3b bf16 on the
-    # H200, the kernel alone: decode roofline 0.402 /
+    # out of the stack, convert it to fp32 and score the whole capacity. "auto" = "pallas_prologue"
+    # (below) on the GPU for a 16-bit compute dtype (bench-a3b bf16 on the H200, the kernel
+    # alone against "xla": decode roofline 0.402 /
     # 0.519 / 0.489 at batch 1 / 8 / 32 against 0.398 / 0.513 / 0.476,
     # experiments/results/device/bench_model_decode_run31_attn.json and _run28_moe.json),
     # "xla" for float32 and elsewhere. Why float32 keeps XLA: run 31's GPU test that every
@@ -193,15 +193,6 @@ CHOICES: dict[str, tuple] = {
     # at batch 1 and 143.3 at 8, steps level with XLA's tuned head (run 59). "auto" = "kernel"
     # on the GPU, "xla" elsewhere.
     "head": ("auto", "xla", "kernel"),
-    # where an adapted projection's in-place kernels (`gemv_lora` "rows" / "rows_dense" /
-    # "dot") fetch the layer's B: "in_place" = where it is used: the one-row GEMV's finishing
-    # kernel loads the layer index first, so B's tile waits on a second round trip (run 57:
-    # the finish took 2.9 us a call with the adapter, 1.3 without), and dense_dot loads its B
-    # tile after its K loop; "staged" = ahead of that: the GEMV's launch copies B at the layer
-    # to a buffer (16 more programs of a 128-row tile each) that the finish reads with no
-    # index, and dense_dot loads its tile before the loop, where the latency hides behind
-    # it. The same numbers. "auto" = "in_place".
-    "lora_b": ("auto", "in_place", "staged"),
 }
 
 
@@ -242,7 +233,6 @@ class Forms:
   dense_launch: str = "auto"
   proj_finish: str = "auto"
   head: str = "auto"
-  lora_b: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -283,7 +273,6 @@ class Forms:
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
         head=auto(self.head, "kernel", "xla"),
-        lora_b=auto(self.lora_b, "in_place", "in_place"),
         matmul_precision=precision)
 
   def check_backend(self, backend: str) -> Forms:

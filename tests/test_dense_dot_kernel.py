@@ -123,13 +123,12 @@ def test_dense_dot_lowers_to_triton_for_the_gpu():
   assert "xla.gpu.triton" in low.as_text()
 
 
-@pytest.mark.parametrize("b_early", [False, True])
-def test_dense_dot_lora_lowers_to_triton_for_the_gpu(b_early):
-  """The adapted kernel at bench-a3b's attn_output shape, rank 50 (masked rank tiles), B's
-  tile after or before the K loop."""
+def test_dense_dot_lora_lowers_to_triton_for_the_gpu():
+  """The adapted kernel at bench-a3b's attn_output shape, rank 50 (masked rank tiles), with
+  its default tiling (LORA_BLOCK_OUT rows a program)."""
   a, b, on = _lora_case(8, 2048, 4096, 50, "mixed", n_ad=2)
   f = lambda x, w, a, b, on: dense_dot_call(x, w, jnp.int32(1), lora=(a, b, jnp.int32(1), on,
-                                                                      None), b_early=b_early)
+                                                                      None))
   low = jax.jit(f).trace(jnp.ones((8, 4096), BF16), jnp.ones((2, 2048, 4096), BF16), a, b,
                          on).lower(lowering_platforms=("cuda",))
   assert "xla.gpu.triton" in low.as_text()
@@ -172,8 +171,7 @@ def _lora_want(x, stack, i, a, b, li, on, rank_scale=None):
 def test_dense_dot_lora_adds_the_delta_in_one_launch_and_keeps_off_rows_bits(m, k_split,
                                                                              on_kind, scaled):
   """On rows: W x + B (A x) (times the rank scales) against float64 and the jnp reference;
-  off rows: the plain kernel's bits, split sums or not; A and B read at a traced index; B's
-  tile loaded before the K loop (`b_early`) gives the same bits."""
+  off rows: the plain kernel's bits, split sums or not; A and B read at a traced index."""
   d_out, d_in, rank = 72, 128, 12
   x, stack = _case(m, d_out, d_in, BF16, seed=m + 20)
   a, b, on = _lora_case(m, d_out, d_in, rank, on_kind)
@@ -183,9 +181,6 @@ def test_dense_dot_lora_adds_the_delta_in_one_launch_and_keeps_off_rows_bits(m, 
   f = jax.jit(lambda x, s, a, b, li, on, rs: dense_dot_call(
       x, s, jnp.int32(1), lora=(a, b, li, on, rs), interpret=True, **tiles))
   got = np.asarray(f(x, stack, a, b, jnp.int32(2), on, rs))
-  early = np.asarray(dense_dot_call(x, stack, jnp.int32(1), lora=(a, b, jnp.int32(2), on, rs),
-                                    interpret=True, b_early=True, **tiles))
-  assert np.array_equal(early.view(np.uint16), got.view(np.uint16))
   plain = np.asarray(dense_dot_call(x, stack, jnp.int32(1), interpret=True, **tiles))
   want, on_rows = _lora_want(x, stack, 1, a, b, 2, on, rs)
   assert np.array_equal(got[~on_rows].view(np.uint16), plain[~on_rows].view(np.uint16))
@@ -232,18 +227,14 @@ def test_dense_matmul_lora_takes_2_to_64_rows_into_the_one_launch_kernel():
                                         (64, "mixed")])
 def test_gpu_dense_dot_lora(m, on_kind):
   """Compiled, at bench-a3b's adapted shape (ssm_out / attn_output, rank 50): on rows against
-  float64, off rows the plain kernel's bits; B's tile loaded before the K loop, the same
-  bits."""
+  float64, off rows the plain kernel's bits (the adapted call's own tiling, LORA_BLOCK_OUT
+  rows a program, against the plain call's: the same split of `in`)."""
   d_out, d_in, rank = 2048, 4096, 50
   x, stack = _case(m, d_out, d_in, BF16, n_mats=3, seed=m)
   a, b, on = _lora_case(m, d_out, d_in, rank, on_kind, n_ad=4)
   got = np.asarray(jax.jit(lambda *v: dense_dot_call(
       v[0], v[1], jnp.int32(2), lora=(v[2], v[3], jnp.int32(3), v[4], None)))(
           x, stack, a, b, on))
-  early = np.asarray(jax.jit(lambda *v: dense_dot_call(
-      v[0], v[1], jnp.int32(2), lora=(v[2], v[3], jnp.int32(3), v[4], None), b_early=True))(
-          x, stack, a, b, on))
-  assert np.array_equal(early.view(np.uint16), got.view(np.uint16))
   plain = np.asarray(jax.jit(dense_dot_call)(x, stack, jnp.int32(2)))
   want, on_rows = _lora_want(x, stack, 2, a, b, 3, on)
   assert np.array_equal(got[~on_rows].view(np.uint16), plain[~on_rows].view(np.uint16))

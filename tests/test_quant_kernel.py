@@ -640,10 +640,6 @@ def test_dense_lora_reads_the_adapter_stacks_in_place_at_the_layer(n, dtype, k_s
   pair = np.asarray(dense_matmul_lora(x, w, jnp.int32(1), a_st[lay], b_st[lay], on,
                                       rank_scale=rs, **kw))
   assert np.array_equal(bits(got), bits(pair)), "stack at lora_index != the pair itself"
-  staged = jax.jit(lambda x, i, li, rs: dense_matmul_lora(
-      x, w, i, a_st, b_st, on, rank_scale=rs, lora_index=li, lora_b="staged", **kw))
-  assert np.array_equal(bits(staged(x, jnp.int32(1), jnp.int32(lay), rs)), bits(got)), \
-      "B staged by the GEMV's launch gives other bits than B read in place"
   off = np.asarray(on) == 0
   plain = np.asarray(dense_matmul(x, w, jnp.int32(1), **kw))
   assert np.array_equal(bits(got[off]), bits(plain[off])), "off rows differ from dense_matmul"
@@ -667,28 +663,6 @@ def test_dense_lora_rows_lower_to_triton_for_the_gpu(dtype):
           jnp.ones((1, 50), F32))
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 2
-  staged = lambda *a: dense_lora_call(*a, k_split=4, stage_b=True)
-  text = jax.jit(staged).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("xla.gpu.triton") == 2
-
-
-def test_staged_b_is_the_stacks_layer_copied_by_the_gemvs_launch():
-  """`dense_lora_rows(stage_b=True)`: the launch's third output is b_stack[lidx] exactly, over
-  a ragged last tile and a rank padded in the tile (40 rows, rank 12), and the partial sums
-  are the unstaged launch's bits."""
-  from pallas_kernels.quant.gemv import dense_lora_rows
-  rng = np.random.default_rng(12)
-  w = jnp.asarray(rng.standard_normal((2, OUT, 64)), F32)
-  a_st = jnp.asarray(rng.standard_normal((3, 12, 64)), BF16)
-  b_st = jnp.asarray(rng.standard_normal((3, OUT, 12)), BF16)
-  x, on = jnp.asarray(_x(2, 64, F32)), jnp.ones(2, jnp.int32)
-  kw = dict(block_out=16, block_in=32, k_split=2, interpret=True)
-  args = (x, w, jnp.zeros(1, jnp.int32), a_st, b_st, jnp.int32(2), on)
-  yp, hp, b = dense_lora_rows(*args, stage_b=True, **kw)
-  yp0, hp0, b0 = dense_lora_rows(*args, **kw)
-  assert b0 is b_st and b.shape == (1, OUT, 12) and b.dtype == BF16
-  assert np.array_equal(np.asarray(b[0], F32), np.asarray(b_st[2], F32))
-  assert np.array_equal(bits(yp), bits(yp0)) and np.array_equal(bits(hp), bits(hp0))
 
 
 def test_dense_lora_rank_scale_and_many_rows_take_the_reference():
@@ -725,7 +699,7 @@ def test_dense_lora_rank_scale_and_many_rows_take_the_reference():
 def test_gpu_dense_gemv_lora_rows(dtype):
   """ssm_out's shape at batch 1 (2048 x 4096, split sums) compiled, the adapter a stack read
   at its index: the on row within the float64 product's tolerance, the off row
-  `dense_matmul`'s bits; B staged by the GEMV's launch gives the same bits."""
+  `dense_matmul`'s bits."""
   from pallas_kernels.quant import dense_matmul
   from pallas_kernels.quant.api import dense_matmul_lora
   rng = np.random.default_rng(8)
@@ -738,9 +712,6 @@ def test_gpu_dense_gemv_lora_rows(dtype):
   for on in (np.ones(1, np.int32), np.zeros(1, np.int32)):
     got = np.asarray(dense_matmul_lora(*args, a_st, b_st, jnp.asarray(on), lora_index=1,
                                        implementation="pallas"))
-    staged = np.asarray(dense_matmul_lora(*args, a_st, b_st, jnp.asarray(on), lora_index=1,
-                                          implementation="pallas", lora_b="staged"))
-    assert np.array_equal(bits(staged), bits(got)), "staged B: other bits than in place"
     if on[0]:
       f64 = np.float64
       want = _want(x, np.asarray(w[2], f64)) + (x.astype(f64) @ a.astype(f64).T) @ b.astype(

@@ -31,9 +31,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   sample    the Engine's own program, `steps.decode_sample` with a greedy plan (the sampler's
             rows in the scan's carry), in place of `decode_greedy`
   fin64/fin32  proj_finish's kernel on 64 / 32 columns a program (128 by default)
-  bstaged   the finishing kernel reads the layer's B from a copy the projection's launch
-            makes, not from the stack behind the layer index's load, and dense_dot loads
-            its B tile before its K loop (Forms.lora_b="staged")
+  (bstaged, runs 62-63: the layer's B fetched ahead, copied by the one-row GEMV's launch
+            for its finish and loaded before dense_dot's K loop; no gain, removed)
   lorabo128 dense_dot's adapted programs on 128 output rows, not 64 (fewer programs each
             computing its share's A x again)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
@@ -82,7 +81,6 @@ FORM_VARIANTS = {
     "xfin": {"proj_finish": "xla"},      # XLA's fusions after it (the default before run 54)
     "headgemv": {"head": "kernel"},   # the head by the in-place kernels (the GPU's default)
     "headxla": {"head": "xla"},       # XLA's autotuned GEMM (the default before run 59)
-    "bstaged": {"lora_b": "staged"},  # B copied by the GEMV's launch; the finish reads it
     "attnkernel": {"attn_decode": "pallas"},   # the decode kernel alone (base's GPU form)
     "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},

@@ -34,11 +34,6 @@ from pallas_kernels.quant.reference import dequantize, select_matrix
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
 LORA_DOWN = ("h", "a")  # x @ A^T once outside the kernel, or inside every program
-# Where an adapted projection's kernels fetch the layer's B (`Forms.lora_b`): "in_place" where
-# it is used; "staged" ahead of that: the one-row GEMV's launch copies it to a stack of one
-# that its finishing kernel reads with no index, and dense_dot loads its B tile before its K
-# loop.
-LORA_B = ("in_place", "staged")
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
 _NT = (((1,), (1,)), ((), ()))
@@ -321,7 +316,7 @@ def dense_lora_form(n, d_in, x_dtype, stack_dtype, implementation="auto", few="d
 
 def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None,
                       implementation="auto", tiles=None, rows_max=None, few="dot",
-                      one_row="gemv", lora_b="in_place"):
+                      one_row="gemv"):
   """y = x @ stack[index]^T + where(on, B (A x)) per row, for the rows `dense_matmul`'s
   kernels take (`dense_lora_form`; more rows: `dense_lora_reference`).
 
@@ -336,14 +331,11 @@ def dense_matmul_lora(x, stack, index, a, b, on, *, rank_scale=None, lora_index=
   when given) on the rows whose switch is on and rounds once: a decode step's adapted
   projection is two launches, with no slice of A or B copied. Rows with on == 0 are
   `dense_matmul`'s bit for bit. on: [N] int32 / bool; tiles ({block_out, block_in, k_split,
-  finish_block, num_warps, num_stages}), rows_max: as `dense_matmul`. lora_b: where the
-  kernels fetch B (`Forms.lora_b`): "in_place" where it is used, or "staged" ahead of that
-  (the GEMV's launch copies it for the finish; dense_dot loads it before its K loop); the
-  same numbers."""
+  finish_block, num_warps, num_stages}), rows_max: as `dense_matmul`."""
   parts, lora = dense_matmul_lora_split(x, stack, index, a, b, on, rank_scale=rank_scale,
                                         lora_index=lora_index, implementation=implementation,
                                         tiles=tiles, rows_max=rows_max, few=few,
-                                        one_row=one_row, lora_b=lora_b)
+                                        one_row=one_row)
   if lora is not None:   # the GEMV's rows: B h, the select and the sums in one more launch
     impl = resolve(implementation)
     hp, b_stack, lidx, on, rank_scale = lora
@@ -376,7 +368,7 @@ def dense_matmul_split(x, stack, index, *, implementation="auto", few="dot"):
 
 def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None,
                             implementation="auto", tiles=None, rows_max=None, few="dot",
-                            one_row="gemv", lora_b="in_place"):
+                            one_row="gemv"):
   """`dense_matmul_lora` as (partials [S, N, out], lora), where `lora` is what a finishing
   kernel still adds, (hp, b_stack, lidx, on, rank_scale), or None (the partials sum to the
   result, rounded to x's dtype). The one-row GEMV leaves B h to it (its launch computes A x
@@ -404,17 +396,12 @@ def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_
   tk, params = _kernel_params(impl, tiles)
   tk.pop("finish_block", None)
   kw = dict(interpret=impl == "pallas_interpret", compiler_params=params, **tk)
-  if lora_b not in LORA_B:
-    raise ValueError(f"dense lora: lora_b={lora_b!r} is not one of {LORA_B}")
   if form == "gemv":
-    # "staged": b_fin is B at the layer, a stack of one copied by the GEMV's launch
-    yp, hp, b_fin = gemv.dense_lora_rows(x, _stack3(stack), jnp.asarray(index, jnp.int32),
-                                         a_stack, b_stack, lidx, on,
-                                         stage_b=lora_b == "staged", **kw)
-    return yp, (hp, b_fin, lidx, on, rank_scale)
+    yp, hp = gemv.dense_lora_rows(x, _stack3(stack), jnp.asarray(index, jnp.int32), a_stack,
+                                  b_stack, lidx, on, **kw)
+    return yp, (hp, b_stack, lidx, on, rank_scale)
   return dense_dot.dense_dot_call(x, _stack3(stack), index, partials=True,
-                                  lora=(a_stack, b_stack, lidx, on, rank_scale),
-                                  b_early=lora_b == "staged", **kw), None
+                                  lora=(a_stack, b_stack, lidx, on, rank_scale), **kw), None
 
 
 def finish_residual(parts, res, *, lora=None, implementation="auto"):

@@ -69,7 +69,6 @@ class Tiling(NamedTuple):
   a_cd: object = None
   a_precision: object = None
   scale: float = 1.0
-  b_early: bool = False  # B's tile loaded before the K loop (`Forms.lora_b` "staged")
 
 
 # Shared memory a program may plan for (an H200 SM has 227 KiB): the x and weight tiles of
@@ -146,11 +145,6 @@ def _program(refs, pid, *, t: Tiling):
     rank_ok = (jnp.arange(rr) < t.rank) if t.rank != rr else None
     on = masked_load(on_ref.at[pl.ds(0, rp)], r_ok) != 0  # [rp]; padded rows read 0: off
     any_on = jnp.max(on.astype(jnp.int32)) > 0
-    b_mask = tile_mask(o_ok, rank_ok, bo, rr)
-    if t.b_early:   # its latency hides behind the loop; masked off (no reads) when all off
-      every = jnp.broadcast_to(any_on, (bo, rr))
-      b_early = masked_load(b_ref.at[lay, pl.ds(o0, bo), pl.ds(0, rr)],
-                            every if b_mask is None else every & b_mask)
 
   def body(step, carry):
     acc, h = carry
@@ -176,8 +170,8 @@ def _program(refs, pid, *, t: Tiling):
       if t.scaled:
         hs = hs * masked_load(rs_ref.at[pl.ds(0, rp), pl.ds(0, rr)],
                               tile_mask(r_ok, rank_ok, rp, rr))
-      bt = b_early if t.b_early else masked_load(
-          b_ref.at[lay, pl.ds(o0, bo), pl.ds(0, rr)], b_mask)
+      bt = masked_load(b_ref.at[lay, pl.ds(o0, bo), pl.ds(0, rr)],
+                       tile_mask(o_ok, rank_ok, bo, rr))
       delta = up_product(hs, bt)  # [rp, bo] fp32
       if t.scale != 1.0:
         delta = delta * t.scale
@@ -190,8 +184,7 @@ def _program(refs, pid, *, t: Tiling):
 
 
 def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block_in=None,
-                   k_split=None, interpret=False, compiler_params=None, partials=False,
-                   b_early=False):
+                   k_split=None, interpret=False, compiler_params=None, partials=False):
   """y = x @ stack[idx]^T for x [M, in] (16-bit, M <= ROWS_MAX) and a stack [S, out, in] of
   x's dtype, matrix idx ([1] or scalar int32, traced OK, clipped) read in place.
 
@@ -199,9 +192,7 @@ def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block
   rank_scale [M, R] or None): plus scale * B (A x) on the rows whose switch is on, with
   A = a_stack[lidx] and B = b_stack[lidx] read in place (module docstring).
   partials: the split partial sums [k_split, M, out] unsummed (fp32 when split), for a
-  consumer kernel that adds them (`sum_partials`, then x's dtype: the result above).
-  b_early: load each program's B tile before its K loop rather than after it (the same
-  numbers; `Forms.lora_b` "staged")."""
+  consumer kernel that adds them (`sum_partials`, then x's dtype: the result above)."""
   m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or stack.dtype != x.dtype or jnp.dtype(x.dtype) not in HALF:
@@ -221,7 +212,7 @@ def dense_dot_call(x, stack, idx, *, lora=None, scale=1.0, block_out=None, block
     a_cd, a_prec = dot_policy(x.dtype, a_stack.dtype)
     lora_kw = dict(lora=True, rank=rank, rank_pad=rank_pad,
                    scaled=rank_scale is not None, a_cd=jnp.dtype(a_cd), a_precision=a_prec,
-                   scale=float(scale), b_early=bool(b_early))
+                   scale=float(scale))
     lidx = jnp.clip(jnp.reshape(jnp.asarray(lidx, jnp.int32), (1,)), 0, n_ad - 1)
     lora_args = [lidx, on.astype(jnp.int32), a_stack, b_stack]
     if rank_scale is not None:

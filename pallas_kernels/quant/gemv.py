@@ -470,41 +470,18 @@ def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_pa
 # finish), where the plain projection with split sums is two as well (the GEMV and XLA's sum
 # of its partials) and the LoRA ops apart from the GEMV add the slices of A and B, the dots
 # and a select.
-def _lora_rows_kernel(*refs, n_main, main, main_tiles, ta, tb):
-  """Grid (main_tiles + A's tiles) x k_split (+ B's staging tiles): `main(refs, pid, g)` (the
-  weight's program, writing the first output) for the first main_tiles of each share of
-  `in`, A's dense program (the second output) for the rest; with `tb`, B's tiles copied from
-  the stack at the layer to the third output by the grid's last programs."""
+def _lora_rows_kernel(*refs, n_main, main, main_tiles, ta):
+  """Grid (main_tiles + A's tiles) x k_split: `main(refs, pid, g)` (the weight's program,
+  writing the first output) for the first main_tiles of each share of `in`, A's dense
+  program (the second output) for the rest."""
   pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
   main_refs = list(refs[:n_main])
-  lidx_ref, xa_ref, a_ref, *b_in, yp_ref, hp_ref = refs[n_main:n_main + 5 + (tb is not None)]
+  lidx_ref, xa_ref, a_ref, yp_ref, hp_ref = refs[n_main:]
   tiles = main_tiles + ta.out_tiles
   ks, j = pid // tiles, pid % tiles
-  inner = (pid < tiles * ta.k_split) if tb is not None else True
-  pl.when((j < main_tiles) & inner)(lambda: main([*main_refs, yp_ref], ks * main_tiles + j, g))
-  pl.when((j >= main_tiles) & inner)(lambda: _program(
+  pl.when(j < main_tiles)(lambda: main([*main_refs, yp_ref], ks * main_tiles + j, g))
+  pl.when(j >= main_tiles)(lambda: _program(
       [lidx_ref, xa_ref, a_ref, hp_ref], ks * ta.out_tiles + (j - main_tiles), g, ta))
-  if tb is not None:
-    pl.when(jnp.logical_not(inner))(lambda: _stage_b_program(lidx_ref, b_in[0], refs[-1],
-                                             pid - tiles * ta.k_split, tb))
-
-
-class StageB(NamedTuple):
-  """Static description of B's staging copy: rows `block` a program of a [d_out, rank] B."""
-  d_out: int
-  rank: int
-  rank_pad: int
-  block: int
-
-
-def _stage_b_program(lidx_ref, b_ref, bs_ref, j, tb: StageB):
-  """Copy rows [j * block, +block) of B = b_stack[lidx] to the staged B [1, out, R]."""
-  r0 = j * tb.block
-  o_ok = (r0 + jnp.arange(tb.block)) < tb.d_out if tb.d_out % tb.block else None
-  r_in = (jnp.arange(tb.rank_pad) < tb.rank) if tb.rank != tb.rank_pad else None
-  mask = tile_mask(o_ok, r_in, tb.block, tb.rank_pad)
-  tile = masked_load(b_ref.at[lidx_ref[0], pl.ds(r0, tb.block), pl.ds(0, tb.rank_pad)], mask)
-  masked_store(bs_ref.at[jnp.int32(0), pl.ds(r0, tb.block), pl.ds(0, tb.rank_pad)], tile, mask)
 
 
 def _a_unroll(units, k_split, block_in=512):
@@ -517,22 +494,16 @@ def _a_unroll(units, k_split, block_in=512):
 
 
 def lora_rows_call(main, main_args, main_tiles, x, a_stack, lidx, *, d_out, k_split,
-                   block_out, interpret, compiler_params, name, stage_b=None):
+                   block_out, interpret, compiler_params, name):
   """(yp [k_split, M, d_out], hp [k_split, M, R]) fp32 partial sums: `main` over
   `main_args` (the weight's program and inputs, its out_dtype fp32), and h = A x with A =
   a_stack[lidx] [R, in] read in place, both in one launch. x [M, in]: A's products are over
-  x and A rounded to x's 16-bit dtype when A has it too, else fp32 (`lora.kernel.dot_policy`).
-
-  stage_b: B's stack [L, d_out, R], or None. Given, the launch also copies B = stage_b[lidx]
-  to a third output [1, d_out, R] (`Forms.lora_b` "staged"): the finishing kernel then reads
-  B with no layer index, so its B tile does not wait on the index's load first."""
+  x and A rounded to x's 16-bit dtype when A has it too, else fp32 (`lora.kernel.dot_policy`)."""
   m, d_in = x.shape
   n_ad, rank, a_in = a_stack.shape
   if a_in != d_in or d_in % DENSE_UNIT:
     raise ValueError(f"lora rows: x {x.shape} and A {a_stack.shape} need a shared `in` "
                      f"that is a multiple of {DENSE_UNIT}")
-  if stage_b is not None and stage_b.shape != (n_ad, d_out, rank):
-    raise ValueError(f"lora rows: B {stage_b.shape} must be [{n_ad}, {d_out}, {rank}]")
   units = d_in // DENSE_UNIT
   unroll = _a_unroll(units, k_split)
   if (units // unroll) % k_split:
@@ -545,21 +516,13 @@ def lora_rows_call(main, main_args, main_tiles, x, a_stack, lidx, *, d_out, k_sp
   lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
   args = [*main_args, lidx, x.reshape(1, m, units, DENSE_UNIT),
           a_stack.reshape(n_ad, rank, units, DENSE_UNIT)]
-  out_shape = [jax.ShapeDtypeStruct((k_split, m, d_out), _F32),
-               jax.ShapeDtypeStruct((k_split, m, rank), _F32)]
-  tb, n_b = None, 0
-  if stage_b is not None:
-    tb = StageB(d_out=d_out, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
-                block=min(128, pl.next_power_of_2(d_out)))
-    n_b = pl.cdiv(d_out, tb.block)
-    args.append(stage_b)
-    out_shape.append(jax.ShapeDtypeStruct((1, d_out, rank), stage_b.dtype))
   return pl.pallas_call(
       functools.partial(_lora_rows_kernel, n_main=len(main_args), main=main,
-                        main_tiles=main_tiles, ta=ta, tb=tb),
-      grid=((main_tiles + ta.out_tiles) * k_split + n_b, 1),
-      out_shape=tuple(out_shape),
-      in_specs=[_WHOLE] * len(args), out_specs=tuple(_WHOLE for _ in out_shape),
+                        main_tiles=main_tiles, ta=ta),
+      grid=((main_tiles + ta.out_tiles) * k_split, 1),
+      out_shape=(jax.ShapeDtypeStruct((k_split, m, d_out), _F32),
+                 jax.ShapeDtypeStruct((k_split, m, rank), _F32)),
+      in_specs=[_WHOLE] * len(args), out_specs=(_WHOLE, _WHOLE),
       interpret=interpret, compiler_params=compiler_params, name=name,
   )(*args)
 
@@ -575,18 +538,15 @@ class Finish(NamedTuple):
   out_dtype: object
   scaled: bool
   scale: float = 1.0
-  indexed: bool = True  # B is a stack read at the layer index; False: a stack of one
 
 
-def _lora_finish_kernel(*refs, t: Finish):
-  lidx_ref, *refs = refs if t.indexed else (None, *refs)
-  on_ref, yp_ref, hp_ref, b_ref, *rest = refs
+def _lora_finish_kernel(lidx_ref, on_ref, yp_ref, hp_ref, b_ref, *rest, t: Finish):
   rs_ref, o_ref = rest if t.scaled else (None, *rest)
   o0 = pl.program_id(0) * t.block_out
   o_ok = (o0 + jnp.arange(t.block_out)) < t.d_out if t.d_out % t.block_out else None
   r_in = (jnp.arange(t.rank_pad) < t.rank) if t.rank != t.rank_pad else None
   mask = tile_mask(o_ok, r_in, t.block_out, t.rank_pad)
-  lay = lidx_ref[0] if t.indexed else jnp.int32(0)  # a stack of one: no index to wait on
+  lay = lidx_ref[0]
   bt = masked_load(b_ref.at[lay, pl.ds(o0, t.block_out), pl.ds(0, t.rank_pad)], mask)
   bt = bt.astype(_F32)  # [bo, Rp]
   for r in range(t.m):
@@ -619,10 +579,9 @@ def lora_finish(yp, hp, b_stack, lidx, on, rank_scale=None, *, out_dtype, scale=
   fb = block or (min(1024, pl.next_power_of_2(d_out)) if interpret else 128)
   t = Finish(m=m, d_out=d_out, block_out=fb, k_split=ks, rank=rank,
              rank_pad=max(1, pl.next_power_of_2(rank)), out_dtype=jnp.dtype(out_dtype),
-             scaled=rank_scale is not None, scale=float(scale), indexed=n_ad > 1)
-  args = [on.astype(jnp.int32), yp, hp, b_stack]
-  if n_ad > 1:
-    args.insert(0, jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1))
+             scaled=rank_scale is not None, scale=float(scale))
+  lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
+  args = [lidx, on.astype(jnp.int32), yp, hp, b_stack]
   if rank_scale is not None:
     args.append(rank_scale.astype(_F32))
   return pl.pallas_call(
@@ -636,7 +595,7 @@ def lora_finish(yp, hp, b_stack, lidx, on, rank_scale=None, *, out_dtype, scale=
 
 def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, *,
                     block_out=None, block_in=None, k_split=None, finish_block=None,
-                    stage_b=False, interpret=False, compiler_params=None):
+                    interpret=False, compiler_params=None):
   """y = x @ stack[idx]^T, plus B h on the rows whose switch is on, h = A x (times
   rank_scale [M, R] when given), with A = a_stack[lidx] [R, in] and B = b_stack[lidx]
   [out, R] read in place, like the weight: x [M, in] (one group), idx and lidx [1] int32,
@@ -644,23 +603,19 @@ def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, 
   both, `dense_lora_rows`), then `lora_finish`. Off rows are `dense_call`'s bits."""
   if compiler_params is None and not interpret:
     compiler_params = triton_params()
-  yp, hp, b_fin = dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on,
-                                  block_out=block_out, block_in=block_in, k_split=k_split,
-                                  stage_b=stage_b, interpret=interpret,
-                                  compiler_params=compiler_params)
-  return lora_finish(yp, hp, b_fin, lidx, on, rank_scale, out_dtype=x.dtype,
+  yp, hp = dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on, block_out=block_out,
+                           block_in=block_in, k_split=k_split, interpret=interpret,
+                           compiler_params=compiler_params)
+  return lora_finish(yp, hp, b_stack, lidx, on, rank_scale, out_dtype=x.dtype,
                      block=finish_block, interpret=interpret, compiler_params=compiler_params)
 
 
 def dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on, *, block_out=None,
-                    block_in=None, k_split=None, stage_b=False, interpret=False,
-                    compiler_params=None):
-  """`dense_lora_call`'s first launch: (yp [k_split, M, out], hp [k_split, M, R], b) with yp
-  and hp fp32 split partial sums of x @ stack[idx]^T (`dense_call`'s tiling, so that
-  `sum_partials` of yp, rounded to x's dtype, is its result bit for bit) and of h = A x, for
-  a kernel that finishes them (`lora_finish`, `finish.finish_call`), and b the B stack that
-  kernel reads: b_stack itself, or with stage_b b_stack[lidx] copied by this launch as a
-  stack of one [1, out, R], which the finishing kernels read with no index."""
+                    block_in=None, k_split=None, interpret=False, compiler_params=None):
+  """`dense_lora_call`'s first launch: (yp [k_split, M, out], hp [k_split, M, R]) fp32 split
+  partial sums of x @ stack[idx]^T (`dense_call`'s tiling, so that `sum_partials` of yp,
+  rounded to x's dtype, is its result bit for bit) and of h = A x, for a kernel that
+  finishes them (`lora_finish`, `finish.finish_call`)."""
   m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or d_in % DENSE_UNIT:
@@ -680,11 +635,10 @@ def dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on, *, block_out=None
   idx = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0, n_mats - 1)
   main_args = [idx, x.reshape(1, m, units, DENSE_UNIT),
                stack.reshape(n_mats, d_out, units, DENSE_UNIT)]
-  out = lora_rows_call(functools.partial(_program, t=tw), main_args, tw.out_tiles, x,
-                       a_stack, lidx, d_out=d_out, k_split=ks, block_out=bo,
-                       interpret=interpret, compiler_params=compiler_params,
-                       name="qgemv_dense_lora_rows", stage_b=b_stack if stage_b else None)
-  return out if stage_b else (*out, b_stack)
+  return lora_rows_call(functools.partial(_program, t=tw), main_args, tw.out_tiles, x,
+                        a_stack, lidx, d_out=d_out, k_split=ks, block_out=bo,
+                        interpret=interpret, compiler_params=compiler_params,
+                        name="qgemv_dense_lora_rows")
 
 
 def blocks_lora_call(x, planes, idx, a_stack, b_stack, lidx, on, rank_scale=None, *, qtype,

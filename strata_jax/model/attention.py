@@ -80,4 +80,4 @@ def _gated_out(cfg, p, out, gate, x, lora_a, lora_b, switch, row_scale):
   B, T, H, Hd = out.shape
   out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype).reshape(B, T, H * Hd)
   return out_projection(out, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl, row_scale,
-                        cfg.forms.gemv_lora, cfg.forms.proj_finish, cfg.forms.lora_b)
+                        cfg.forms.gemv_lora, cfg.forms.proj_finish)

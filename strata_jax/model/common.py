@@ -184,7 +184,7 @@ def residual_norm(x, y, norm_w, eps):
   return x, rms_norm(x, norm_w, eps)
 
 
-def _pending(x2, w, lora_a, lora_b, on, rank_scale, gemv_lora, where_b):
+def _pending(x2, w, lora_a, lora_b, on, rank_scale, gemv_lora):
   """A `Pending` of the projection x2 [N, in] @ w (a DRef), with the adapter's DRefs or
   None, where an in-place dense kernel takes the N rows (`dense_lora_form`); else None."""
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
@@ -198,13 +198,12 @@ def _pending(x2, w, lora_a, lora_b, on, rank_scale, gemv_lora, where_b):
     return Pending(parts, None, w.implementation)
   parts, lora = quant_api.dense_matmul_lora_split(
       x2, w.w, w.index, lora_a.w, lora_b.w, on, rank_scale=rank_scale,
-      lora_index=lora_a.index, implementation=w.implementation, few=w.few, one_row=one_row,
-      lora_b=where_b)
+      lora_index=lora_a.index, implementation=w.implementation, few=w.few, one_row=one_row)
   return Pending(parts, lora, w.implementation)
 
 
 def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=None,
-                   gemv_lora="apart", finish="xla", where_b="in_place"):
+                   gemv_lora="apart", finish="xla"):
   """The mixer output projection with the LoRA hook.
 
   x [B, T, in]; w [D, in]; lora_a [R, in] / lora_b [D, R] or None, or DRefs of the adapter's
@@ -226,16 +225,13 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   takes the rows of a DRef `w` (with no adapter, or with the adapter's DRefs, which
   `forward.run_layers` passes only where a kernel takes the rows: `dense_lora_in_kernel`),
   for `residual_norm` to finish in one launch ("gemv": for one row only); else the result.
-  where_b (`Forms.lora_b`): where the one-row GEMV's finishing kernel reads B, "in_place" or
-  "staged" (copied by the GEMV's launch).
   """
   B, T, _ = x.shape
   if ((finish == "kernel" or (finish == "gemv" and B * T == 1)) and isinstance(w, DRef)
       and (lora_a is None or isinstance(lora_a, DRef))):
     on = jnp.repeat(switch.astype(jnp.int32), T)
     rank_scale = None if row_scale is None else jnp.repeat(row_scale, T, axis=0)
-    pending = _pending(x.reshape(B * T, -1), w, lora_a, lora_b, on, rank_scale, gemv_lora,
-                       where_b)
+    pending = _pending(x.reshape(B * T, -1), w, lora_a, lora_b, on, rank_scale, gemv_lora)
     if pending is not None:
       return pending
   if lora_a is None:
@@ -256,7 +252,7 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
       y = quant_api.dense_matmul_lora(x2, w.w, w.index, lora_a.w, lora_b.w, on,
                                       rank_scale=rank_scale, lora_index=lora_a.index,
                                       implementation=w.implementation, few=w.few,
-                                      one_row=_one_row(gemv_lora), lora_b=where_b)
+                                      one_row=_one_row(gemv_lora))
       return y.reshape(B, T, -1)
     take = lambda r: lax.dynamic_index_in_dim(r.w, r.index, 0, False)
     lora_a, lora_b = take(lora_a), take(lora_b)

@@ -84,7 +84,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
         implementation=cfg.forms.gdn_decode)
     y = out_projection(o.reshape(B, 1, Hv * Dv), p.out, lora_a, lora_b, switch,
                        cfg.forms.lora_impl, row_scale, cfg.forms.gemv_lora,
-                       cfg.forms.proj_finish, cfg.forms.lora_b)
+                       cfg.forms.proj_finish)
     return y, conv_state, ssm
   qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba])
   z = z.reshape(B, T, Hv, Dv)                                                # qkv [B, T, C]
@@ -194,4 +194,4 @@ def _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale=None):
   o = rms_norm(o, p.norm, cfg.rms_eps).astype(jnp.float32)                   # [B, T, Hv, Dv]
   o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, Hv * Dv)
   return out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl, row_scale,
-                        cfg.forms.gemv_lora, cfg.forms.proj_finish, cfg.forms.lora_b)
+                        cfg.forms.gemv_lora, cfg.forms.proj_finish)
