@@ -522,5 +522,12 @@ if want s12c; then
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
   GPU_SET=model CAP=$(left) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
 fi
+# Owed to the next session (SECTIONS=owed13; ~6 min): the Engine at batch 1, 8 and 32 (three
+# reps) on run 63's defaults (dense_dot's 128-row adapted tiles, the attention prologue for
+# bf16), which no Engine run has measured.
+if want owed13; then
+  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8,1 \
+    --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
