@@ -522,12 +522,16 @@ if want s12c; then
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
   GPU_SET=model CAP=$(left) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
 fi
-# Owed to the next session (SECTIONS=owed13; ~6 min): the Engine at batch 1, 8 and 32 (three
+# Owed to the next session (SECTIONS=owed13; ~9 min): the Engine at batch 1, 8 and 32 (three
 # reps) on run 63's defaults (dense_dot's 128-row adapted tiles, the attention prologue for
-# bf16), which no Engine run has measured.
+# bf16), which no Engine run has measured; then bench_spec (a verify step's 5 rows take
+# dense_dot's adapted tiles too: the switch's cost with MTP was 3.0 % in run 48).
 if want owed13; then
-  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8,1 \
-    --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+  timeout ${ENGINE_CAP:-380} python3 experiments/bench/bench_engine.py --reps 3 \
+    --batches 32,8,1 --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error \
+    | cut -c1-300
+  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+    --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
 fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
