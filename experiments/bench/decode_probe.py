@@ -31,8 +31,6 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   sample    the Engine's own program, `steps.decode_sample` with a greedy plan (the sampler's
             rows in the scan's carry), in place of `decode_greedy`
   fin64/fin32  proj_finish's kernel on 64 / 32 columns a program (128 by default)
-  (bstaged, runs 62-63: the layer's B fetched ahead, copied by the one-row GEMV's launch
-            for its finish and loaded before dense_dot's K loop; no gain, removed)
   lorabo128 dense_dot's adapted programs on 128 output rows, not 64 (fewer programs each
             computing its share's A x again)
   grouped   many-token MoE as sorted (token, expert) pairs and grouped products
