@@ -95,6 +95,7 @@ FORM_VARIANTS = {
     "gdnparallel": {"gdn_chunked": "pallas_parallel"},
     "lorarows": {"gemv_lora": "rows"},
     "loraapart": {"gemv_lora": "apart"},
+    "loradot": {"gemv_lora": "dot"},   # one adapted row by dense_dot too (run 27: slower)
     "fewxla": {"dense_few": "xla"},
     "fewdot": {"dense_few": "dot"},
     "fused": {"dense_launch": "fused"},

@@ -132,8 +132,13 @@ if want s7c; then
   timeout ${ENGINE_CAP:-330} python3 experiments/bench/bench_engine.py --reps 3 --batches 8,1 \
     --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
   echo "s7c engine done $(( $(date +%s) - t0 )) s"
-  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+  timeout ${SPEC_CAP:-150} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+  # One adapted row through dense_dot (gemv_lora "dot"): 5.54 against the GEMV rows form's
+  # 3.20 us a layer in run 27, with 64-row tiles; the 128-row tiles halved batch 8's cost.
+  timeout $(left) python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,loradot@on,base@on,loradot@on --batches 1 --n_steps 16 --reps 7 \
+    --out $OUT/decode_probe_owed13_loradot.json 2>&1 | grep '"variant"' | cut -c1-120
 fi
 # Owed to the next session (SECTIONS=owed9a, then SECTIONS=owed9b; ~8 min each):
 #  owed9a: why the attention prologue costs the Engine's sampling program 4.6 % at batch 1 where
@@ -158,8 +163,13 @@ if want owed9b; then
   timeout ${PROBE_CAP:-120} python3 experiments/bench/decode_probe.py \
     --variants base,gdnlayer,gdnlayer+lbv128+lw8 --batches 32 --n_steps 16 --reps 5 \
     --out $OUT/decode_probe_layer_b32.json 2>&1 | grep '"variant"' | cut -c1-160
-  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+  timeout ${SPEC_CAP:-150} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+  # One adapted row through dense_dot (gemv_lora "dot"): 5.54 against the GEMV rows form's
+  # 3.20 us a layer in run 27, with 64-row tiles; the 128-row tiles halved batch 8's cost.
+  timeout $(left) python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,loradot@on,base@on,loradot@on --batches 1 --n_steps 16 --reps 7 \
+    --out $OUT/decode_probe_owed13_loradot.json 2>&1 | grep '"variant"' | cut -c1-120
 fi
 # Session of 2026-12-04 (eighth), after attn_decode "auto" became "pallas_prologue" (run 43):
 #  call B, SECTIONS=s8model,s8engine1: the GPU model set on the new default, the Engine at batch 1;
@@ -184,8 +194,13 @@ if want s8probe; then
     --batches 1,32 --n_steps 16 --reps 5 --out $OUT/decode_probe_layer_tiles.json 2>&1 \
     | grep '"variant"' | cut -c1-160
   echo "s8probe done $(( $(date +%s) - t0 )) s"
-  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+  timeout ${SPEC_CAP:-150} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+  # One adapted row through dense_dot (gemv_lora "dot"): 5.54 against the GEMV rows form's
+  # 3.20 us a layer in run 27, with 64-row tiles; the 128-row tiles halved batch 8's cost.
+  timeout $(left) python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,loradot@on,base@on,loradot@on --batches 1 --n_steps 16 --reps 7 \
+    --out $OUT/decode_probe_owed13_loradot.json 2>&1 | grep '"variant"' | cut -c1-120
 fi
 # Owed to the next session (SECTIONS=owed8, ~9 min; carry .whl with opentelemetry-api: fastapi
 # 0.165 imports it, run 40): the GDN layer kernel and the attention prologue kernel compiled
@@ -216,8 +231,13 @@ if want owed8 || want owed8b; then
   echo "owed8 engine done $(( $(date +%s) - t0 )) s"
   timeout ${SWEEP_CAP:-120} python3 experiments/bench/moe_sweep.py --rows 1,8 --budget-s 100 \
     --out $OUT/moe_sweep.json 2>&1 | grep -e best -e Error -e ready | cut -c1-400
-  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+  timeout ${SPEC_CAP:-150} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+  # One adapted row through dense_dot (gemv_lora "dot"): 5.54 against the GEMV rows form's
+  # 3.20 us a layer in run 27, with 64-row tiles; the 128-row tiles halved batch 8's cost.
+  timeout $(left) python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,loradot@on,base@on,loradot@on --batches 1 --n_steps 16 --reps 7 \
+    --out $OUT/decode_probe_owed13_loradot.json 2>&1 | grep '"variant"' | cut -c1-120
 fi
 # Owed to the next session (SECTIONS=owed7, ~9 min; carry uvicorn, h11, click and fastapi,
 # starlette (+ what `pip download fastapi` brings) in .whl for the server leg): the GPU model set
@@ -232,8 +252,13 @@ if want owed7; then
     | grep '"variant"' | cut -c1-200
   timeout ${ENGINE_CAP:-200} python3 experiments/bench/bench_engine.py --reps 3 --batches 32 \
     --out $OUT/bench_engine_b32.json 2>&1 | grep -e "^decode" -e "^serve" -e Error | cut -c1-300
-  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+  timeout ${SPEC_CAP:-150} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+  # One adapted row through dense_dot (gemv_lora "dot"): 5.54 against the GEMV rows form's
+  # 3.20 us a layer in run 27, with 64-row tiles; the 128-row tiles halved batch 8's cost.
+  timeout $(left) python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,loradot@on,base@on,loradot@on --batches 1 --n_steps 16 --reps 7 \
+    --out $OUT/decode_probe_owed13_loradot.json 2>&1 | grep '"variant"' | cut -c1-120
 fi
 # Owed to the next session (SECTIONS=owed6, ~9 min; carry uvicorn, h11 and click in .whl for
 # the server leg): the GPU model set on this commit (run 31 did not reach test_mixed_batch_rows
@@ -530,8 +555,13 @@ if want owed13; then
   timeout ${ENGINE_CAP:-380} python3 experiments/bench/bench_engine.py --reps 3 \
     --batches 32,8,1 --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error \
     | cut -c1-300
-  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+  timeout ${SPEC_CAP:-150} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
+  # One adapted row through dense_dot (gemv_lora "dot"): 5.54 against the GEMV rows form's
+  # 3.20 us a layer in run 27, with 64-row tiles; the 128-row tiles halved batch 8's cost.
+  timeout $(left) python3 experiments/bench/decode_probe.py \
+    --variants base,base@on,loradot@on,base@on,loradot@on --batches 1 --n_steps 16 --reps 7 \
+    --out $OUT/decode_probe_owed13_loradot.json 2>&1 | grep '"variant"' | cut -c1-120
 fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
