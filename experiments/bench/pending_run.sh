@@ -547,18 +547,20 @@ if want s12c; then
     --out $OUT/bench_model_decode.json 2>&1 | grep -i -e "^decode" -e error | cut -c1-200
   GPU_SET=model CAP=$(left) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
 fi
-# Owed to the next session (SECTIONS=owed13; ~9 min): the Engine at batch 1, 8 and 32 (three
-# reps) on run 63's defaults (dense_dot's 128-row adapted tiles, the attention prologue for
-# bf16), which no Engine run has measured; then bench_spec (a verify step's 5 rows take
-# dense_dot's adapted tiles too: the switch's cost with MTP was 3.0 % in run 48).
-if want owed13; then
-  timeout ${ENGINE_CAP:-380} python3 experiments/bench/bench_engine.py --reps 3 \
-    --batches 32,8,1 --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error \
-    | cut -c1-300
-  timeout ${SPEC_CAP:-150} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
+# Owed to the next session, two calls on run 63's defaults (dense_dot's 128-row adapted tiles,
+# the attention prologue for bf16), which no Engine run has measured:
+#  SECTIONS=owed13a (~7 min): the Engine at batch 32, 8 and 1 (three reps) with the server;
+#  SECTIONS=owed13b (~5 min): bench_spec (a verify step's 5 rows take the new adapted tiles:
+#    the switch's cost with MTP was 3.0 % in run 48), then one adapted row through dense_dot
+#    (gemv_lora "dot": 5.54 against the GEMV rows form's 3.20 us a layer in run 27, with
+#    64-row tiles; the 128-row tiles halved batch 8's cost) against the default at batch 1.
+if want owed13a; then
+  timeout $(left) python3 experiments/bench/bench_engine.py --reps 3 --batches 32,8,1 \
+    --out $OUT/bench_engine.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+fi
+if want owed13b; then
+  timeout ${SPEC_CAP:-200} python3 experiments/bench/bench_spec.py --ns 2,3,4 \
     --out $OUT/bench_spec.json 2>&1 | tail -4 | cut -c1-300
-  # One adapted row through dense_dot (gemv_lora "dot"): 5.54 against the GEMV rows form's
-  # 3.20 us a layer in run 27, with 64-row tiles; the 128-row tiles halved batch 8's cost.
   timeout $(left) python3 experiments/bench/decode_probe.py \
     --variants base,base@on,loradot@on,base@on,loradot@on --batches 1 --n_steps 16 --reps 7 \
     --out $OUT/decode_probe_owed13_loradot.json 2>&1 | grep '"variant"' | cut -c1-120
