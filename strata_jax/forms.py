@@ -135,10 +135,10 @@ CHOICES: dict[str, tuple] = {
     # one decode step's attention (a single new position a row): "pallas" = the kernel that
     # reads the layer's K/V cache in place and only each row's keys up to its position
     # (`pallas_kernels/attention`), "xla" = the model's einsums, which copy the layer's cache
-    # out of the stack, convert it to fp32 and score the whole capacity. "auto" = "pallas_prologue"
-    # (below) on the GPU for a 16-bit compute dtype (bench-a3b bf16 on the H200, the kernel
-    # alone against "xla": decode roofline 0.402 /
-    # 0.519 / 0.489 at batch 1 / 8 / 32 against 0.398 / 0.513 / 0.476,
+    # out of the stack, convert it to fp32 and score the whole capacity. "auto" =
+    # "pallas_prologue" (below) on the GPU for a 16-bit compute dtype (bench-a3b bf16 on the
+    # H200, the kernel alone against "xla": decode roofline 0.402 / 0.519 / 0.489 at batch
+    # 1 / 8 / 32 against 0.398 / 0.513 / 0.476,
     # experiments/results/device/bench_model_decode_run31_attn.json and _run28_moe.json),
     # "xla" for float32 and elsewhere. Why float32 keeps XLA: run 31's GPU test that every
     # fp32 dot of the program asks for full precision failed with the kernel in it. The

@@ -316,9 +316,10 @@ def logits_from_hidden(cfg: ModelConfig, params, x):
 
 
 def _head_kernel_rows(cfg, h, w) -> bool:
-  """Whether an in-place dense kernel takes the head's rows of h (else XLA's GEMM)."""
+  """Whether an in-place dense kernel takes the head's rows of h (else XLA's GEMM): the
+  kernels' own routing (`dense_lora_form` with no adapter is `dense_matmul`'s, as the
+  mixers' `common._pending` asks it)."""
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
   n, d = h.size // h.shape[-1], h.shape[-1]
-  impl = cfg.forms.quant_impl
-  return (quant_api.dense_kernel_rows(n, d, impl)
-          or quant_api.dense_dot_rows(n, h.dtype, w.dtype, impl, _dense_few(cfg)))
+  return quant_api.dense_lora_form(n, d, h.dtype, w.dtype, cfg.forms.quant_impl,
+                                   _dense_few(cfg)) is not None
