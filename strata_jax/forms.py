@@ -161,6 +161,14 @@ CHOICES: dict[str, tuple] = {
     # (`head` below), gone since run 61.
     "attn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_prologue",
                     "pallas_prologue_interpret"),
+    # attention at several positions a row (a prefill chunk, a verify step): "pallas" = the
+    # flash-style kernel that reads the layer's K/V cache in place, key blocks up to each query
+    # block's last position, the softmax online (`pallas_kernels/attention/prefill_kernel.py`);
+    # "xla" = the model's einsums, fp32 scores and probabilities of every query against the
+    # whole capacity in memory (410 MB a layer for bench-a3b's 2,500-token chunk). "auto" =
+    # "pallas" on the GPU for a 16-bit compute dtype (and a power-of-2 head size), "xla" for
+    # float32 and elsewhere. The numbers to fp32 summation order (the online softmax).
+    "attn_prefill": ("auto", "xla", "pallas", "pallas_interpret"),
     # a layer's projections of one input (GDN qkv / gate / ba, attention q / k / v, the shared
     # expert's gate / up) where the in-place kernels take the rows (`dense_weights="kernel"`:
     # the GEMV's one row, dense_dot's 2 to 64): "fused" = one launch for all of them
@@ -209,6 +217,7 @@ GPU_ONLY = {
     "quant_impl": ("pallas",),
     "moe_topk": ("pallas",),
     "attn_decode": ("pallas", "pallas_prologue"),
+    "attn_prefill": ("pallas",),
 }
 
 
@@ -230,6 +239,7 @@ class Forms:
   moe_topk: str = "auto"
   dense_few: str = "auto"
   attn_decode: str = "auto"
+  attn_prefill: str = "auto"
   dense_launch: str = "auto"
   proj_finish: str = "auto"
   head: str = "auto"
@@ -270,6 +280,7 @@ class Forms:
         dense_few=auto(self.dense_few, "dot", "dot"),
         attn_decode=auto(self.attn_decode, "xla" if _dtype_name(compute_dtype) == "float32"
                          else "pallas_prologue", "xla"),
+        attn_prefill=auto(self.attn_prefill, "xla", "xla"),   # until the H200 has timed it
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
         head=auto(self.head, "kernel", "xla"),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jaxpr_walk import eqns
 from model_fixtures import TINY, random_lora, tiny_model
-from tolerances import ATTN_DECODE_REL_FP32, DENSE_GEMV_REL_FP32, assert_close
+from tolerances import ATTN_DECODE_REL_FP32, ATTN_PREFILL_REL_FP32, DENSE_GEMV_REL_FP32, assert_close
 
 import strata_jax as sj
 from strata_jax import steps
@@ -51,6 +51,8 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert (gpu.proj_finish, cpu.proj_finish) == ("gemv", "xla")     # measured: forms.py
   assert (gpu.dense_launch, cpu.dense_launch) == ("fused", "fused")   # the same numbers
   assert Forms().resolve("gpu", jnp.float32).attn_decode == "xla"   # forms.py says why
+  # the prefill kernel: the op picks it per cache dtype and head size (pallas_kernels/attention)
+  assert (gpu.attn_prefill, cpu.attn_prefill) == ("xla", "xla")
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
   assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
   tf32 = Forms(matmul_precision="tf32").resolve("gpu", jnp.float32)
@@ -158,6 +160,29 @@ def test_attn_decode_kernel_decodes_the_xla_forms_tokens_and_leaves_the_prompt_t
   assert got.tokens == ref.tokens
   assert_close(got.step_logits, ref.step_logits, rel=ATTN_DECODE_REL_FP32,
                what="attention kernel decode")
+
+
+@pytest.mark.parametrize("impl", [
+    "pallas_interpret",
+    pytest.param("pallas", marks=pytest.mark.skipif(jax.default_backend() != "gpu",
+                                                     reason="the compiled kernel needs a GPU"))])
+def test_attn_prefill_kernel_prefills_to_the_xla_forms_logits_and_tokens(impl):
+  """`attn_prefill` naming the kernel (interpreted; compiled on a GPU, in this fp32 model):
+  the prompt's attention is the kernel's, in two chunks (the second after a cached prefix),
+  with the XLA form's prompt logits to fp32 summation order and its tokens (adapter on)."""
+  model = tiny_model()
+  lora = random_lora()
+  prompt = list(range(3, 60))
+  kernel = Forms(attn_prefill=impl)
+  run = lambda forms: sj.Engine(model, lora=lora, slots=1, max_seq=128, block_size=32,
+                                max_prefill_chunk=32, forms=forms).generate(
+      tokens=prompt, max_tokens=3, return_logits=True, return_step_logits=True, lora=True)
+  ref, got = run(Forms()), run(kernel)
+  assert_close(got.prompt_logits, ref.prompt_logits, rel=ATTN_PREFILL_REL_FP32,
+               what="attention kernel prefill")
+  assert got.tokens == ref.tokens
+  assert_close(got.step_logits, ref.step_logits, rel=ATTN_PREFILL_REL_FP32,
+               what="decode after the kernel's prefill")
 
 
 def test_gemv_lora_rows_take_the_adapter_into_the_gemv_launch_and_apart_keeps_its_ops():

@@ -54,6 +54,10 @@ DENSE_GEMV_REL_FP32 = 1e-5
 # against the model's XLA einsums, fp32 logits, max abs over max |want|
 # (Forms.attn_decode; tests/test_forms.py).
 ATTN_DECODE_REL_FP32 = 1e-5
+# A prefill chunk's attention by the flash-style kernel (an online softmax over key blocks)
+# against the model's XLA einsums, fp32 logits, max abs over max |want|
+# (Forms.attn_prefill; tests/test_forms.py).
+ATTN_PREFILL_REL_FP32 = 1e-5
 # A GDN layer's decode core in one kernel (Forms.gdn_decode="pallas_layer"): the gated norm's
 # sum of squares runs in Dv tiles, where XLA reduces the row its own way; fp32 logits after
 # three decode steps, max abs over max |want| (tests/test_gdn_decode_layer_kernel.py measured

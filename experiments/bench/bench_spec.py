@@ -36,6 +36,7 @@ flags.DEFINE_integer("reps", 16, "repetitions inside one program call")
 flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
 flags.DEFINE_integer("context", 256, "tokens in the cache before the timed steps")
 flags.DEFINE_integer("max_seq", 1024, "K/V capacity")
+flags.DEFINE_string("forms", "", "Forms over the backend's defaults, as the CLI's --forms")
 flags.DEFINE_bool("summary", True, "merge the targets into results/summary.json")
 F = flags.FLAGS
 
@@ -78,7 +79,7 @@ def main(_):
   from jax import lax
 
   from strata_jax import steps
-  from strata_jax.forms import Forms
+  from strata_jax.forms import Forms, parse_forms
   from strata_jax.model.mtp import mtp_forward
   from strata_jax.params import pad_lora_rank
   from strata_jax.state import init_mtp_state, init_state
@@ -86,7 +87,8 @@ def main(_):
   geom = common.TINY if F.smoke else common.BENCH_A3B
   dtype = jnp.float32 if F.smoke else jnp.bfloat16
   cfg = dataclasses.replace(common.model_config(geom), n_mtp=1)
-  cfg = dataclasses.replace(cfg, forms=Forms().resolve(jax.default_backend(), dtype))
+  forms = parse_forms(F.forms) if F.forms else Forms()
+  cfg = dataclasses.replace(cfg, forms=forms.resolve(jax.default_backend(), dtype))
   if F.smoke:   # the Pallas interpreter is for tests: XLA's LoRA delta on CPU
     cfg = dataclasses.replace(cfg, forms=dataclasses.replace(cfg.forms, lora_impl="xla"))
   params = common.device_params(cfg, dtype)

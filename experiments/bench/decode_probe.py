@@ -38,7 +38,11 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   fastgdn   prefill's chunked delta rule from `chunked.py` (products, default precision)
   gdnkernel prefill's chunked delta rule by the Pallas kernel (STRATA_GDN_CHUNKED=pallas)
   moekernel many-token MoE by the grouped Pallas kernel (STRATA_MOE_MANY=pallas)
-  With --prefill T the variants time `steps.prefill` of a T-token chunk instead.
+  attnxla/attnflash  a prefill's (or verify step's) attention by XLA's einsums or by the
+            flash-style prefill kernel (Forms.attn_prefill)
+  pq64/pk32/pw8/ps2  the prefill attention kernel's query / key block, warps, stages
+  With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
+  one traced call each).
   Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
   name ends in '@on' / '@off', with the adapter loaded and switched on / off: rank 50 in the
   layout an Engine places (rank padded to 64, a per-row scale table). '@rawon' / '@rawoff'
@@ -80,6 +84,8 @@ FORM_VARIANTS = {
     "headgemv": {"head": "kernel"},   # the head by the in-place kernels (the GPU's default)
     "headxla": {"head": "xla"},       # XLA's autotuned GEMM (the default before run 59)
     "attnkernel": {"attn_decode": "pallas"},   # the decode kernel alone (base's GPU form)
+    "attnxla": {"attn_prefill": "xla"},       # a prefill's attention by XLA's einsums
+    "attnflash": {"attn_prefill": "pallas"},  # ... by the flash-style prefill kernel
     "gdnstep": {"gdn_decode": "auto"},
     "nomoe": {"moe_few": "xla"},
     "nogdn": {"gdn_decode": "xla"},
@@ -160,6 +166,10 @@ def patch(variant: str):
     elif part == "route1w":   # the routing kernel at one warp for every program
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS", 1)
+    elif re.fullmatch(r"p[qkws]\d+", part):   # the prefill attention kernel's tiles
+      from pallas_kernels.attention import prefill_kernel as pk
+      name = {"q": "BLOCK_Q", "k": "BLOCK_K", "w": "NUM_WARPS", "s": "NUM_STAGES"}[part[1]]
+      setattr_undo(pk, name, int(part[2:]))
     elif re.fullmatch(r"lw\d+|lbv\d+", part):   # the GDN layer kernel's warps / Dv tile
       from pallas_kernels.gdn import decode_layer_kernel as dlk
       n = int(re.sub(r"\D", "", part))
@@ -186,7 +196,7 @@ def main():
   ap.add_argument("--max_seq", type=int, default=512, help="K/V capacity of the decode state")
   ap.add_argument("--prefill", type=int, default=0)
   ap.add_argument("--profile", default="",
-                  help="comma list of variants whose decode calls are traced")
+                  help="comma list of variants whose decode (or --prefill) calls are traced")
   ap.add_argument("--gdn_op", type=int, default=0, help="also time the chunked ops at this T")
   ap.add_argument("--gguf", default="", help="a model file (make_gguf.py) instead of bench-a3b's "
                   "random bf16 weights; its quantised weights stay quantised (--weights keep)")
@@ -368,8 +378,21 @@ def time_prefill(args, cfg, params, lora, dtype, res):
         logits.block_until_ready()
         times.append(time.perf_counter() - t)
       med = statistics.median(times)
+      text = compiled.as_text()
+      if variant in args.profile.split(","):   # one call traced: where a prefill's time goes
+        state = reset(state)
+
+        def call():
+          return compiled(params, lp, state, *args_[3:])[0]
+        res[f"profile_{variant}_prefill{T}"] = common.profile_call(call, 1, top=200)
+      if args.dump_hlo:
+        import gzip
+        os.makedirs(args.dump_hlo, exist_ok=True)
+        safe = variant.replace("@", "_at_").replace("+", "_and_")
+        with gzip.open(os.path.join(args.dump_hlo, f"prefill{T}_{safe}.hlo.txt.gz"), "wt") as f:
+          f.write(text)
       row = dict(variant=variant, prefill=T, ms=med * 1e3, tok_s=T / med, compile_s=t_compile,
-                 argmax=int(jnp.argmax(logits)), hlo=common.hlo_counts(compiled.as_text()))
+                 argmax=int(jnp.argmax(logits)), hlo=common.hlo_counts(text))
     except Exception as e:
       row = dict(variant=variant, prefill=T, error=f"{type(e).__name__}: {e}"[:2000])
     finally:

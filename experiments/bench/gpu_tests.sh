@@ -25,7 +25,8 @@ KERNELS="tests/test_lora_kernel.py tests/test_lora_kernel_mosaic.py tests/test_m
   tests/test_moe_grouped_kernel.py tests/test_gdn_decode_kernel.py tests/test_gdn_chunked_kernel.py
   tests/test_gdn_parallel_kernel.py tests/test_gdn_decode_fused_kernel.py
   tests/test_gdn_decode_layer_kernel.py tests/test_attention_decode_kernel.py
-  tests/test_attention_prologue_kernel.py tests/test_finish_kernel.py
+  tests/test_attention_prologue_kernel.py tests/test_attention_prefill_kernel.py
+  tests/test_finish_kernel.py
   $(ls tests/test_quant*.py 2>/dev/null)"
 MODEL="tests/test_forms.py tests/test_lora_switch.py tests/test_decode_greedy.py
   tests/test_model_parity.py"

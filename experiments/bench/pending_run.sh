@@ -565,5 +565,24 @@ if want owed13b; then
     --variants base,base@on,loradot@on,base@on,loradot@on --batches 1 --n_steps 16 --reps 7 \
     --out $OUT/decode_probe_owed13_loradot.json 2>&1 | grep '"variant"' | cut -c1-120
 fi
+# Session of 2026-12-04 (thirteenth): the flash-style prefill attention kernel
+# (Forms.attn_prefill "pallas"; the default stays "xla" until this call has timed it):
+#  SECTIONS=s13a: its compiled tests and the engine-level forms test; decode_probe's
+#    2,500-token prefill by XLA's attention and by the kernel (alternating, each profiled:
+#    where a prefill's time goes), then the kernel's tile variants; bench_spec with the kernel
+#    in the verify step.
+if want s13a; then
+  GPU_SET=kernels GPU_TESTS="tests/test_attention_prefill_kernel.py" CAP=150 WORKERS=2 \
+    bash experiments/bench/gpu_tests.sh | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_attn_prefill.log 2>/dev/null
+  PYTEST_ADDOPTS="-k attn_prefill" GPU_SET=model GPU_TESTS="tests/test_forms.py" CAP=120 \
+    WORKERS=1 bash experiments/bench/gpu_tests.sh | tail -2
+  timeout ${PROBE_CAP:-260} python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants ${PF_VARIANTS:-attnxla,attnflash,attnxla,attnflash,attnflash+pk64,attnflash+pq128,attnflash+pw4,attnflash+ps3} \
+    --profile attnxla,attnflash --out $OUT/decode_probe_prefill_attn.json 2>&1 \
+    | grep '"variant"' | cut -c1-150
+  timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 --forms attn_prefill=pallas \
+    --summary=false --out $OUT/bench_spec_attnflash.json 2>&1 | tail -4 | cut -c1-300
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

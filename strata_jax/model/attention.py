@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from pallas_kernels.attention.api import attention_reference, decode_attention, decode_prologue
+from pallas_kernels.attention.api import decode_attention, decode_prologue, prefill_attention
 from strata_jax.config import ModelConfig
 from strata_jax.model.common import linears, out_projection, rms_norm, rope_neox
 
@@ -67,11 +66,10 @@ def attn_mixer(cfg: ModelConfig, p, x, k_cache, v_cache, pos, n_new, lora_a, lor
     stacks = (k_all, v_all, layer) if layer is not None else (k_all[None], v_all[None], 0)
     out = decode_attention(q[:, 0], *stacks, positions[:, 0], kv_start,
                            implementation=PROLOGUE_FORMS.get(form, form))[:, None]
-  else:
-    if layer is not None:   # the layer's cache, read after its write
-      k_cache = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
-      v_cache = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-    out = attention_reference(q, k_cache, v_cache, positions, kv_start)     # [B, T, H, Hd]
+  else:   # the layer's cache, read after its write
+    stacks = (k_all, v_all, layer) if layer is not None else (k_all[None], v_all[None], 0)
+    out = prefill_attention(q, *stacks, pos, kv_start,
+                            implementation=cfg.forms.attn_prefill)           # [B, T, H, Hd]
   return _gated_out(cfg, p, out, gate, x, lora_a, lora_b, switch, row_scale), k_all, v_all
 
 
