@@ -569,8 +569,10 @@ fi
 # (Forms.attn_prefill "pallas"; the default stays "xla" until this call has timed it):
 #  SECTIONS=s13a: its compiled tests and the engine-level forms test; decode_probe's
 #    2,500-token prefill by XLA's attention and by the kernel (alternating, each profiled:
-#    where a prefill's time goes), then the kernel's tile variants; bench_spec with the kernel
-#    in the verify step.
+#    where a prefill's time goes), then the kernel's tile variants; the Engine at batch 1
+#    alone with the kernel (run 65 ran batch 1 after 32 and 8 in one process: 0.916 / 0.875
+#    of its program, run 61 alone 0.957 / 0.920) and its TTFT; bench_spec with the kernel in
+#    the verify step.
 if want s13a; then
   GPU_SET=kernels GPU_TESTS="tests/test_attention_prefill_kernel.py" CAP=150 WORKERS=2 \
     bash experiments/bench/gpu_tests.sh | tail -2
@@ -581,6 +583,9 @@ if want s13a; then
     --variants ${PF_VARIANTS:-attnxla,attnflash,attnxla,attnflash,attnflash+pk64,attnflash+pq128,attnflash+pw4,attnflash+ps3} \
     --profile attnxla,attnflash --out $OUT/decode_probe_prefill_attn.json 2>&1 \
     | grep '"variant"' | cut -c1-150
+  timeout ${ENGINE_CAP:-170} python3 experiments/bench/bench_engine.py --reps 3 --batches 1 \
+    --forms attn_prefill=pallas --out $OUT/bench_engine_b1_attnflash.json 2>&1 \
+    | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
   timeout $(left) python3 experiments/bench/bench_spec.py --ns 2,3,4 --forms attn_prefill=pallas \
     --summary=false --out $OUT/bench_spec_attnflash.json 2>&1 | tail -4 | cut -c1-300
 fi
