@@ -136,7 +136,7 @@ CHOICES: dict[str, tuple] = {
     # reads the layer's K/V cache in place and only each row's keys up to its position
     # (`pallas_kernels/attention`), "xla" = the model's einsums, which copy the layer's cache
     # out of the stack, convert it to fp32 and score the whole capacity. "auto" =
-    # "pallas_prologue" (below) on the GPU for a 16-bit compute dtype (bench-a3b bf16 on the
+    # "pallas" on the GPU for a 16-bit compute dtype (bench-a3b bf16 on the
     # H200, the kernel alone against "xla": decode roofline 0.402 / 0.519 / 0.489 at batch
     # 1 / 8 / 32 against 0.398 / 0.513 / 0.476,
     # experiments/results/device/bench_model_decode_run31_attn.json and _run28_moe.json),
@@ -151,23 +151,29 @@ CHOICES: dict[str, tuple] = {
     # "pallas_prologue" / "pallas_prologue_interpret": the kernel, with the q / k head norms,
     # RoPE and the new key / value's cache write before it in one launch too
     # (`pallas_kernels/attention/prologue_kernel.py`; the same caches in bf16, q to the
-    # norm's and the cos / sin's fp32 rounding). "auto" on the GPU for a 16-bit compute dtype
-    # since run 63: bench-a3b bf16 on the H200, the Engine's own program (`decode_sample`)
-    # took 3.936 / 3.945 ms a step with it against 3.973 / 3.980 without at batch 1 (two
-    # alternating timings each), 6.081 / 6.074 against 6.088 / 6.086 at batch 8
-    # (experiments/results/device/run63/decode_probe_s12b_attnpro.json); run 43's plain
-    # program gained the same 0.8 %. Until then the Engine's run-to-run spread at batch 1
-    # (runs 45-47: ±5 %) hid it; that spread was the output head's autotuned GEMM
-    # (`head` below), gone since run 61.
+    # norm's and the cos / sin's fp32 rounding). Not "auto" (it was from run 63 to run 67):
+    # bench-a3b bf16 on the H200, the Engine's own program (`decode_sample`) took 3.936 /
+    # 3.945 ms a step with it against 3.973 / 3.980 without at batch 1 with a 512-key cache
+    # (experiments/results/device/run63/decode_probe_s12b_attnpro.json), but through the
+    # Engine, whose batch-1 slot holds 2,560 keys, that program ran 236.6 and 239.2 tok/s
+    # with it (runs 65, 67) against 249.7 without (run 61), while `decode_greedy` stayed at
+    # 249-251 in all three, and the Engine went from 238.6 to 228.4 / 231.4 tok/s. Cause not
+    # found (a hypothesis: a copy of the cache stacks in that program's loop, which grows
+    # with the capacity); the A/B in one process is owed (pending_run.sh owed14).
     "attn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_prologue",
                     "pallas_prologue_interpret"),
     # attention at several positions a row (a prefill chunk, a verify step): "pallas" = the
     # flash-style kernel that reads the layer's K/V cache in place, key blocks up to each query
-    # block's last position, the softmax online (`pallas_kernels/attention/prefill_kernel.py`);
-    # "xla" = the model's einsums, fp32 scores and probabilities of every query against the
-    # whole capacity in memory (410 MB a layer for bench-a3b's 2,500-token chunk). "auto" =
-    # "pallas" on the GPU for a 16-bit compute dtype (and a power-of-2 head size), "xla" for
-    # float32 and elsewhere. The numbers to fp32 summation order (the online softmax).
+    # block's last position, the softmax online, the probabilities meeting V in the cache's
+    # dtype (`pallas_kernels/attention/prefill_kernel.py`); "xla" = the model's einsums, fp32
+    # scores and probabilities of every query against the whole capacity in memory (410 MB a
+    # layer for bench-a3b's 2,500-token chunk). "auto" = "pallas" on the GPU for a 16-bit
+    # compute dtype and a power-of-2 head size (bench-a3b bf16 on the H200: a 2,500-token
+    # prefill in 82.2 against 93.0 ms, 4,096 tokens in 123.0 against 145.7, the same argmax;
+    # experiments/results/device/run68/decode_probe_prefill_attn.json and
+    # _prefill4096_attn.json), "xla" for float32 (the kernel's fp32 form is IEEE and untimed)
+    # and elsewhere. The logits to the 16-bit rounding of the probabilities (tests/
+    # test_attention_prefill_kernel.py) in bf16, to fp32 summation order in fp32.
     "attn_prefill": ("auto", "xla", "pallas", "pallas_interpret"),
     # a layer's projections of one input (GDN qkv / gate / ba, attention q / k / v, the shared
     # expert's gate / up) where the in-place kernels take the rows (`dense_weights="kernel"`:
@@ -279,8 +285,10 @@ class Forms:
         moe_topk=auto(self.moe_topk, "pallas", "xla"),
         dense_few=auto(self.dense_few, "dot", "dot"),
         attn_decode=auto(self.attn_decode, "xla" if _dtype_name(compute_dtype) == "float32"
-                         else "pallas_prologue", "xla"),
-        attn_prefill=auto(self.attn_prefill, "xla", "xla"),   # until the H200 has timed it
+                         else "pallas", "xla"),
+        # the kernel's head-size rule is the op's own (`resolve_prefill`), so the GPU keeps "auto"
+        attn_prefill=auto(self.attn_prefill, "xla" if _dtype_name(compute_dtype) == "float32"
+                          else "auto", "xla"),
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
         head=auto(self.head, "kernel", "xla"),

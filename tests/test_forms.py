@@ -47,12 +47,13 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert (gpu.gemv_lora, cpu.gemv_lora) == ("rows_dense", "rows")   # measured: forms.py
   assert gpu.gdn_decode == "pallas_fused"            # measured: forms.py's comment
   assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
-  assert (gpu.attn_decode, cpu.attn_decode) == ("pallas_prologue", "xla")   # measured: forms.py
+  assert (gpu.attn_decode, cpu.attn_decode) == ("pallas", "xla")   # measured: forms.py
   assert (gpu.proj_finish, cpu.proj_finish) == ("gemv", "xla")     # measured: forms.py
   assert (gpu.dense_launch, cpu.dense_launch) == ("fused", "fused")   # the same numbers
   assert Forms().resolve("gpu", jnp.float32).attn_decode == "xla"   # forms.py says why
   # the prefill kernel: the op picks it per cache dtype and head size (pallas_kernels/attention)
-  assert (gpu.attn_prefill, cpu.attn_prefill) == ("xla", "xla")
+  assert (gpu.attn_prefill, cpu.attn_prefill) == ("auto", "xla")
+  assert Forms().resolve("gpu", jnp.float32).attn_prefill == "xla"
   assert gpu.lora_impl == "auto"                     # chosen per batch size, as the api says
   assert gpu.matmul_precision == "default" and gpu.jax_precision(jnp.bfloat16) is None
   tf32 = Forms(matmul_precision="tf32").resolve("gpu", jnp.float32)

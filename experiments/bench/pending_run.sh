@@ -615,5 +615,16 @@ print(int(ms('attnflash') < ms('attnxla')))")
       | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
   fi
 fi
+# Owed to the next session (after run 68): SECTIONS=owed14 (~6 min), the Engine at batch 1
+# alone with the decode kernel alone (the default again) and with the attention prologue, each
+# in its own process: runs 65 / 67 had the Engine's decode_sample at 236.6 / 239.2 tok/s with the
+# prologue, run 61 at 249.7 without, decode_greedy 249-251 in all three.
+if want owed14; then
+  for f in attn_decode=pallas attn_decode=pallas_prologue; do
+    timeout $(( ($(left) - 10) / 2 )) python3 experiments/bench/bench_engine.py --reps 3 \
+      --batches 1 --forms $f --out $OUT/bench_engine_b1_${f#attn_decode=}.json 2>&1 \
+      | grep -e "^decode" -e Error | cut -c1-300
+  done
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
