@@ -615,6 +615,16 @@ print(int(ms('attnflash') < ms('attnxla')))")
       | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
   fi
 fi
+# SECTIONS=s13c (the session's last ~240 s): the Engine at batch 1 on this commit's defaults
+# (the prefill attention kernel; the decode attention kernel without its prologue), then, if
+# time is left, with the prologue (owed14's A/B, two reps each).
+if want s13c; then
+  for f in "" attn_decode=pallas_prologue; do
+    timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py --reps 2 --batches 1 \
+      ${f:+--forms $f} --out $OUT/bench_engine_b1_$(f=${f#attn_decode=}; echo ${f:-defaults}).json \
+      2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+  done
+fi
 # Owed to the next session (after run 68): SECTIONS=owed14 (~6 min), the Engine at batch 1
 # alone with the decode kernel alone (the default again) and with the attention prologue, each
 # in its own process: runs 65 / 67 had the Engine's decode_sample at 236.6 / 239.2 tok/s with the
