@@ -124,6 +124,20 @@ def combine(m, l, acc):
   return num / den[..., None]
 
 
+def stack_operands(op, q_form, q, k_stack, v_stack, layer, pos, kv_start):
+  """The attention kernels' operands, [layer (1,), pos, (kv_start), q, k_stack, v_stack], after
+  checking q [B, ..., H, Hd] (`q_form` names it) against the stacks [L, B, S, G, Hd]; the layer
+  clipped to the stack."""
+  B, H, Hd = q.shape[0], q.shape[-2], q.shape[-1]
+  L, Bk, _, G, Hk = k_stack.shape
+  if (Bk, Hk) != (B, Hd) or v_stack.shape != k_stack.shape or H % G:
+    raise ValueError(f"{op}: q {q.shape}, K {k_stack.shape}, V {v_stack.shape} must be "
+                     f"{q_form}, [L, B, S, G, Hd] twice, H a multiple of G")
+  layer = jnp.clip(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), 0, L - 1)
+  starts = [] if kv_start is None else [kv_start.astype(jnp.int32)]
+  return [layer, jnp.asarray(pos, jnp.int32), *starts, q, k_stack, v_stack]
+
+
 @functools.partial(jax.jit, static_argnames=("block_s", "n_split", "interpret"))
 def decode_attention_pallas(q, k_stack, v_stack, layer, pos, kv_start=None, *, block_s=None,
                             n_split=None, interpret=False):
@@ -132,19 +146,12 @@ def decode_attention_pallas(q, k_stack, v_stack, layer, pos, kv_start=None, *, b
   read in place; pos [B] int32 the query positions (keys 0..pos, positions past the capacity
   clipped to it), kv_start [B] or None."""
   B, H, Hd = q.shape
-  L, Bk, S, G, Hk = k_stack.shape
-  if (Bk, Hk) != (B, Hd) or v_stack.shape != k_stack.shape or H % G:
-    raise ValueError(f"decode attention: q {q.shape}, K {k_stack.shape}, V {v_stack.shape} "
-                     "must be [B, H, Hd], [L, B, S, G, Hd] twice, H a multiple of G")
+  S, G = k_stack.shape[2:4]
   require_triton(interpret, "decode attention", "the 'xla' form")
+  args = stack_operands("decode attention", "[B, H, Hd]", q, k_stack, v_stack, layer,
+                        jnp.clip(pos.astype(jnp.int32), 0, S - 1), kv_start)
   dt = jnp.promote_types(q.dtype, k_stack.dtype)
   t = tiling(H, G, Hd, S, dt, windowed=kv_start is not None, block_s=block_s, n_split=n_split)
-  layer = jnp.clip(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), 0, L - 1)
-  pos = jnp.clip(pos.astype(jnp.int32), 0, S - 1)
-  args = [layer, pos]
-  if kv_start is not None:
-    args.append(kv_start.astype(jnp.int32))
-  args += [q, k_stack, v_stack]
   part = (B, G, t.n_split, t.r)
   m, l, acc = pl.pallas_call(
       functools.partial(_kernel, t=t), grid=(B, G, t.n_split),

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import masked_load, pow2, require_triton, triton_params
+from pallas_kernels.attention.kernel import stack_operands
 from pallas_kernels.quant.gemv import masked_store, tile_mask
 
 _F32 = jnp.float32
@@ -147,18 +148,12 @@ def prefill_attention_pallas(q, k_stack, v_stack, layer, pos, kv_start=None, *, 
   / v_stack [L, B, S, G, Hd], read in place; pos [B] int32 each row's first position,
   kv_start [B] or None."""
   B, T, H, Hd = q.shape
-  L, Bk, S, G, Hk = k_stack.shape
-  if (Bk, Hk) != (B, Hd) or v_stack.shape != k_stack.shape or H % G:
-    raise ValueError(f"prefill attention: q {q.shape}, K {k_stack.shape}, V {v_stack.shape} "
-                     "must be [B, T, H, Hd], [L, B, S, G, Hd] twice, H a multiple of G")
+  S, G = k_stack.shape[2:4]
   require_triton(interpret, "prefill attention", "the 'xla' form")
+  args = stack_operands("prefill attention", "[B, T, H, Hd]", q, k_stack, v_stack, layer, pos,
+                        kv_start)
   dt = jnp.promote_types(q.dtype, k_stack.dtype)
   t = tiling(H, G, Hd, T, dt, windowed=kv_start is not None, block_q=block_q, block_k=block_k)
-  layer = jnp.clip(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), 0, L - 1)
-  args = [layer, jnp.asarray(pos, jnp.int32)]
-  if kv_start is not None:
-    args.append(kv_start.astype(jnp.int32))
-  args += [q, k_stack, v_stack]
   params = None if interpret else triton_params(num_warps or NUM_WARPS,
                                                 num_stages or NUM_STAGES)
   return pl.pallas_call(
