@@ -146,11 +146,14 @@ def test_xla_form_is_the_models_attention_reference_bit_for_bit():
       np.asarray(attention_reference(q, k[1], v[1], positions)))
 
 
-def test_lowers_to_triton_for_the_gpu():
-  """Cross-lowering on CPU at bench-a3b's attention (16 q-heads, 2 kv-heads of 256, bf16):
-  every construct has a Pallas Triton lowering rule (what the interpreter cannot tell)."""
+@pytest.mark.parametrize("windowed", [False, True], ids=["causal", "kv_start"])
+def test_lowers_to_triton_for_the_gpu(windowed):
+  """Cross-lowering on CPU at bench-a3b's attention (16 q-heads, 2 kv-heads of 256, bf16),
+  with and without kv_start (the MTP layer's window): every construct has a Pallas Triton
+  lowering rule (what the interpreter cannot tell)."""
   q, k, v = make(B=1, T=100, H=16, G=2, Hd=256, S=160, dtype=BF16)
-  f = lambda *a: prefill_attention_pallas(*a, jnp.int32(1), jnp.asarray([7], jnp.int32))
+  start = jnp.asarray([3], jnp.int32) if windowed else None
+  f = lambda *a: prefill_attention_pallas(*a, jnp.int32(1), jnp.asarray([7], jnp.int32), start)
   text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
   assert "triton" in text
 
@@ -160,11 +163,12 @@ def test_lowers_to_triton_for_the_gpu():
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_gpu_bench_shapes(dtype):
   """bench-a3b's attention (16 q-heads, 2 kv-heads of 256): a 300-token chunk after a
-  1,000-token prefix and one from position 0, compiled. bf16: the probabilities meet V in
+  1,000-token prefix and one from position 0, compiled, with and without kv_start. bf16: the probabilities meet V in
   bf16."""
   q, k, v = make(B=2, T=300, H=16, G=2, Hd=256, S=1536, L=2, dtype=dtype, seed=7)
   pos = jnp.asarray([1000, 0], jnp.int32)
-  got = prefill_attention(q, k, v, jnp.int32(1), pos, implementation="pallas")
-  want = oracle(q, k, v, 1, np.asarray(pos))
   rel = KERNEL_REL[jnp.dtype(dtype).name]
-  assert_close(got, want, rel=rel, what=f"gpu {jnp.dtype(dtype).name}")
+  for start in (None, jnp.asarray([900, 120], jnp.int32)):   # and the MTP layer's windows
+    got = prefill_attention(q, k, v, jnp.int32(1), pos, start, implementation="pallas")
+    want = oracle(q, k, v, 1, np.asarray(pos), None if start is None else np.asarray(start))
+    assert_close(got, want, rel=rel, what=f"gpu {jnp.dtype(dtype).name} start {start}")
