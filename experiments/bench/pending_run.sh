@@ -625,11 +625,15 @@ if want s13c; then
       2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
   done
 fi
-# Owed to the next session (after run 68): SECTIONS=owed14 (~6 min), the Engine at batch 1
+# Owed to the next session (after run 69): SECTIONS=owed14 (~7 min), the prefill attention
+# kernel's compiled tests (kv_start windows, fp32 at its 64 x 32 tiles), the Engine at batch 1
 # alone with the decode kernel alone (the default again) and with the attention prologue, each
 # in its own process: runs 65 / 67 had the Engine's decode_sample at 236.6 / 239.2 tok/s with the
 # prologue, run 61 at 249.7 without, decode_greedy 249-251 in all three.
 if want owed14; then
+  GPU_SET=kernels GPU_TESTS="tests/test_attention_prefill_kernel.py" CAP=100 WORKERS=2 \
+    bash experiments/bench/gpu_tests.sh | tail -2   # kv_start windows compiled, fp32 at 64 x 32
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_attn_prefill.log 2>/dev/null
   for f in attn_decode=pallas attn_decode=pallas_prologue; do
     timeout $(( ($(left) - 10) / 2 )) python3 experiments/bench/bench_engine.py --reps 3 \
       --batches 1 --forms $f --out $OUT/bench_engine_b1_${f#attn_decode=}.json 2>&1 \
