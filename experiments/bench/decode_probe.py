@@ -41,6 +41,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   attnxla/attnflash  a prefill's (or verify step's) attention by XLA's einsums or by the
             flash-style prefill kernel (Forms.attn_prefill)
   pq64/pk32/pw8/ps2  the prefill attention kernel's query / key block, warps, stages
+  grows128/gf128/gcd64/gd128/gcf64/gw8/gs3  the grouped MoE kernel's row tile (and group
+            padding), up's F block and D step, down's D block and F step, warps, stages
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
   one traced call each).
   Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
@@ -166,6 +168,12 @@ def patch(variant: str):
     elif part == "route1w":   # the routing kernel at one warp for every program
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS", 1)
+    elif re.fullmatch(r"g(rows|f|cd|d|cf|w|s)\d+", part):   # the grouped MoE kernel's tiles
+      from pallas_kernels.moe import grouped
+      key, n = re.fullmatch(r"g(rows|f|cd|d|cf|w|s)(\d+)", part).groups()
+      name = {"rows": "_BLOCK_ROWS", "f": "_BLOCK_F", "cd": "_CHUNK_D", "d": "_BLOCK_D",
+              "cf": "_CHUNK_F", "w": "_NUM_WARPS", "s": "_NUM_STAGES"}[key]
+      setattr_undo(grouped, name, int(n))
     elif re.fullmatch(r"p[qkws]\d+", part):   # the prefill attention kernel's tiles
       from pallas_kernels.attention import prefill_kernel as pk
       name = {"q": "BLOCK_Q", "k": "BLOCK_K", "w": "NUM_WARPS", "s": "NUM_STAGES"}[part[1]]

@@ -625,7 +625,18 @@ if want s13c; then
       2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
   done
 fi
-# Owed to the next session (after run 69): SECTIONS=owed14 (~7 min), the prefill attention
+# Owed to the next session (after run 69):
+#  SECTIONS=owed14b (~4 min): the grouped MoE kernel's tiles in a 2,500-token prefill. Run 68's
+#    profile had moe_grouped_up / _down at 12.6 / 7.6 ms, ~1 TB/s of the 19.3 GB of expert weights
+#    a prefill reads (every expert is hit): its tiles (64 rows, 64-wide F blocks, 4 warps) were
+#    never timed, and each weight tile is read once per 64-row tile of its ~390 rows.
+if want owed14b; then
+  timeout $(( $(left) - 10 )) python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,grows128+gw8,grows128+gf128+gw8,grows128+gf128+gd256+gw8,base,grows128+gs4+gw8 \
+    --profile grows128+gf128+gw8 --out $OUT/decode_probe_prefill_grouped.json 2>&1 \
+    | grep '"variant"' | cut -c1-150
+fi
+#  SECTIONS=owed14 (~7 min): the prefill attention
 # kernel's compiled tests (kv_start windows, fp32 at its 64 x 32 tiles), the Engine at batch 1
 # alone with the decode kernel alone (the default again) and with the attention prologue, each
 # in its own process: runs 65 / 67 had the Engine's decode_sample at 236.6 / 239.2 tok/s with the
