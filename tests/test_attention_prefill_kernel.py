@@ -84,6 +84,16 @@ def test_blocks_give_one_answer():
     assert_close(got, want, rel=KERNEL_REL["float32"], what=f"{bq}x{bk}")
 
 
+def test_one_position_a_row():
+  """T = 1 (a decode step where the decode kernel's form is not chosen): rows at the first, a
+  middle and the last key of the cache."""
+  q, k, v = make(B=3, T=1, S=40, seed=8)
+  pos = jnp.asarray([0, 17, 39], jnp.int32)
+  got = prefill_attention(q, k, v, jnp.int32(1), pos, implementation="pallas_interpret")
+  assert_close(got, oracle(q, k, v, 1, np.asarray(pos)), rel=KERNEL_REL["float32"],
+               what="one position")
+
+
 def test_windows_and_positions_past_the_capacity():
   """kv_start windows (the MTP layer's cache: queries before the start see themselves only)
   and a row whose last queries lie past the capacity (they see every key, as the XLA form's
