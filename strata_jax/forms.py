@@ -259,7 +259,8 @@ class Forms:
   def resolve(self, backend: str, compute_dtype) -> Forms:
     """These forms with "auto" replaced by the concrete choice for `backend` ("cpu", "gpu",
     ...) and the compute dtype. On the GPU the LoRA kernel keeps "auto" (its choice depends on
-    the batch size, static under jit). Idempotent."""
+    the batch size, static under jit), and so does the prefill attention of a 16-bit model
+    (the kernel tiles power-of-2 head sizes only). Idempotent."""
     gpu = backend == "gpu"
     auto = lambda value, on_gpu, elsewhere: value if value != "auto" else (
         on_gpu if gpu else elsewhere)

@@ -173,8 +173,8 @@ def test_lowers_to_triton_for_the_gpu(windowed):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_gpu_bench_shapes(dtype):
   """bench-a3b's attention (16 q-heads, 2 kv-heads of 256): a 300-token chunk after a
-  1,000-token prefix and one from position 0, compiled, with and without kv_start. bf16: the probabilities meet V in
-  bf16."""
+  1,000-token prefix and one from position 0, compiled, with and without kv_start. bf16: the
+  probabilities meet V in bf16."""
   q, k, v = make(B=2, T=300, H=16, G=2, Hd=256, S=1536, L=2, dtype=dtype, seed=7)
   pos = jnp.asarray([1000, 0], jnp.int32)
   rel = KERNEL_REL[jnp.dtype(dtype).name]

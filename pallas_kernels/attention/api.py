@@ -16,6 +16,7 @@ matrix); "xla" the model's einsums (`attention_reference`). "auto": "pallas" on 
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._common import pow2
 from pallas_kernels.attention.kernel import decode_attention_pallas
 from pallas_kernels.attention.prefill_kernel import prefill_attention_pallas
 from pallas_kernels.attention.prologue_kernel import attention_decode_prologue
@@ -75,7 +76,7 @@ def resolve_prefill(implementation, dtype, head_dim):
   """The concrete prefill implementation for this choice, cache dtype and head size."""
   impl = check_choice("prefill attention", implementation or "auto", CHOICES)
   if impl == "auto":
-    tiles = head_dim >= 16 and not head_dim & (head_dim - 1)
+    tiles = head_dim >= 16 and pow2(head_dim)
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     return "pallas" if on_gpu() and half and tiles else "xla"
   return impl
