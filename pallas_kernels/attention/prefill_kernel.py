@@ -13,10 +13,10 @@ Grid (B, H, T / block_q). Program (b, h, i) takes queries i * block_q .. + block
 no key outside that range is loaded (the loads are masked to it). It keeps the running max
 m, sum l and fp32 output acc per query. The scores are q . k in the cache's dtype with fp32
 sums (bf16: exact products, as the reference's fp32 products of the same 16-bit values), times
-Hd^-0.5. The probabilities meet V in the cache's dtype with fp32 sums: a 16-bit cache rounds them to it
-(as FlashAttention and llama.cpp's flash-attention kernels do; the reference multiplies fp32
-probabilities, TF32 on the GPU, so the two differ by about the 16-bit rounding, the bound the
-tests hold); an fp32 cache keeps IEEE fp32 for both products. out = acc / l.
+Hd^-0.5. The probabilities meet V in the cache's dtype with fp32 sums: a 16-bit cache rounds
+them to it (as FlashAttention and llama.cpp's flash-attention kernels do; the reference
+multiplies fp32 probabilities, TF32 on the GPU, so the two differ by about the 16-bit rounding,
+the bound the tests hold); an fp32 cache keeps IEEE fp32 for both products. out = acc / l.
 
 Masks as the reference's: key <= the query's position, key >= min(kv_start, position) when
 kv_start is given, key < the capacity. Every query sees at least one key (its own position,
