@@ -16,6 +16,13 @@ source "$(dirname "$0")/device_env.sh"
 export STRATA_BENCH_RESULTS=$OUT
 left() { echo $(( ${CAP:-570} - ($(date +%s) - t0) )); }
 want() { [[ ",${SECTIONS:-tests,probe,gdn}," == *",$1,"* ]]; }
+# The prefill attention kernel's compiled tests within CAP seconds, logged as
+# $OUT/gpu_tests_attn_prefill.log.
+prefill_kernel_tests() {
+  GPU_SET=kernels GPU_TESTS="tests/test_attention_prefill_kernel.py" CAP=$1 WORKERS=2 \
+    bash experiments/bench/gpu_tests.sh | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_attn_prefill.log 2>/dev/null
+}
 # Session of 2026-12-03 (fifth), after the MoE decode kernels changed (moe_down one program
 # per (row, expert, D block); grouped row tiles from the pairs):
 #  call A, SECTIONS=s5tests,s5model: the GPU model set (transformers parity, greedy decode,
@@ -574,9 +581,7 @@ fi
 #    of its program, run 61 alone 0.957 / 0.920) and its TTFT; bench_spec with the kernel in
 #    the verify step.
 if want s13a; then
-  GPU_SET=kernels GPU_TESTS="tests/test_attention_prefill_kernel.py" CAP=150 WORKERS=2 \
-    bash experiments/bench/gpu_tests.sh | tail -2
-  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_attn_prefill.log 2>/dev/null
+  prefill_kernel_tests 150
   PYTEST_ADDOPTS="-k attn_prefill" GPU_SET=model GPU_TESTS="tests/test_forms.py" CAP=120 \
     WORKERS=1 bash experiments/bench/gpu_tests.sh | tail -2
   timeout ${PROBE_CAP:-260} python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
@@ -596,9 +601,7 @@ fi
 # the profile's fusions) and 4,096 tokens, tile variants, and the Engine's TTFT with it if it
 # wins.
 if want s13b; then
-  GPU_SET=kernels GPU_TESTS="tests/test_attention_prefill_kernel.py" CAP=100 WORKERS=2 \
-    bash experiments/bench/gpu_tests.sh | tail -2
-  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_attn_prefill.log 2>/dev/null
+  prefill_kernel_tests 100
   timeout ${PROBE_CAP:-200} python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
     --variants ${PF_VARIANTS:-attnxla,attnflash,attnxla,attnflash,attnflash+pk32,attnflash+pq64,attnflash+pq64+pw4,attnflash+ps3} \
     --profile attnflash --dump-hlo $OUT/hlo --out $OUT/decode_probe_prefill_attn.json 2>&1 \
@@ -642,9 +645,7 @@ fi
 # in its own process: runs 65 / 67 had the Engine's decode_sample at 236.6 / 239.2 tok/s with the
 # prologue, run 61 at 249.7 without, decode_greedy 249-251 in all three.
 if want owed14; then
-  GPU_SET=kernels GPU_TESTS="tests/test_attention_prefill_kernel.py" CAP=100 WORKERS=2 \
-    bash experiments/bench/gpu_tests.sh | tail -2   # kv_start windows compiled, fp32 at 64 x 32
-  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_attn_prefill.log 2>/dev/null
+  prefill_kernel_tests 100   # kv_start windows compiled, fp32 at 64 x 32
   for f in attn_decode=pallas attn_decode=pallas_prologue; do
     timeout $(( ($(left) - 10) / 2 )) python3 experiments/bench/bench_engine.py --reps 3 \
       --batches 1 --forms $f --out $OUT/bench_engine_b1_${f#attn_decode=}.json 2>&1 \
