@@ -206,6 +206,20 @@ def fla_time(fla, fn):
 
 # -------------------------------------------------------------------------------- chunked
 
+PLAN_TILES = {"bv": "block_v", "w": "num_warps", "iw": "intra_warps"}
+
+
+def parse_plan_entry(entry):
+  """`--chunked_plan` entry "impl/C/stages/inter[/bv32/w4/iw8]" -> a plan row, e.g.
+  "pallas_split/64/2/bfloat16/bv64/w8" (inter "float32" keeps the default)."""
+  name, c, stages, inter, *tiles = entry.split("/")
+  kw = {}
+  for t in tiles:
+    key = t.rstrip("0123456789")
+    kw[PLAN_TILES[key]] = int(t[len(key):])
+  return name, int(c), int(stages), None if inter == "float32" else inter, kw
+
+
 def probe_chunked(res, fla, a):
   import jax
   import jax.numpy as jnp
@@ -220,20 +234,25 @@ def probe_chunked(res, fla, a):
     want = jax.jit(jax.vmap(lambda *x: reference.delta_rule_chunked(
         *(t.astype(jnp.float32) for t in x[:5]), x[5], chunk=64)))(q, k, v, g, beta, s0)
   interp = a.tiny
-  # (impl, chunk, num_stages, intermediates dtype); stages 2: Triton pipelines the state
-  # pass's per-chunk loads; bf16 intermediates: ū, w (u, h) kept as fla keeps them.
-  plan = [("pallas", 32, 1, None)]
-  plan += [(n, c, 1, None) for c in (32, 64) for n in ("pallas_parallel", "pallas_split")]
-  if not interp:
-    plan += [(n, 64, 1, "bfloat16") for n in ("pallas_parallel", "pallas_split")]
-    plan += [(n, c, 2, None) for c in (32, 64) for n in ("pallas_parallel", "pallas_split")]
+  # (impl, chunk, num_stages, intermediates dtype, tiles); stages 2: Triton pipelines the
+  # state pass's per-chunk loads; bf16 intermediates: ū, w (u, h) kept as fla keeps them;
+  # tiles: the parallel kernel's block_v / num_warps / intra_warps (None: its defaults).
+  if a.chunked_plan:
+    plan = [parse_plan_entry(e) for e in a.chunked_plan.split(",")]
+  else:
+    plan = [("pallas", 32, 1, None, {})]
+    plan += [(n, c, 1, None, {}) for c in (32, 64) for n in ("pallas_parallel", "pallas_split")]
+    if not interp:
+      plan += [(n, 64, 1, "bfloat16", {}) for n in ("pallas_parallel", "pallas_split")]
+      plan += [(n, c, 2, None, {}) for c in (32, 64)
+               for n in ("pallas_parallel", "pallas_split")]
   passes = {"pallas_parallel": "fused", "pallas_split": "separate"}
-  for name, c, stages, inter in plan:
+  for name, c, stages, inter, tiles in plan:
     if name == "pallas":
       fn = functools.partial(gdn_chunked_pallas, chunk=c, interpret=interp)
     else:
       fn = functools.partial(gdn_chunked_parallel, chunk=c, state_pass=passes[name],
-                             interpret=interp, num_stages=stages, inter_dtype=inter)
+                             interpret=interp, num_stages=stages, inter_dtype=inter, **tiles)
 
     def body(row, fn=fn):
       o, s = jax.jit(fn)(q, k, v, g, beta, s0)
@@ -241,7 +260,7 @@ def probe_chunked(res, fla, a):
       row["us"], _ = chain_timer(lambda st, *x: fn(*x, st), jnp.array(s0), (q, k, v, g, beta),
                                  a.chunk_steps, a.reps)
     run_variant(res["chunked"], dict(impl=name, chunk=c, stages=stages, inter=inter or "float32",
-                                     T=T, H=h), body)
+                                     T=T, H=h, **tiles), body)
   if fla is None:
     return
 
@@ -524,6 +543,9 @@ def main():
   ap.add_argument("--profile_batches", default="1")
   ap.add_argument("--skip", default="",
                   help="comma list of: chunked,decode,fla,floor,sweep,ffi,layers")
+  ap.add_argument("--chunked_plan", default="",
+                  help="comma list of impl/C/stages/inter[/bvN/wN/iwN] replacing the default "
+                  "chunked plan, e.g. pallas_split/64/2/bfloat16/bv64/w8")
   ap.add_argument("--layers", type=int, default=36, help="GDN layers in the layer-scan probe")
   ap.add_argument("--layer_steps", type=int, default=3, help="layer scans per timed program")
   ap.add_argument("--budget_s", type=float, default=150.0,
