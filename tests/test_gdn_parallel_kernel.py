@@ -12,7 +12,7 @@ from test_gdn_chunked_kernel import TF32_REL, check, make_inputs, oracle
 from tolerances import DELTA_RULE_FP32, KERNEL_REL
 
 from pallas_kernels.gdn import api
-from pallas_kernels.gdn.parallel_kernel import STATE_PASSES, gdn_chunked_parallel
+from pallas_kernels.gdn.parallel_kernel import INVERSES, STATE_PASSES, gdn_chunked_parallel
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
@@ -69,6 +69,29 @@ def test_interpret_bf16_intermediates(state_pass):
         rel=KERNEL_REL["bfloat16"])
 
 
+# inverse="blocked" (T by 16-row blocks): C = 16 (one block), 32, 64; T not a multiple of C;
+# both state passes; bf16 q/k/v.
+BLOCKED = [((1, 37, 2, 16, 32, 16), "fused", F32), ((1, 70, 2, 32, 16, 32), "separate", F32),
+           ((1, 100, 2, 16, 16, 64), "fused", BF16), ((2, 45, 2, 24, 8, 64), "separate", BF16)]
+
+
+@pytest.mark.parametrize("case,state_pass,act", BLOCKED,
+                         ids=[f"{_id(c)}-{p}-{jnp.dtype(a).name}" for c, p, a in BLOCKED])
+def test_interpret_parity_blocked_inverse(case, state_pass, act):
+  b, t, h, dk, dv, c = case
+  args = make_inputs(b, t, h, dk, dv, act=act, seed=sum(case))
+  got = gdn_chunked_parallel(*args, chunk=c, interpret=True, state_pass=state_pass,
+                             inverse="blocked")
+  check(got, oracle(*args, chunk=c), f"{_id(case)} {state_pass} blocked")
+
+
+def test_blocked_inverse_matches_products():
+  """The two ways to T give the same outputs to fp32 rounding (four 16-row blocks)."""
+  args = make_inputs(1, 100, H, 16, 16, seed=7)
+  run = lambda inverse: gdn_chunked_parallel(*args, chunk=64, interpret=True, inverse=inverse)
+  check(run("blocked"), run("products"), "blocked vs products")
+
+
 def test_matches_serial_kernel_and_zero_gates_keep_state():
   """The two state passes agree with each other; g = beta = 0 leaves the state bit for bit."""
   q, k, v, g, beta, s0 = make_inputs(2, 40, H, 16, 16, seed=1)
@@ -110,6 +133,8 @@ def test_choices_and_input_checks():
   args = make_inputs(1, 8, H, 16, 16)
   with pytest.raises(ValueError, match="state_pass='both'"):
     gdn_chunked_parallel(*args, interpret=True, state_pass="both")
+  with pytest.raises(ValueError, match="inverse='solve'"):
+    gdn_chunked_parallel(*args, interpret=True, inverse="solve")
   with pytest.raises(ValueError, match="power of 2"):
     gdn_chunked_parallel(*args, chunk=48, interpret=True)
   with pytest.raises(ValueError, match="block_v"):
@@ -119,13 +144,15 @@ def test_choices_and_input_checks():
     gdn_chunked_parallel(q, k, v, g, beta, s.astype(BF16), interpret=True)
 
 
+@pytest.mark.parametrize("inverse", INVERSES)
 @pytest.mark.parametrize("inter", [None, BF16], ids=["f32-inter", "bf16-inter"])
 @pytest.mark.parametrize("state_pass", STATE_PASSES)
-def test_lowers_to_triton_for_the_gpu(state_pass, inter):
+def test_lowers_to_triton_for_the_gpu(state_pass, inter, inverse):
   """Cross-lowering on CPU at the bench's head size (bf16, padded T): every construct of the
   kernels has a Pallas Triton lowering rule (what the interpreter cannot tell)."""
   args = make_inputs(1, 100, 2, 128, 128, act=BF16)
-  f = lambda *a: gdn_chunked_parallel(*a, chunk=64, state_pass=state_pass, inter_dtype=inter)
+  f = lambda *a: gdn_chunked_parallel(*a, chunk=64, state_pass=state_pass, inter_dtype=inter,
+                                      inverse=inverse)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("triton") >= (2 if state_pass == "fused" else 3)
 
@@ -144,6 +171,22 @@ def test_gpu_parity_bench_shape(chunk, state_pass):
   run = lambda **kw: gdn_chunked_parallel(*args, chunk=chunk, state_pass=state_pass, **kw)
   check(run(precision=x3), want, f"gpu 3xtf32 C={chunk} {state_pass}", abs_=DELTA_RULE_FP32)
   check(run(), want, f"gpu tf32 C={chunk} {state_pass}", rel=TF32_REL)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("state_pass", STATE_PASSES)
+@pytest.mark.parametrize("chunk", [64, 32])
+def test_gpu_parity_bench_shape_blocked(chunk, state_pass):
+  """As `test_gpu_parity_bench_shape` with T by 16-row blocks (inverse="blocked")."""
+  args = make_inputs(1, 2500, 32, 128, 128, act=BF16, seed=15)
+  want = oracle(*args, chunk=64)
+  x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+  run = lambda **kw: gdn_chunked_parallel(*args, chunk=chunk, state_pass=state_pass,
+                                          inverse="blocked", **kw)
+  what = f"C={chunk} {state_pass} blocked"
+  check(run(precision=x3), want, f"gpu 3xtf32 {what}", abs_=DELTA_RULE_FP32)
+  check(run(), want, f"gpu tf32 {what}", rel=TF32_REL)
 
 
 @pytest.mark.gpu

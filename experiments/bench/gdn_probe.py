@@ -210,11 +210,15 @@ PLAN_TILES = {"bv": "block_v", "w": "num_warps", "iw": "intra_warps"}
 
 
 def parse_plan_entry(entry):
-  """`--chunked_plan` entry "impl/C/stages/inter[/bv32/w4/iw8]" -> a plan row, e.g.
-  "pallas_split/64/2/bfloat16/bv64/w8" (inter "float32" keeps the default)."""
+  """`--chunked_plan` entry "impl/C/stages/inter[/bv32/w4/iw8][/blocked]" -> a plan row, e.g.
+  "pallas_split/64/2/bfloat16/bv64/w8" (inter "float32" keeps the default; "blocked": the
+  intra launch's inverse="blocked")."""
   name, c, stages, inter, *tiles = entry.split("/")
   kw = {}
   for t in tiles:
+    if t == "blocked":
+      kw["inverse"] = "blocked"
+      continue
     key = t.rstrip("0123456789")
     kw[PLAN_TILES[key]] = int(t[len(key):])
   return name, int(c), int(stages), None if inter == "float32" else inter, kw
@@ -544,8 +548,8 @@ def main():
   ap.add_argument("--skip", default="",
                   help="comma list of: chunked,decode,fla,floor,sweep,ffi,layers")
   ap.add_argument("--chunked_plan", default="",
-                  help="comma list of impl/C/stages/inter[/bvN/wN/iwN] replacing the default "
-                  "chunked plan, e.g. pallas_split/64/2/bfloat16/bv64/w8")
+                  help="comma list of impl/C/stages/inter[/bvN/wN/iwN][/blocked] replacing the "
+                  "default chunked plan, e.g. pallas_split/64/2/bfloat16/bv64/w8")
   ap.add_argument("--layers", type=int, default=36, help="GDN layers in the layer-scan probe")
   ap.add_argument("--layer_steps", type=int, default=3, help="layer scans per timed program")
   ap.add_argument("--budget_s", type=float, default=150.0,

@@ -15,6 +15,10 @@ state pass walks the chunks:
    product (I + N)(I + N²)···(I + N^{C/2}) with N = −M (`chunked.py`), then
    ū = T (β v), w = T (β e^G k), A = tril(e^{G_t−G_s}) ⊙ q kᵀ. It writes ū [.., Dv],
    w [.., Dk], A [.., C] (row t of a chunk holds its C entries) and G, all fp32.
+   `inverse="blocked"` (`_intra_blocked_kernel`) computes the same ū and w as fla's
+   solve_tril + recompute_w_u: the chunk in blocks of 16 rows, the diagonal blocks of T by
+   the product form at size 16, the others by block forward substitution, then ū and w
+   block-row by block-row (16-row ref slices: Triton cannot slice a value in registers).
 2. The state pass, grid (B, H, Dv / block_v): each program keeps a [block_v, Dk] fp32 tile
    of one head's state and walks the chunks; per chunk u = ū − w Sᵀ, then
    S ← e^{G_last} S + uᵀ (e^{G_last−G} k). Two forms:
@@ -51,6 +55,9 @@ from pallas_kernels.gdn.chunked_kernel import (
 
 _F32 = jnp.float32
 STATE_PASSES = ("fused", "separate")
+INVERSES = ("products", "blocked")
+# Rows of a sub-block of the "blocked" inverse: fla's, and tl.dot's minimum tile.
+_SUB = 16
 # Compiled defaults, untimed (no GPU run yet; the probe `experiments/bench/gdn_probe.py`
 # sweeps them). The intra kernel holds [C, Dk] and [C, Dv] fp32 tiles and a [C, C] inverse:
 # 8 warps halve the registers per thread against 4. The state pass is the chunked kernel's
@@ -88,6 +95,59 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ubar_ref, w_ref, a_ref, 
   ubar_ref[...] = ubar.astype(ubar_ref.dtype)
   a_ref[...] = _dot(q_ref[...].astype(_F32), k, _NT, precision) * decay_causal
   gc_ref[...] = big_g
+
+
+def _intra_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ubar_ref, w_ref, a_ref,
+                          gc_ref, *, chunk, precision):
+  """`_intra_kernel`'s outputs with T = (I + M)⁻¹ by blocks of 16 rows (fla's solve_tril and
+  recompute_w_u) instead of products of [C, C] matrices. With M_ij, T_ij the [16, 16] blocks
+  (block i holds rows 16i..16i+15): T_ii = (I + M_ii)⁻¹ by the product form at size 16,
+  T_ij = −T_ii Σ_{j≤p<i} M_ip T_pj for j < i, then w_i = Σ_{j≤i} T_ij (β e^G k)_j and
+  ū_i = Σ_{j≤i} T_ij (β v)_j. Blocks are loaded and stored through static 16-row slices of
+  the refs (Triton cannot slice a value held in registers)."""
+  c, s = chunk, _SUB
+  r, causal, _ = _masks(c)
+  big_g = jnp.cumsum(g_ref[...].astype(_F32))
+  diff = big_g[:, None] - big_g[None, :]
+  decay_causal = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+  a_ref[...] = _dot(q_ref[...].astype(_F32), k_ref[...].astype(_F32), _NT,
+                    precision) * decay_causal
+  gc_ref[...] = big_g
+
+  rs, _, strict = _masks(s)
+  eye = (rs[:, None] == rs[None, :]).astype(_F32)
+  rows = lambda i: pl.ds(s * i, s)
+  # Block i's G: picked out of the chunk's cumsum by a masked sum (exact: one nonzero term;
+  # Triton cannot index elements), so A, w and G use the same values.
+  g_of = lambda i: jnp.sum(jnp.where(rs[:, None] + s * i == r[None, :], big_g[None, :], 0.0),
+                           axis=1)  # [16]
+  n_sub = c // s
+  ks = [k_ref[rows(i), :].astype(_F32) for i in range(n_sub)]  # [16, Dk] each
+  gs = [g_of(i) for i in range(n_sub)]
+  betas = [beta_ref[rows(i)].astype(_F32) for i in range(n_sub)]
+  t = {}  # (i, j) -> T_ij [16, 16], j <= i
+  for i in range(n_sub):
+    kk = lambda j: _dot(ks[i], ks[j], _NT, precision)
+    # M_ij = β_i e^{G_i − G_j} k_i k_jᵀ; off the diagonal every entry is below it (no mask).
+    m = {j: betas[i][:, None] * jnp.exp(gs[i][:, None] - gs[j][None, :]) * kk(j)
+         for j in range(i)}
+    d_ii = gs[i][:, None] - gs[i][None, :]
+    decay_ii = jnp.where(strict, jnp.exp(jnp.where(strict, d_ii, 0.0)), 0.0)
+    m_ii = betas[i][:, None] * decay_ii * kk(i)  # strictly lower
+    t[i, i] = _unit_lower_inverse(m_ii, eye, s, precision)
+    for j in range(i):
+      acc = _dot(m[j], t[j, j], _NN, precision)
+      for p in range(j + 1, i):
+        acc = acc + _dot(m[p], t[p, j], _NN, precision)
+      t[i, j] = -_dot(t[i, i], acc, _NN, precision)
+    w = ubar = 0.0
+    for j in range(i + 1):  # v's blocks are loaded again per block-row, not held (registers)
+      xk = (betas[j] * jnp.exp(gs[j]))[:, None] * ks[j]  # [16, Dk]
+      xv = betas[j][:, None] * v_ref[rows(j), :].astype(_F32)  # [16, Dv]
+      w = w + _dot(t[i, j], xk, _NN, precision)
+      ubar = ubar + _dot(t[i, j], xv, _NN, precision)
+    w_ref[rows(i), :] = w.astype(w_ref.dtype)
+    ubar_ref[rows(i), :] = ubar.astype(ubar_ref.dtype)
 
 
 def _last(big_g, r, c):
@@ -146,10 +206,10 @@ def _out_kernel(q_ref, a_ref, gc_ref, u_ref, h_ref, o_ref, *, precision):
 
 @functools.partial(jax.jit, static_argnames=(
     "chunk", "interpret", "block_v", "num_warps", "intra_warps", "num_stages", "precision",
-    "state_pass", "inter_dtype"))
+    "state_pass", "inter_dtype", "inverse"))
 def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, block_v=None,
                          num_warps=None, intra_warps=None, num_stages=None, precision=None,
-                         state_pass="fused", inter_dtype=None):
+                         state_pass="fused", inter_dtype=None, inverse="products"):
   """Chunked gated delta rule for a batch, intra-chunk work parallel over chunks.
 
   Args and returns as `chunked_kernel.gdn_chunked_pallas` (q, k [B, T, H, Dk] normalised and
@@ -163,9 +223,13 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
     inter_dtype: the dtype ū and w (and for "separate" u and h) are kept in between the
       launches; None: float32. bfloat16 halves their HBM traffic (fla keeps them in the
       input dtype) at bf16 rounding of those values; A, G, the state and all math stay fp32.
+    inverse: how the intra launch gets T = (I + M)⁻¹: "products" ((I + N)(I + N²)··· on
+      [C, C]) or "blocked" (16-row blocks by forward substitution, as fla's solve_tril).
   """
   if state_pass not in STATE_PASSES:
     raise ValueError(f"gdn chunked: state_pass={state_pass!r}: expected one of {STATE_PASSES}")
+  if inverse not in INVERSES:
+    raise ValueError(f"gdn chunked: inverse={inverse!r}: expected one of {INVERSES}")
   b, t, h, dk0, dv0, c, dk, dv, bv = chunked_tiles(q, k, v, g, beta, state, chunk, block_v,
                                                     interpret)
   if t == 0:
@@ -190,7 +254,8 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   cspec = lambda d: pl.BlockSpec((sq, c, sq, d), lambda i, hh, j: (i, j, hh, 0))
   cvec = pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j, hh))
   ubar, w, a, gc = pl.pallas_call(
-      functools.partial(_intra_kernel, chunk=c, precision=precision),
+      functools.partial(_intra_kernel if inverse == "products" else _intra_blocked_kernel,
+                        chunk=c, precision=precision),
       grid=(b, h, n),
       in_specs=[cspec(dk), cspec(dk), cspec(dv), cvec, cvec],
       out_specs=[cspec(dv), cspec(dk), cspec(c), cvec],
