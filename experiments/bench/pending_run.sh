@@ -652,15 +652,24 @@ if want owed14; then
       | grep -e "^decode" -e Error | cut -c1-300
   done
 fi
-# Session of 2026-12-05 (fourteenth), call A, SECTIONS=owed14b,s14gdn: the grouped MoE tiles
-# above, then the chunk-parallel GDN kernel's state pass / intermediates / tiles at T = 2,500,
-# 32 heads of 128, bf16 q/k/v (gdn_probe.py --chunked_plan; the default first and last).
+# Owed since the session of 2026-12-05 (fourteenth), which was lent no machine:
+#  call A, SECTIONS=owed14b,s14gdn (~9 min, CAP=570): the grouped MoE tiles above, then the
+#    chunk-parallel GDN kernel's state pass / intermediates / tiles and the blocked UT inverse
+#    (inverse="blocked", never compiled yet) at T = 2,500, 32 heads of 128, bf16 q/k/v
+#    (gdn_probe.py --chunked_plan; the default first and last). Adopt a winner as the default
+#    only after call B's compiled tests.
+#  call B, SECTIONS=s14gdntests,owed14: the blocked inverse's compiled parity tests, then owed14.
+if want s14gdntests; then
+  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=150 WORKERS=2 \
+    bash experiments/bench/gpu_tests.sh | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
+fi
 if want s14gdn; then
   p=pallas_parallel/64/1/float32
   s=pallas_split/64/2/bfloat16
   timeout $(( $(left) - 5 )) python3 experiments/bench/gdn_probe.py --skip decode,floor,layers,sweep,fla \
     --budget_s $(( $(left) - 30 )) --chunk_steps 5 --reps 5 --out $OUT/gdn_probe_chunked_plan.json \
-    --chunked_plan $p,pallas_split/64/2/float32,$s,pallas_split/64/3/bfloat16,$s/bv64,$s/bv64/w8,$s/bv16,$s/iw4,$s/w8,pallas_parallel/64/2/bfloat16,pallas_split/32/2/bfloat16,$p \
+    --chunked_plan $p,pallas_split/64/2/float32,$s,pallas_split/64/3/bfloat16,$s/bv64,$s/bv64/w8,$s/bv16,$s/iw4,$s/w8,pallas_parallel/64/2/bfloat16,pallas_split/32/2/bfloat16,$s/blocked,$s/blocked/iw4,pallas_parallel/64/1/float32/blocked,$p \
     2>&1 | grep -e "'impl'" -e Error | cut -c1-260
 fi
 rm -rf $OUT/tmp
