@@ -161,30 +161,18 @@ def test_lowers_to_triton_for_the_gpu(state_pass, inter, inverse):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("inverse", INVERSES)
 @pytest.mark.parametrize("state_pass", STATE_PASSES)
 @pytest.mark.parametrize("chunk", [64, 32])
-def test_gpu_parity_bench_shape(chunk, state_pass):
-  """T = 2,500, 32 heads of 128, bf16 q/k/v (the bench's shape and dtypes)."""
+def test_gpu_parity_bench_shape(chunk, state_pass, inverse):
+  """T = 2,500, 32 heads of 128, bf16 q/k/v (the bench's shape and dtypes), T by products
+  or by 16-row blocks."""
   args = make_inputs(1, 2500, 32, 128, 128, act=BF16, seed=11)
   want = oracle(*args, chunk=64)
   x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-  run = lambda **kw: gdn_chunked_parallel(*args, chunk=chunk, state_pass=state_pass, **kw)
-  check(run(precision=x3), want, f"gpu 3xtf32 C={chunk} {state_pass}", abs_=DELTA_RULE_FP32)
-  check(run(), want, f"gpu tf32 C={chunk} {state_pass}", rel=TF32_REL)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("state_pass", STATE_PASSES)
-@pytest.mark.parametrize("chunk", [64, 32])
-def test_gpu_parity_bench_shape_blocked(chunk, state_pass):
-  """As `test_gpu_parity_bench_shape` with T by 16-row blocks (inverse="blocked")."""
-  args = make_inputs(1, 2500, 32, 128, 128, act=BF16, seed=15)
-  want = oracle(*args, chunk=64)
-  x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
   run = lambda **kw: gdn_chunked_parallel(*args, chunk=chunk, state_pass=state_pass,
-                                          inverse="blocked", **kw)
-  what = f"C={chunk} {state_pass} blocked"
+                                          inverse=inverse, **kw)
+  what = f"C={chunk} {state_pass} {inverse}"
   check(run(precision=x3), want, f"gpu 3xtf32 {what}", abs_=DELTA_RULE_FP32)
   check(run(), want, f"gpu tf32 {what}", rel=TF32_REL)
 
