@@ -85,7 +85,6 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ubar_ref, w_ref, a_ref, 
   diff = big_g[:, None] - big_g[None, :]  # G_t - G_s
   # exp only under the masks: above the diagonal G_t - G_s > 0 could overflow.
   decay_strict = jnp.where(strict, jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
-  decay_causal = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
   k = k_ref[...].astype(_F32)
   m = beta[:, None] * decay_strict * _dot(k, k, _NT, precision)  # [C, C] strictly lower
   t = _unit_lower_inverse(m, eye, c, precision)
@@ -93,6 +92,13 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ubar_ref, w_ref, a_ref, 
   w_ref[...] = w.astype(w_ref.dtype)
   ubar = _dot(t, beta[:, None] * v_ref[...].astype(_F32), _NN, precision)
   ubar_ref[...] = ubar.astype(ubar_ref.dtype)
+  _store_a_and_g(q_ref, k, big_g, diff, causal, a_ref, gc_ref, precision)
+
+
+def _store_a_and_g(q_ref, k, big_g, diff, causal, a_ref, gc_ref, precision):
+  """Both intra kernels' A = tril(e^{G_t−G_s}) ⊙ q kᵀ [C, C] and G [C] (k [C, Dk] fp32,
+  diff = G_t − G_s; exp only under the mask)."""
+  decay_causal = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
   a_ref[...] = _dot(q_ref[...].astype(_F32), k, _NT, precision) * decay_causal
   gc_ref[...] = big_g
 
@@ -108,11 +114,8 @@ def _intra_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ubar_ref, w_ref,
   c, s = chunk, _SUB
   r, causal, _ = _masks(c)
   big_g = jnp.cumsum(g_ref[...].astype(_F32))
-  diff = big_g[:, None] - big_g[None, :]
-  decay_causal = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
-  a_ref[...] = _dot(q_ref[...].astype(_F32), k_ref[...].astype(_F32), _NT,
-                    precision) * decay_causal
-  gc_ref[...] = big_g
+  _store_a_and_g(q_ref, k_ref[...].astype(_F32), big_g, big_g[:, None] - big_g[None, :],
+                 causal, a_ref, gc_ref, precision)
 
   rs, _, strict = _masks(s)
   eye = (rs[:, None] == rs[None, :]).astype(_F32)
