@@ -29,10 +29,11 @@ CHOICES: dict[str, tuple] = {
     # Where the in-place dense GEMV takes the row, `gemv_lora` decides how the delta is added.
     "lora_impl": ("auto", "xla", "pallas", "mosaic", "pallas_interpret"),
     # prefill's chunked delta rule: "auto" = the chunk-parallel Pallas kernel on the GPU
-    # ("pallas_parallel": intra-chunk work for all chunks at once, the state pass fused with
-    # the outputs), the oracle elsewhere. On the H200 at T = 2,500, 32 heads of 128, bf16 q/k/v:
-    # 500 us at C = 64 against 870 for the serial "pallas" kernel (C = 32) and 501 for
-    # "pallas_split" (fla's three-launch split); experiments/results/device/gdn_probe_run1.json.
+    # ("pallas_split": intra-chunk work for all chunks at once, then fla's split of a state
+    # pass and a parallel output launch), the oracle elsewhere. On the H200 at T = 2,500,
+    # 32 heads of 128, bf16 q/k/v: 320.6 us at its tuned defaults against 505 for
+    # "pallas_parallel" (the state pass fused with the outputs) and 870 for the serial
+    # "pallas" kernel (C = 32); experiments/results/device/run70/gdn_probe_chunked_plan.json.
     "gdn_chunked": ("auto", "reference", "products", "pallas", "pallas_interpret",
                     "pallas_parallel", "pallas_split", "pallas_parallel_interpret",
                     "pallas_split_interpret"),
@@ -267,7 +268,7 @@ class Forms:
     precision = self.matmul_precision
     if precision == "auto":
       precision = "highest" if _dtype_name(compute_dtype) == "float32" else "default"
-    gdn_chunked = auto(self.gdn_chunked, "pallas_parallel", "reference")
+    gdn_chunked = auto(self.gdn_chunked, "pallas_split", "reference")
     from pallas_kernels.gdn.api import pallas_chunk_for  # noqa: PLC0415 (kernels load lazily)
     return dataclasses.replace(
         self,

@@ -39,7 +39,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert cpu.matmul_precision == "highest" and cpu.jax_precision(jnp.float32) == "highest"
   assert Forms().jax_precision(jnp.float32) == "highest", "unresolved auto: fp32 is full fp32"
   gpu = Forms().resolve("gpu", jnp.bfloat16)
-  assert (gpu.gdn_chunked, gpu.moe_many, gpu.moe_few) == ("pallas_parallel", "pallas", "pallas")
+  assert (gpu.gdn_chunked, gpu.moe_many, gpu.moe_few) == ("pallas_split", "pallas", "pallas")
   assert (gpu.gdn_pallas_chunk, cpu.gdn_pallas_chunk) == (64, 32)  # each kernel's measured chunk
   assert Forms(gdn_chunked="pallas").resolve("gpu", jnp.bfloat16).gdn_pallas_chunk == 32
   assert Forms(gdn_pallas_chunk=16).resolve("gpu", jnp.bfloat16).gdn_pallas_chunk == 16

@@ -107,7 +107,7 @@ def test_api_chunked_under_vmap():
 
 
 def test_api_choice():
-  assert api.chunked_implementation() == ("pallas_parallel" if ON_GPU else "reference")
+  assert api.chunked_implementation() == ("pallas_split" if ON_GPU else "reference")
   assert api.chunked_implementation("pallas_interpret") == "pallas_interpret"
   assert api.chunked_implementation("products") == "products"
   with pytest.raises(ValueError, match="unknown implementation 'fast'"):

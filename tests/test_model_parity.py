@@ -60,17 +60,20 @@ def test_prefill_kernel_forms_match_transformers(hf, forms):
                what=str(forms))
 
 
-_PARALLEL = "pallas_parallel" if jax.default_backend() == "gpu" else "pallas_parallel_interpret"
-_FUSED = "pallas_fused" if jax.default_backend() == "gpu" else "pallas_fused_interpret"
+_ON_GPU = jax.default_backend() == "gpu"
+_FUSED = "pallas_fused" if _ON_GPU else "pallas_fused_interpret"
 
 
-def test_parallel_chunked_and_fused_decode_forms_match_transformers(hf):
-  """The chunk-parallel prefill kernel and the fused decode kernel (interpreted on CPU) give
-  transformers' logits for the prompt and for each decoded token, in an engine of two slots
-  with one idle (its row is not valid in every decode step: the kernel skips its state)."""
+@pytest.mark.parametrize("parallel", ["pallas_parallel", "pallas_split"])
+def test_parallel_chunked_and_fused_decode_forms_match_transformers(hf, parallel):
+  """Each chunk-parallel prefill kernel (the state pass fused with the outputs, or fla's
+  split) and the fused decode kernel (interpreted on CPU) give transformers' logits for the
+  prompt and for each decoded token, in an engine of two slots with one idle (its row is not
+  valid in every decode step: the kernel skips its state)."""
   _, hf_model, model = hf
   ids = _prompt(63, model.cfg.vocab_size)
-  forms = sj.Forms(gdn_chunked=_PARALLEL, gdn_decode=_FUSED)
+  forms = sj.Forms(gdn_chunked=parallel if _ON_GPU else f"{parallel}_interpret",
+                   gdn_decode=_FUSED)
   eng = sj.Engine(model, slots=2, max_seq=128, block_size=64, forms=forms)
   res = eng.generate(tokens=ids, max_tokens=4, return_logits=True)
   want = _hf_logits(hf_model, ids + res.tokens[:3])

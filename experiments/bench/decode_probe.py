@@ -101,6 +101,7 @@ FORM_VARIANTS = {
     "topk": {"moe_topk": "pallas"},
     "xlatopk": {"moe_topk": "xla"},
     "gdnparallel": {"gdn_chunked": "pallas_parallel"},
+    "gdnsplit": {"gdn_chunked": "pallas_split"},
     "lorarows": {"gemv_lora": "rows"},
     "loraapart": {"gemv_lora": "apart"},
     "loradot": {"gemv_lora": "dot"},   # one adapted row by dense_dot too (run 27: slower)
@@ -174,6 +175,8 @@ def patch(variant: str):
       name = {"rows": "_BLOCK_ROWS", "f": "_BLOCK_F", "cd": "_CHUNK_D", "d": "_BLOCK_D",
               "cf": "_CHUNK_F", "w": "_NUM_WARPS", "s": "_NUM_STAGES"}[key]
       setattr_undo(grouped, name, int(n))
+      if key == "w":   # every tile's warps, the wide tiles' too
+        setattr_undo(grouped, "_NUM_WARPS_WIDE", int(n))
     elif re.fullmatch(r"p[qkws]\d+", part):   # the prefill attention kernel's tiles
       from pallas_kernels.attention import prefill_kernel as pk
       name = {"q": "BLOCK_Q", "k": "BLOCK_K", "w": "NUM_WARPS", "s": "NUM_STAGES"}[part[1]]

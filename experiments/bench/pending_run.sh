@@ -672,5 +672,24 @@ if want s14gdn; then
     --chunked_plan $p,pallas_split/64/2/float32,$s,pallas_split/64/3/bfloat16,$s/bv64,$s/bv64/w8,$s/bv16,$s/iw4,$s/w8,pallas_parallel/64/2/bfloat16,pallas_split/32/2/bfloat16,$s/blocked,$s/blocked/iw4,pallas_parallel/64/1/float32/blocked,$p \
     2>&1 | grep -e "'impl'" -e Error | cut -c1-260
 fi
+# Session of 2026-12-05 (fifteenth), after run 70: "auto" = "pallas_split" with 3 stages, the
+# intra launch at 4 warps and 16-bit intermediates for 16-bit q/k/v; the grouped MoE kernel at
+# 8 warps for 64-row tiles. SECTIONS=s15b (~9 min): the compiled GDN parallel and grouped MoE
+# tests, the GPU model set (transformers parity with both parallel forms), the 2,500-token
+# prefill on the new defaults against the old (gdnparallel+gw4), and the GDN op beside fla's.
+if want s15b; then
+  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py tests/test_moe_grouped_kernel.py" \
+    CAP=170 WORKERS=4 bash experiments/bench/gpu_tests.sh | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_moe.log 2>/dev/null
+  GPU_SET=model CAP=200 WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  timeout 120 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,gdnparallel+gw4,base,gw4,gdnparallel --profile base \
+    --out $OUT/decode_probe_prefill_s15.json 2>&1 | grep '"variant"' | cut -c1-150
+  s=pallas_split/64/3/bfloat16
+  timeout $(( $(left) - 5 )) python3 experiments/bench/gdn_probe.py --skip decode,floor,layers,sweep \
+    --budget_s $(( $(left) - 30 )) --chunk_steps 5 --reps 5 --out $OUT/gdn_probe_s15.json \
+    --chunked_plan $s,$s/iw8,pallas_split/64/2/bfloat16,$s/bv64,pallas_parallel/64/2/bfloat16,$s \
+    2>&1 | grep -e "'impl'" -e "^chunked" -e Error | cut -c1-260
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

@@ -81,12 +81,13 @@ PARALLEL_CHUNK = 64
 
 def chunked_implementation(implementation=None):
   """The chunked implementation to run for `implementation` (None: "auto"): "auto" is
-  "pallas_parallel" on the GPU (H200, T = 2,500, 32 heads of 128, bf16 q/k/v: 500 us against
-  870 us for the serial "pallas", 2,544 us for "reference" and 1,632 us for "products"),
-  "reference" elsewhere. A ValueError for any other name."""
+  "pallas_split" on the GPU (H200, T = 2,500, 32 heads of 128, bf16 q/k/v: 320.6 us at its
+  tuned defaults, bf16 intermediates and 2 stages, against 505 us for "pallas_parallel"
+  (experiments/results/device/run70), 870 us for the serial "pallas", 2,544 us for "reference"
+  and 1,632 us for "products"), "reference" elsewhere. A ValueError for any other name."""
   impl = check_choice("gdn chunked", implementation or "auto", CHUNKED_CHOICES)
   if impl == "auto":
-    return "pallas_parallel" if on_gpu() else "reference"
+    return "pallas_split" if on_gpu() else "reference"
   if impl == "pallas" or impl in PARALLEL:
     require_gpu("gdn chunked", impl, f"'{impl}_interpret' or 'reference'")
   return impl
@@ -96,8 +97,12 @@ def _parallel(impl, q, k, v, g, beta, state, chunk):
   """The chunk-parallel kernel for a batch (impl one of PARALLEL / PARALLEL_INTERPRET)."""
   interpret = impl in PARALLEL_INTERPRET
   sp = (PARALLEL_INTERPRET if interpret else PARALLEL)[impl]
+  # 16-bit q/k/v: ū, w, u and h kept in that dtype between the launches, as fla keeps them
+  # (on the H200, 363 against 421 us at T = 2,500; experiments/results/device/run70). fp32
+  # inputs keep fp32 intermediates.
+  inter = v.dtype if jnp.dtype(v.dtype).itemsize == 2 else None
   return gdn_chunked_parallel(q, k, v, g, beta, state, chunk=chunk, interpret=interpret,
-                              state_pass=sp)
+                              state_pass=sp, inter_dtype=inter)
 
 
 def pallas_chunk_for(impl, pallas_chunk=None) -> int:

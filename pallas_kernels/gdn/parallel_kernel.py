@@ -58,13 +58,17 @@ STATE_PASSES = ("fused", "separate")
 INVERSES = ("products", "blocked")
 # Rows of a sub-block of the "blocked" inverse: fla's, and tl.dot's minimum tile.
 _SUB = 16
-# Compiled defaults, untimed (no GPU run yet; the probe `experiments/bench/gdn_probe.py`
-# sweeps them). The intra kernel holds [C, Dk] and [C, Dv] fp32 tiles and a [C, C] inverse:
-# 8 warps halve the registers per thread against 4. The state pass is the chunked kernel's
-# loop without the q/k work: its defaults (chunked_kernel's block_v, 4 warps, 1 stage).
-_INTRA_WARPS = 8
+# Compiled defaults, from the H200 sweep at T = 2,500, 32 heads of 128, bf16 q/k/v, C = 64
+# (experiments/results/device/run70/gdn_probe_chunked_plan.json): the intra launch at 4 warps
+# (320.6 us against 363.1 at 8, "separate" at 2 stages, bf16 intermediates); the "separate"
+# launches at 3 software-pipeline stages (327.8 against 363.1 at 2, 421.2 at 2 with fp32
+# intermediates); the "fused" pass at 1 (its state tile and A u on the serial path; 2 stages
+# were only timed with bf16 intermediates, 441.9 us). The state pass keeps the chunked
+# kernel's block_v and 4 warps (8 warps: 430.2 us; block_v 16 / 64: 476.6 / 489.8).
+_INTRA_WARPS = 4
 _STATE_WARPS = 4
 _OUT_WARPS = 4
+_STAGES = {"fused": 1, "separate": 3}
 
 
 def _masks(c):
@@ -221,7 +225,9 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
     state_pass: "fused" (two launches: the state pass also writes o) or "separate" (three:
       the state pass writes u and the per-chunk states, a parallel launch computes o).
     num_warps: warps of the state pass (and of the output launch); None: 4.
-    intra_warps: warps of the parallel intra-chunk launch; None: 8.
+    intra_warps: warps of the parallel intra-chunk launch; None: 4.
+    num_stages: software-pipeline stages of every launch; None: 1 for "fused", 3 for
+      "separate" (`_STAGES`).
     block_v: the state pass's Dv tile; None: 32 compiled, Dv interpreted.
     inter_dtype: the dtype ū and w (and for "separate" u and h) are kept in between the
       launches; None: float32. bfloat16 halves their HBM traffic (fla keeps them in the
@@ -252,7 +258,7 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
 
   sq = SQUEEZED
   params = lambda warps, stages: None if interpret else triton_params(warps, stages)
-  stages = num_stages or 1
+  stages = num_stages or _STAGES[state_pass]
   # 1. Intra-chunk work, one program per (b, h, chunk).
   cspec = lambda d: pl.BlockSpec((sq, c, sq, d), lambda i, hh, j: (i, j, hh, 0))
   cvec = pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j, hh))

@@ -55,6 +55,11 @@ _CHUNK_D = 64  # up: K step over D
 _BLOCK_D = 128  # down: N of the dot; one [64, 128] fp32 accumulator
 _CHUNK_F = 64  # down: K step over F
 _NUM_WARPS = 4
+# Warps for 64-row tiles and wider (a prefill's groups): 8. On the H200, bench-a3b's
+# 2,500-token prefill took 80.8 ms at 8 against 82.3-82.6 at 4
+# (experiments/results/device/run70/decode_probe_prefill_grouped.json, "grows128+gw8": the
+# row cap changed nothing there, its groups average 40 rows, 64-row tiles either way).
+_NUM_WARPS_WIDE = 8
 _NUM_STAGES = 3
 
 
@@ -273,8 +278,8 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None
 
   r = route(idx, n_experts, t.block_rows, t.n_tiles)
   xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[r.row_tok]  # [R, D]; padding: 0
-  params = None if interpret else triton_params(num_warps or _NUM_WARPS,
-                                                 num_stages or _NUM_STAGES)
+  warps = num_warps or (_NUM_WARPS_WIDE if t.block_rows >= 64 else _NUM_WARPS)
+  params = None if interpret else triton_params(warps, num_stages or _NUM_STAGES)
   call = functools.partial(pl.pallas_call, interpret=interpret, compiler_params=params)
   bm = t.block_rows
   h = call(
