@@ -691,5 +691,16 @@ if want s15b; then
     --chunked_plan $s,$s/iw8,pallas_split/64/2/bfloat16,$s/bv64,pallas_parallel/64/2/bfloat16,$s \
     2>&1 | grep -e "'impl'" -e "^chunked" -e Error | cut -c1-260
 fi
+# SECTIONS=s15c (the session's last ~8 min): the Engine at batch 1 on the new defaults (TTFT of
+# 2,500 tokens beside one prefill program call, decode greedy / sampled), then, if time is left,
+# with the attention prologue (owed14's A/B).
+if want s15c; then
+  for f in "" attn_decode=pallas_prologue; do
+    [ $(left) -lt 120 ] && break
+    timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py --reps 2 --batches 1 \
+      ${f:+--forms $f} --out $OUT/bench_engine_b1_s15_$(f=${f#attn_decode=}; echo ${f:-defaults}).json \
+      2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+  done
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
