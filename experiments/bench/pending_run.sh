@@ -672,7 +672,7 @@ if want s14gdn; then
     --chunked_plan $p,pallas_split/64/2/float32,$s,pallas_split/64/3/bfloat16,$s/bv64,$s/bv64/w8,$s/bv16,$s/iw4,$s/w8,pallas_parallel/64/2/bfloat16,pallas_split/32/2/bfloat16,$s/blocked,$s/blocked/iw4,pallas_parallel/64/1/float32/blocked,$p \
     2>&1 | grep -e "'impl'" -e Error | cut -c1-260
 fi
-# Session of 2026-12-05 (fifteenth), after run 70: "auto" = "pallas_split" with 3 stages, the
+# Session of 2026-12-05 (fifteenth), after run 70: "auto" = "pallas_split" with 2 stages, the
 # intra launch at 4 warps and 16-bit intermediates for 16-bit q/k/v; the grouped MoE kernel at
 # 8 warps for 64-row tiles. SECTIONS=s15b (~9 min): the compiled GDN parallel and grouped MoE
 # tests, the GPU model set (transformers parity with both parallel forms), the 2,500-token
@@ -685,10 +685,10 @@ if want s15b; then
   timeout 120 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
     --variants base,gdnparallel+gw4,base,gw4,gdnparallel --profile base \
     --out $OUT/decode_probe_prefill_s15.json 2>&1 | grep '"variant"' | cut -c1-150
-  s=pallas_split/64/3/bfloat16
+  s=pallas_split/64/2/bfloat16
   timeout $(( $(left) - 5 )) python3 experiments/bench/gdn_probe.py --skip decode,floor,layers,sweep \
     --budget_s $(( $(left) - 30 )) --chunk_steps 5 --reps 5 --out $OUT/gdn_probe_s15.json \
-    --chunked_plan $s,$s/iw8,pallas_split/64/2/bfloat16,$s/bv64,pallas_parallel/64/2/bfloat16,$s \
+    --chunked_plan $s,pallas_split/64/3/bfloat16,$s/iw8,$s/bv64,pallas_parallel/64/2/bfloat16,$s \
     2>&1 | grep -e "'impl'" -e "^chunked" -e Error | cut -c1-260
 fi
 # SECTIONS=s15c (the session's last ~8 min): the Engine at batch 1 on the new defaults (TTFT of

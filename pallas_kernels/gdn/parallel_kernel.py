@@ -59,16 +59,17 @@ INVERSES = ("products", "blocked")
 # Rows of a sub-block of the "blocked" inverse: fla's, and tl.dot's minimum tile.
 _SUB = 16
 # Compiled defaults, from the H200 sweep at T = 2,500, 32 heads of 128, bf16 q/k/v, C = 64
-# (experiments/results/device/run70/gdn_probe_chunked_plan.json): the intra launch at 4 warps
-# (320.6 us against 363.1 at 8, "separate" at 2 stages, bf16 intermediates); the "separate"
-# launches at 3 software-pipeline stages (327.8 against 363.1 at 2, 421.2 at 2 with fp32
-# intermediates); the "fused" pass at 1 (its state tile and A u on the serial path; 2 stages
-# were only timed with bf16 intermediates, 441.9 us). The state pass keeps the chunked
-# kernel's block_v and 4 warps (8 warps: 430.2 us; block_v 16 / 64: 476.6 / 489.8).
+# (experiments/results/device/run70/gdn_probe_chunked_plan.json), its fastest row: "separate"
+# at 2 software-pipeline stages, bf16 intermediates, the intra launch at 4 warps, 320.6 us
+# (363.1 at 8 warps; 327.8 at 8 warps and 3 stages, a pairing not yet timed with 4 warps;
+# 421.2 at 2 stages with fp32 intermediates). The "fused" pass at 1 stage (its state tile and
+# A u on the serial path; 2 stages were only timed with bf16 intermediates, 441.9 us). The
+# state pass keeps the chunked kernel's block_v and 4 warps (8 warps: 430.2 us; block_v 16 /
+# 64: 476.6 / 489.8).
 _INTRA_WARPS = 4
 _STATE_WARPS = 4
 _OUT_WARPS = 4
-_STAGES = {"fused": 1, "separate": 3}
+_STAGES = {"fused": 1, "separate": 2}
 
 
 def _masks(c):
@@ -226,7 +227,7 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
       the state pass writes u and the per-chunk states, a parallel launch computes o).
     num_warps: warps of the state pass (and of the output launch); None: 4.
     intra_warps: warps of the parallel intra-chunk launch; None: 4.
-    num_stages: software-pipeline stages of every launch; None: 1 for "fused", 3 for
+    num_stages: software-pipeline stages of every launch; None: 1 for "fused", 2 for
       "separate" (`_STAGES`).
     block_v: the state pass's Dv tile; None: 32 compiled, Dv interpreted.
     inter_dtype: the dtype ū and w (and for "separate" u and h) are kept in between the
