@@ -117,10 +117,27 @@ def test_api_forms_under_vmap():
     check(bat, want, f"api.chunked_batched {impl}")
 
 
+@pytest.mark.parametrize("act", [BF16, F32], ids=["bf16", "fp32"])
+def test_api_keeps_intermediates_in_16_bit_inputs_dtype_and_fp32_otherwise(act):
+  """The model's path keeps ū, w, u and h in q/k/v's dtype when it is 16-bit (as fla does),
+  in fp32 for fp32 inputs: bit for bit the kernel called with that `inter_dtype`, and for
+  bf16 not the fp32-intermediate result."""
+  args = make_inputs(2, 45, H, 16, 32, act=act, seed=7)
+  for impl, sp in api.PARALLEL_INTERPRET.items():
+    got = api.chunked_batched(*args, chunk=16, implementation=impl)
+    kernel = lambda inter, sp=sp: gdn_chunked_parallel(*args, chunk=16, interpret=True,
+                                                       state_pass=sp, inter_dtype=inter)
+    want = kernel(BF16 if act == BF16 else None)
+    for g_, w_ in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g_), np.asarray(w_))
+    if act == BF16:
+      assert not np.array_equal(np.asarray(got[0]), np.asarray(kernel(None)[0]))
+
+
 def test_choices_and_input_checks():
   for impl in api.PARALLEL_INTERPRET:
     assert api.chunked_implementation(impl) == impl
-  assert api.chunked_implementation() == ("pallas_parallel" if ON_GPU else "reference")
+  assert api.chunked_implementation() == ("pallas_split" if ON_GPU else "reference")
   # each kernel's measured chunk unless the caller names one (pallas_kernels/gdn/api.py)
   assert [api.pallas_chunk_for(i) for i in ("pallas_parallel", "pallas_split_interpret",
                                             "pallas")] == [64, 64, 32]
