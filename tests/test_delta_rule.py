@@ -86,3 +86,23 @@ def test_reference_solves_one_matrix_at_a_time_with_the_batched_solves_numbers()
   assert np.array_equal(got, batched)
   assert_close(got, np.linalg.solve(np.eye(C) + m, r), rel=KERNEL_REL["float32"],
                what="unit lower solve")
+
+
+def test_conv_window_gathers_the_rows_a_slice_of_the_concatenation_gives():
+  """`gdn.conv_window` (the conv state after n_new tokens, gathered from the old state and the
+  new rows without the concatenation) equals slicing concat([state, x]) at each row's start,
+  bit for bit, for starts 0 .. T and one past T (clamped as `lax.dynamic_slice` clamps)."""
+  from jax import lax  # noqa: PLC0415
+
+  from strata_jax.model.gdn import conv_window  # noqa: PLC0415
+  rng = np.random.default_rng(3)
+  B, K1, T, C = 6, 3, 4, 5
+  state = jnp.asarray(rng.standard_normal((B, K1, C)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((B, T, C)), jnp.bfloat16)
+  start = jnp.asarray([0, 1, 2, 3, 4, 5], jnp.int32)
+  ext = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+  want = jax.vmap(lambda e, n: lax.dynamic_slice_in_dim(e, n, K1, axis=0))(ext, start)
+  got = conv_window(state, x, start)
+  assert got.dtype == x.dtype
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(want.astype(jnp.float32)))

@@ -117,6 +117,24 @@ def test_api_forms_under_vmap():
     check(bat, want, f"api.chunked_batched {impl}")
 
 
+@pytest.mark.parametrize("state_pass", STATE_PASSES)
+def test_grouped_q_k_heads_read_in_place_equal_the_repeated_heads(state_pass):
+  """q/k with Hk = 2 heads for H = 6 v-heads (v-head h reads k-head h // 3 through the index
+  maps) give the bits of q/k repeated to 6 heads; the api's other forms repeat them, and a
+  head count that does not divide H is refused."""
+  q, k, v, g, beta, s0 = make_inputs(2, 37, 6, 16, 32, act=BF16, seed=11)
+  qg, kg = q[:, :, ::3], k[:, :, ::3]                       # [B, T, 2, Dk]
+  rep = lambda a: jnp.repeat(a, 3, axis=2)
+  run = lambda qq, kk: gdn_chunked_parallel(qq, kk, v, g, beta, s0, chunk=16, interpret=True,
+                                            state_pass=state_pass, inter_dtype=BF16)
+  for got, want in zip(run(qg, kg), run(rep(qg), rep(kg))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  ref = api.chunked_batched(qg, kg, v, g, beta, s0, chunk=16, implementation="reference")
+  check(ref, oracle(rep(qg), rep(kg), v, g, beta, s0, chunk=16), "reference, grouped")
+  with pytest.raises(ValueError, match="multiple of q's"):
+    run(q[:, :, :4], k[:, :, :4])
+
+
 @pytest.mark.parametrize("act", [BF16, F32], ids=["bf16", "fp32"])
 def test_api_keeps_intermediates_in_16_bit_inputs_dtype_and_fp32_otherwise(act):
   """The model's path keeps ū, w, u and h in q/k/v's dtype when it is 16-bit (as fla does),

@@ -43,6 +43,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   pq64/pk32/pw8/ps2  the prefill attention kernel's query / key block, warps, stages
   grows128/gf128/gcd64/gd128/gcf64/gw8/gs3  the grouped MoE kernel's row tile (and group
             padding), up's F block and D step, down's D block and F step, warps, stages
+  gdnf32in  the chunked GDN op fed fp32 q/k/v with q/k repeated to the v-heads (before run 71)
+  convcat   the GDN conv state sliced out of the written concatenation (before run 71)
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
   one traced call each).
   Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
@@ -185,6 +187,31 @@ def patch(variant: str):
       from pallas_kernels.gdn import decode_layer_kernel as dlk
       n = int(re.sub(r"\D", "", part))
       setattr_undo(dlk, "_NUM_WARPS" if part.startswith("lw") else "_BLOCK_V", n)
+    elif part == "gdnf32in":   # the chunked GDN op fed fp32 q/k/v, heads repeated (before run 71)
+      import jax.numpy as jnp
+
+      from pallas_kernels.gdn import api as gdn_api
+
+      class _Api:
+        def __getattr__(self, name):
+          return getattr(gdn_api, name)
+
+        @staticmethod
+        def chunked(q, k, v, *rest, **kw):
+          r = v.shape[-2] // q.shape[-2]
+          f32 = lambda a: a.astype(jnp.float32)
+          return gdn_api.chunked(f32(jnp.repeat(q, r, axis=-2)), f32(jnp.repeat(k, r, axis=-2)),
+                                 f32(v), *rest, **kw)
+      setattr_undo(gdn, "gdn_api", _Api())
+    elif part == "convcat":   # the conv state sliced out of the concatenation (before run 71)
+      import jax
+      import jax.numpy as jnp
+
+      def conv_window(conv_state, x, start):
+        ext = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
+        return jax.vmap(lambda e, n: lax.dynamic_slice_in_dim(e, n, conv_state.shape[1], 0))(
+            ext, start)
+      setattr_undo(gdn, "conv_window", conv_window)
     elif part == "route4w":   # the routing kernel at four warps for every program (run 38's base)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)

@@ -676,14 +676,15 @@ fi
 # intra launch at 4 warps and 16-bit intermediates for 16-bit q/k/v; the grouped MoE kernel at
 # 8 warps for 64-row tiles. SECTIONS=s15b (~9 min): the compiled GDN parallel and grouped MoE
 # tests, the GPU model set (transformers parity with both parallel forms), the 2,500-token
-# prefill on the new defaults against the old (gdnparallel+gw4), and the GDN op beside fla's.
+# prefill on this commit's GDN inputs (16-bit, q/k heads unrepeated, the conv state gathered)
+# against the old ones (gdnf32in, convcat), and the GDN op beside fla's.
 if want s15b; then
   GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py tests/test_moe_grouped_kernel.py" \
     CAP=170 WORKERS=4 bash experiments/bench/gpu_tests.sh | tail -2
   mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_moe.log 2>/dev/null
   GPU_SET=model CAP=200 WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
-  timeout 120 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-    --variants base,gdnparallel+gw4,base,gw4,gdnparallel --profile base \
+  timeout 170 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,gdnf32in+convcat,base,gdnf32in,convcat,gdnparallel --profile base \
     --out $OUT/decode_probe_prefill_s15.json 2>&1 | grep '"variant"' | cut -c1-150
   s=pallas_split/64/2/bfloat16
   timeout $(( $(left) - 5 )) python3 experiments/bench/gdn_probe.py --skip decode,floor,layers,sweep \

@@ -3,8 +3,9 @@
 `chunked` (prefill, one sequence; the model vmaps it) and `chunked_batched` (the same for a
 batch) run "reference", "products", "pallas", "pallas_interpret", or the chunk-parallel
 kernels "pallas_parallel" (two launches), "pallas_split" (three, fla's split) and their
-"_interpret" forms ("auto", the default: "pallas" on the GPU, "reference" elsewhere; the
-parallel kernels are not "auto" until measured): see `chunked`. The rest of this docstring
+"_interpret" forms ("auto", the default: "pallas_split" on the GPU, "reference" elsewhere):
+see `chunked`. q and k may come with fewer heads than v (grouped, as the model has them):
+the chunk-parallel kernels read them in place, the other forms get them repeated. The rest of this docstring
 is about the decode step.
 
 `step_raw` (one decode step for a batch, from raw q/k) has three implementations:
@@ -105,6 +106,18 @@ def _parallel(impl, q, k, v, g, beta, state, chunk):
                               state_pass=sp, inter_dtype=inter)
 
 
+def _expand_heads(q, k, v):
+  """q, k with v's heads: each of Hk heads repeated H / Hk times on the head axis (-2), v-head
+  h <- k-head h // (H / Hk), for the forms that take expanded heads."""
+  h, hk = v.shape[-2], q.shape[-2]
+  if h == hk:
+    return q, k
+  if h % hk:
+    raise ValueError(f"gdn chunked: v has {h} heads, not a multiple of q's {hk} "
+                     f"(q {q.shape}, v {v.shape})")
+  return jnp.repeat(q, h // hk, axis=-2), jnp.repeat(k, h // hk, axis=-2)
+
+
 def pallas_chunk_for(impl, pallas_chunk=None) -> int:
   """The chunk a Pallas form runs: `pallas_chunk`, or (None / "auto", `Forms.gdn_pallas_chunk`'s
   default) the kernel's own."""
@@ -117,6 +130,7 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
             pallas_chunk: int | str | None = None):
   """Prefill form for one sequence. Shapes as in `reference` (no batch dim):
   q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H]; state [H, Dv, Dk] -> (o [T, H, Dv], state).
+  q and k may also be [T, Hk, Dk] with Hk dividing H (v-head h <- k-head h // (H / Hk)).
 
   "reference": the oracle (triangular solve, HIGHEST precision everywhere); "products":
   `chunked.py` (UT inverse by matrix products, JAX's default matmul precision); "pallas" /
@@ -133,13 +147,14 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, implementation=None,
   same launch without the vmap."""
   impl = chunked_implementation(implementation)
   pallas_chunk = pallas_chunk_for(impl, pallas_chunk)
-  if impl in ("pallas", "pallas_interpret"):
-    o, s = gdn_chunked_pallas(q[None], k[None], v[None], g[None], beta[None], state[None],
-                              chunk=min(chunk, pallas_chunk), interpret=impl == "pallas_interpret")
-    return o[0], s[0]
   if impl in PARALLEL or impl in PARALLEL_INTERPRET:
     o, s = _parallel(impl, q[None], k[None], v[None], g[None], beta[None], state[None],
                      min(chunk, pallas_chunk))
+    return o[0], s[0]
+  q, k = _expand_heads(q, k, v)
+  if impl in ("pallas", "pallas_interpret"):
+    o, s = gdn_chunked_pallas(q[None], k[None], v[None], g[None], beta[None], state[None],
+                              chunk=min(chunk, pallas_chunk), interpret=impl == "pallas_interpret")
     return o[0], s[0]
   if impl == "products":
     return chunked_form.delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
@@ -151,15 +166,16 @@ def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=
   """Prefill form for a batch: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H];
   state [B, H, Dv, Dk] -> (o [B, T, H, Dv] float32, state [B, H, Dv, Dk] float32).
 
-  Implementations as `chunked`: the Pallas forms call the batched kernel directly (grid
-  B x H x Dv tiles), the jnp forms are vmapped over B."""
+  Implementations as `chunked` (q, k may have fewer heads there too): the Pallas forms call
+  the batched kernel directly (grid B x H x Dv tiles), the jnp forms are vmapped over B."""
   impl = chunked_implementation(implementation)
   pallas_chunk = pallas_chunk_for(impl, pallas_chunk)
+  if impl in PARALLEL or impl in PARALLEL_INTERPRET:
+    return _parallel(impl, q, k, v, g, beta, state, min(chunk, pallas_chunk))
+  q, k = _expand_heads(q, k, v)
   if impl in ("pallas", "pallas_interpret"):
     return gdn_chunked_pallas(q, k, v, g, beta, state, chunk=min(chunk, pallas_chunk),
                               interpret=impl == "pallas_interpret")
-  if impl in PARALLEL or impl in PARALLEL_INTERPRET:
-    return _parallel(impl, q, k, v, g, beta, state, min(chunk, pallas_chunk))
   one = lambda *a: chunked(*a, chunk=chunk, implementation=impl, pallas_chunk=pallas_chunk)
   return jax.vmap(one)(q, k, v, g, beta, state)
 

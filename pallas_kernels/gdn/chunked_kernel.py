@@ -110,17 +110,18 @@ def _chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_re
   s_out_ref[...] = lax.fori_loop(0, n_chunks, body, s_ref[...].astype(_F32))
 
 
-def check_chunked_inputs(q, k, v, g, beta, state):
-  """Validate shapes and dtypes; raise ValueError naming the offending operand."""
+def check_chunked_inputs(q, k, v, g, beta, state, grouped=False):
+  """Validate shapes and dtypes; raise ValueError naming the offending operand. grouped: q/k
+  may have fewer heads than v (Hk dividing H, v-head h reading k-head h // (H / Hk))."""
   check_ranks_and_dtypes("gdn chunked", (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3),
                                          ("beta", beta, 3), ("state", state, 4)))
-  b, t, h, dk = q.shape
-  dv = v.shape[-1]
+  b, t, hk, dk = q.shape
+  h, dv = v.shape[2], v.shape[-1]
   if k.shape != q.shape:
     raise ValueError(f"gdn chunked: k {k.shape} must match q {q.shape} ([B, T, H, Dk])")
-  if v.shape[:3] != (b, t, h):
-    raise ValueError(f"gdn chunked: v {v.shape} must be [B, T, H, Dv] = "
-                     f"{(b, t, h, 'Dv')} (q {q.shape})")
+  if v.shape[:2] != (b, t) or (h != hk if not grouped else h % hk):
+    want = "H a multiple of q's heads" if grouped else f"{(b, t, hk, 'Dv')}"
+    raise ValueError(f"gdn chunked: v {v.shape} must be [B, T, H, Dv], {want} (q {q.shape})")
   for name, arr in (("g", g), ("beta", beta)):
     if arr.shape != (b, t, h):
       raise ValueError(f"gdn chunked: {name} {arr.shape} must be [B, T, H] = {(b, t, h)}")
@@ -144,13 +145,15 @@ def chunk_size(t, chunk):
   return min(chunk, max(_MIN_DIM, pl.next_power_of_2(max(t, 1))))
 
 
-def chunked_tiles(q, k, v, g, beta, state, chunk, block_v, interpret):
+def chunked_tiles(q, k, v, g, beta, state, chunk, block_v, interpret, grouped=False):
   """Validate the inputs and pick the tiles both chunked kernels run:
-  (b, t, h, dk0, dv0, c, dk, dv, bv) with c the chunk, dk / dv the padded head dims and bv the
-  Dv tile (`block_v`, or the whole Dv interpreted and _BLOCK_V compiled)."""
-  check_chunked_inputs(q, k, v, g, beta, state)
+  (b, t, h, dk0, dv0, c, dk, dv, bv) with h v's heads, c the chunk, dk / dv the padded head
+  dims and bv the Dv tile (`block_v`, or the whole Dv interpreted and _BLOCK_V compiled).
+  grouped: as `check_chunked_inputs`."""
+  check_chunked_inputs(q, k, v, g, beta, state, grouped)
   require_triton(interpret, "gdn chunked", "'reference'")
-  b, t, h, dk0 = q.shape
+  b, t, _, dk0 = q.shape
+  h = v.shape[2]
   dv0 = v.shape[-1]
   c = chunk_size(t, chunk)
   dk, dv = head_dim_tile(dk0), head_dim_tile(dv0)

@@ -3,7 +3,9 @@
 Contract of `chunked_kernel.gdn_chunked_pallas` (and of `reference.delta_rule_chunked`,
 batched): q, k [B, T, H, Dk] (l2-normalised, q scaled, heads expanded to the v-heads),
 v [B, T, H, Dv], g, beta [B, T, H], state [B, H, Dv, Dk] fp32 -> o [B, T, H, Dv] fp32,
-state fp32.
+state fp32. Here q and k may also come unexpanded, [B, T, Hk, Dk] with Hk dividing H: v-head
+h reads q/k head h // (H / Hk) through the block index maps, so the model does not write
+the repeated heads (Qwen3-Next: 16 k-heads, 32 v-heads).
 
 `chunked_kernel.py` walks the chunks of a head in order and does all of a chunk's work on the
 way, so the UT inverse and the other q/k-only products sit on the serial path. Here the work
@@ -221,7 +223,7 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   """Chunked gated delta rule for a batch, intra-chunk work parallel over chunks.
 
   Args and returns as `chunked_kernel.gdn_chunked_pallas` (q, k [B, T, H, Dk] normalised and
-  scaled; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dv, Dk] float32, aliased to the
+  scaled, or [B, T, Hk, Dk] with Hk dividing H: module docstring; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dv, Dk] float32, aliased to the
   new state; T, Dk, Dv zero-padded as there), plus:
     state_pass: "fused" (two launches: the state pass also writes o) or "separate" (three:
       the state pass writes u and the per-chunk states, a parallel launch computes o).
@@ -241,7 +243,8 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   if inverse not in INVERSES:
     raise ValueError(f"gdn chunked: inverse={inverse!r}: expected one of {INVERSES}")
   b, t, h, dk0, dv0, c, dk, dv, bv = chunked_tiles(q, k, v, g, beta, state, chunk, block_v,
-                                                    interpret)
+                                                    interpret, grouped=True)
+  grp = h // q.shape[2]   # v-head hh reads q/k head hh // grp (read in place, not repeated)
   if t == 0:
     return jnp.zeros((b, 0, h, dv0), _F32), state
   n = pl.cdiv(t, c)
@@ -261,13 +264,13 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   params = lambda warps, stages: None if interpret else triton_params(warps, stages)
   stages = num_stages or _STAGES[state_pass]
   # 1. Intra-chunk work, one program per (b, h, chunk).
-  cspec = lambda d: pl.BlockSpec((sq, c, sq, d), lambda i, hh, j: (i, j, hh, 0))
+  cspec = lambda d, r=1: pl.BlockSpec((sq, c, sq, d), lambda i, hh, j: (i, j, hh // r, 0))
   cvec = pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j, hh))
   ubar, w, a, gc = pl.pallas_call(
       functools.partial(_intra_kernel if inverse == "products" else _intra_blocked_kernel,
                         chunk=c, precision=precision),
       grid=(b, h, n),
-      in_specs=[cspec(dk), cspec(dk), cspec(dv), cvec, cvec],
+      in_specs=[cspec(dk, grp), cspec(dk, grp), cspec(dv), cvec, cvec],
       out_specs=[cspec(dv), cspec(dk), cspec(c), cvec],
       out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), inter),
                  jax.ShapeDtypeStruct((b, tp, h, dk), inter),
@@ -279,7 +282,7 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   )(q, k, v, g, beta)
 
   # 2. The state pass, one program per (b, h, Dv tile), chunks in order.
-  seq = lambda d: pl.BlockSpec((sq, tp, sq, d), lambda i, hh, j: (i, 0, hh, 0))
+  seq = lambda d, r=1: pl.BlockSpec((sq, tp, sq, d), lambda i, hh, j: (i, 0, hh // r, 0))
   seq_v = pl.BlockSpec((sq, tp, sq, bv), lambda i, hh, j: (i, 0, hh, j))
   seq_g = pl.BlockSpec((sq, tp, sq), lambda i, hh, j: (i, 0, hh))
   s_spec = pl.BlockSpec((sq, sq, bv, dk), lambda i, hh, j: (i, hh, j, 0))
@@ -288,7 +291,7 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
     o, state = pl.pallas_call(
         functools.partial(_state_out_kernel, chunk=c, n_chunks=n, precision=precision),
         grid=(b, h, dv // bv),
-        in_specs=[seq(dk), seq(dk), seq_v, seq(dk), seq(c), seq_g, s_spec],
+        in_specs=[seq(dk, grp), seq(dk, grp), seq_v, seq(dk), seq(c), seq_g, s_spec],
         out_specs=[seq_v, s_spec],
         out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), _F32),
                    jax.ShapeDtypeStruct(state.shape, _F32)],
@@ -302,7 +305,7 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
     u, hs, state = pl.pallas_call(
         functools.partial(_state_kernel, chunk=c, n_chunks=n, precision=precision),
         grid=(b, h, dv // bv),
-        in_specs=[seq(dk), seq_v, seq(dk), seq_g, s_spec],
+        in_specs=[seq(dk, grp), seq_v, seq(dk), seq_g, s_spec],
         out_specs=[seq_v, h_spec, s_spec],
         out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), inter),
                    jax.ShapeDtypeStruct((b, h, n, dv, dk), inter),
@@ -315,12 +318,13 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
     # 3. Outputs, one program per (b, h, chunk, Dv tile); the grid's last axis enumerates
     #    (chunk, tile) pairs (the Triton backend has at most three grid axes).
     nv = dv // bv
-    tile = lambda d: pl.BlockSpec((sq, c, sq, d), lambda i, hh, j: (i, j // nv, hh, 0))
+    tile = lambda d, r=1: pl.BlockSpec((sq, c, sq, d),
+                                       lambda i, hh, j: (i, j // nv, hh // r, 0))
     tile_v = pl.BlockSpec((sq, c, sq, bv), lambda i, hh, j: (i, j // nv, hh, j % nv))
     o = pl.pallas_call(
         functools.partial(_out_kernel, precision=precision),
         grid=(b, h, n * nv),
-        in_specs=[tile(dk), tile(c), pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j // nv, hh)),
+        in_specs=[tile(dk, grp), tile(c), pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j // nv, hh)),
                   tile_v,
                   pl.BlockSpec((sq, sq, sq, bv, dk), lambda i, hh, j: (i, hh, j // nv, j % nv, 0))],
         out_specs=tile_v,

@@ -27,8 +27,21 @@ def causal_conv(x, conv_state, w, n_new):
   y = jax.nn.silu(acc).astype(x.dtype)
   if K == 1:
     return y, conv_state
-  new_state = jax.vmap(lambda e, n: lax.dynamic_slice_in_dim(e, n, K - 1, axis=0))(ext, n_new)
-  return y, new_state.astype(conv_state.dtype)
+  return y, conv_window(conv_state, x, n_new).astype(conv_state.dtype)
+
+
+def conv_window(conv_state, x, start):
+  """Rows start .. start+K-2 of concat([conv_state, x], axis=1) per batch row (the start
+  clamped as `lax.dynamic_slice` clamps it), in x's dtype, gathered from the two operands:
+  the concatenation's only reader is then the conv's sum, into which XLA fuses it (with a
+  second reader it wrote the [B, K-1+T, C] array: 36 x 97 us of a 2,500-token prefill on the
+  H200, experiments/results/device/run70). conv_state [B, K-1, C]; x [B, T, C]; start [B]."""
+  km1, T = conv_state.shape[1], x.shape[1]
+  pos = jnp.clip(start, 0, T)[:, None] + jnp.arange(km1)[None, :]           # [B, K-1]
+  take = lambda a, i: jnp.take_along_axis(a, i[..., None], axis=1)
+  old = take(conv_state, jnp.clip(pos, 0, km1 - 1)).astype(x.dtype)
+  new = take(x, jnp.clip(pos - km1, 0, T - 1))
+  return jnp.where((pos < km1)[..., None], old, new)
 
 
 def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, switch,
@@ -134,10 +147,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     return jnp.where((n_new > 0).reshape((B,) + (1,) * (old.ndim - 1)), new, old)
   conv_cut = None
   if cut is not None:   # the last K-1 raw rows before the cut, as causal_conv keeps them
-    K = p.conv.shape[1]
-    ext = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)       # [B, K-1+T, C]
-    conv_cut = jax.vmap(lambda e, c: lax.dynamic_slice_in_dim(e, c, K - 1, axis=0))(
-        ext, cut).astype(conv_state.dtype)
+    conv_cut = conv_window(conv_state, qkv, cut).astype(conv_state.dtype)
   qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new)
   conv_state = idle(conv_new, conv_state)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
@@ -166,8 +176,15 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
                             implementation=cfg.forms.gdn_decode)
     o = o[:, None]
   else:
-    q = jnp.repeat(l2_norm(q_raw) * (Dk ** -0.5), r, axis=2)   # v-head h <- k-head h//r
-    k = jnp.repeat(l2_norm(k_raw), r, axis=2)
+    # The chunked op's q/k/v in a 16-bit model's own dtype, q/k normalised in fp32 and then
+    # rounded, as transformers hands them to fla's kernel (fp32 models: fp32). q/k keep
+    # their Hk heads: the op maps v-head h to k-head h // r (the chunk-parallel kernels read
+    # them in place; the other forms repeat them). At T = 2,500 this halves the bytes the
+    # kernel reads and the prefill writes for them, twice over.
+    act = x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.float32
+    q = (l2_norm(q_raw) * (Dk ** -0.5)).astype(act)
+    k = l2_norm(k_raw).astype(act)
+    v = v.astype(act)   # exact: v holds qkv's values (x's dtype)
     chunked = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
                                 pallas_chunk=cfg.forms.gdn_pallas_chunk)
     if cut is None:
