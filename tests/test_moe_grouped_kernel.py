@@ -86,6 +86,37 @@ def test_tilings():
         what="tiles16")
 
 
+@pytest.mark.parametrize("act", [F32, BF16], ids=["f32", "bf16"])
+def test_rows_gathered_in_the_kernel_give_the_gathered_rows_bits(act):
+  """gather="kernel" (the up launch loads each tile's rows of x by token, padding rows from
+  row N - 1) gives gather="xla"'s result bit for bit: several tiles, an expert with no
+  tokens, padding rows in every group; and a layer stack. An unknown gather is refused."""
+  args = make_inputs(40, act=act, wdt=act, seed=12)
+  args[4][args[4] == 6] = 2
+  kw = dict(block_rows=16, block_f=16, chunk_d=16)
+  np.testing.assert_array_equal(np.asarray(grouped(args, gather="kernel", **kw)),
+                                np.asarray(grouped(args, gather="xla", **kw)))
+  x, wg, wu, wd, idx, w = j(args)
+  stack = lambda a: jnp.stack([a[::-1], a])
+  run = lambda gather: routed_experts_grouped(x, stack(wg), stack(wu), stack(wd), idx, w,
+                                              layer=jnp.int32(1), interpret=True,
+                                              gather=gather)
+  np.testing.assert_array_equal(np.asarray(run("kernel")), np.asarray(run("xla")))
+  with pytest.raises(ValueError, match="gather='rows'"):
+    run("rows")
+
+
+def test_rows_gathered_in_the_kernel_lower_to_triton():
+  """The gather load (a vector of row indices and a column slice) has a Triton lowering:
+  the bench-a3b prefill shapes cross-lower for cuda on any machine."""
+  sds = lambda shape, dt=BF16: jax.ShapeDtypeStruct(shape, dt)
+  f = functools.partial(routed_experts_grouped, gather="kernel")
+  text = jax.jit(f).trace(sds((2500, 2048)), sds((64, 512, 2048)), sds((64, 512, 2048)),
+                          sds((64, 2048, 512)), sds((2500, 10), jnp.int32),
+                          sds((2500, 10), F32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("moe_grouped_up") >= 1
+
+
 def test_row_tiles_default_to_the_mean_group_size():
   """Decode batches pad each expert's few pairs to 16-row tiles, not 64; a prefill keeps
   wgmma's 64. bench-a3b: E = 64, k = 10."""
@@ -300,6 +331,18 @@ def test_gpu_tilings(kw, act):
     # the interpreter on CPU passes). The check runs and is reported, not loosened.
     pytest.xfail("fp32 on the H200: rel RMS 1.3e-6 > 1e-6 for every tiling "
                  "(experiments/results/device/gpu_tests.log)")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_rows_gathered_in_the_kernel():
+  """gather="kernel" compiled: N = 2500, bf16, the compiled defaults, against the float64
+  oracle, and the same bits as gather="xla"."""
+  args, oracle = bench_case(2500, BF16, 3)
+  got = routed_experts_grouped(*j(args), gather="kernel")
+  check_f64(got, args, oracle, what="gpu gather=kernel N2500")
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.asarray(routed_experts_grouped(*j(args), gather="xla")))
 
 
 @pytest.mark.gpu

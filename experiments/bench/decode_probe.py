@@ -44,6 +44,7 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   grows128/gf128/gcd64/gd128/gcf64/gw8/gs3  the grouped MoE kernel's row tile (and group
             padding), up's F block and D step, down's D block and F step, warps, stages
   gdnf32in  the chunked GDN op fed fp32 q/k/v with q/k repeated to the v-heads (before run 71)
+  ggk       the grouped MoE kernel's up launch loads its rows of x by token (no XLA gather)
   convcat   the GDN conv state sliced out of the written concatenation (before run 71)
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
   one traced call each).
@@ -212,6 +213,9 @@ def patch(variant: str):
         return jax.vmap(lambda e, n: lax.dynamic_slice_in_dim(e, n, conv_state.shape[1], 0))(
             ext, start)
       setattr_undo(gdn, "conv_window", conv_window)
+    elif part == "ggk":   # the grouped MoE kernel loads its rows of x in place (gather="kernel")
+      from pallas_kernels.moe import grouped
+      setattr_undo(grouped, "_GATHER", "kernel")
     elif part == "route4w":   # the routing kernel at four warps for every program (run 38's base)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)

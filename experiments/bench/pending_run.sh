@@ -684,7 +684,7 @@ if want s15b; then
   mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_moe.log 2>/dev/null
   GPU_SET=model CAP=200 WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
   timeout 170 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-    --variants base,gdnf32in+convcat,base,gdnf32in,convcat,gdnparallel --profile base \
+    --variants base,gdnf32in+convcat,base,gdnf32in,convcat,ggk,gdnparallel --profile base \
     --out $OUT/decode_probe_prefill_s15.json 2>&1 | grep '"variant"' | cut -c1-150
   s=pallas_split/64/2/bfloat16
   timeout $(( $(left) - 5 )) python3 experiments/bench/gdn_probe.py --skip decode,floor,layers,sweep \

@@ -61,6 +61,12 @@ _NUM_WARPS = 4
 # row cap changed nothing there, its groups average 40 rows, 64-row tiles either way).
 _NUM_WARPS_WIDE = 8
 _NUM_STAGES = 3
+# Where the up launch gets its rows: "xla" gathers xs = [x; 0][row_tok] ([R, D], written then
+# read: 48 x 81 us of bench-a3b's 2,500-token prefill on the H200, "loop_gather_fusion" in
+# experiments/results/device/run70); "kernel" loads each tile's rows of x in place by their
+# tokens (a gather load). Not timed compiled yet: "xla" stays the default until it is.
+GATHERS = ("xla", "kernel")
+_GATHER = "xla"
 
 
 class GroupedTiling(NamedTuple):
@@ -76,6 +82,7 @@ class GroupedTiling(NamedTuple):
   chunk_f: int
   cd: object = jnp.float32  # x.dtype: operand dtype of both products
   precision: object = None  # HIGHEST for fp32 operands (IEEE, never TF32)
+  n_tok: int = 0  # gather="kernel": x's rows (the up launch loads its rows by token), else 0
 
   @property
   def rows(self):
@@ -190,17 +197,26 @@ def _dot_nt(a, b, t):
                          preferred_element_type=_F32)
 
 
-def _up_kernel(n_used_ref, te_ref, first_ref, xs_ref, wg_ref, wu_ref, h_ref, *, t):
-  """Program (fb, tile): h[tile rows, fb-block] from rows fb of wg[e], wu[e]."""
+def _up_kernel(n_used_ref, te_ref, first_ref, *refs, t):
+  """Program (fb, tile): h[tile rows, fb-block] from rows fb of wg[e], wu[e]. The tile's rows:
+  xs_ref's block, or (t.n_tok) rows tok_ref of the whole x_ref, loaded in place; a padding
+  row (token N) loads row N - 1 instead of zeros: its h and y rows are never read."""
+  if t.n_tok:
+    tok_ref, x_ref, wg_ref, wu_ref, h_ref = refs
+  else:
+    xs_ref, wg_ref, wu_ref, h_ref = refs
   fb, tile = pl.program_id(0), pl.program_id(1)  # read outside `when` (interpreter)
   e = first_ref[0] + te_ref[tile]
   rows = pl.ds(pl.multiple_of(fb * t.block_f, t.block_f), t.block_f)
 
   @pl.when(tile < n_used_ref[0])
   def _():
+    if t.n_tok:
+      tok = jnp.minimum(tok_ref[...], t.n_tok - 1)  # [block_rows]
+
     def body(c, acc):
       cols = pl.ds(pl.multiple_of(c * t.chunk_d, t.chunk_d), t.chunk_d)
-      xc = xs_ref[:, cols]  # [block_rows, chunk_d]
+      xc = x_ref[tok, cols] if t.n_tok else xs_ref[:, cols]  # [block_rows, chunk_d]
       return (acc[0] + _dot_nt(xc, wg_ref[e, rows, cols], t),
               acc[1] + _dot_nt(xc, wu_ref[e, rows, cols], t))
 
@@ -230,10 +246,10 @@ _WHOLE = pl.BlockSpec()  # the full array: indexed in the kernel by the loaded e
 
 @functools.partial(jax.jit, static_argnames=(
     "block_rows", "block_f", "chunk_d", "block_d", "chunk_f", "num_warps", "num_stages",
-    "interpret"))
+    "interpret", "gather"))
 def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None,
                            block_f=None, chunk_d=None, block_d=None, chunk_f=None,
-                           num_warps=None, num_stages=None, interpret=False):
+                           num_warps=None, num_stages=None, interpret=False, gather=None):
   """Routed experts for many tokens as a grouped GEMM: [N, D] float32.
 
   Args:
@@ -254,6 +270,8 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None
       128, 64) or, interpreted, the whole dim.
     num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
     interpret: run the Pallas interpreter (CPU).
+    gather: "xla" (the activations gathered into sorted rows first) or "kernel" (the up
+      launch loads its rows of x by token); None: `_GATHER`. The same result either way.
 
   Returns:
     routed [N, D] float32.
@@ -276,21 +294,30 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None
   cd = jnp.dtype(x.dtype)
   t = t._replace(cd=cd, precision=lax.Precision.HIGHEST if cd == _F32 else None)
 
+  gather = gather or _GATHER
+  if gather not in GATHERS:
+    raise ValueError(f"moe grouped: gather={gather!r}: expected one of {GATHERS}")
   r = route(idx, n_experts, t.block_rows, t.n_tiles)
-  xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[r.row_tok]  # [R, D]; padding: 0
+  bm = t.block_rows
+  if gather == "kernel":
+    t = t._replace(n_tok=n)
+    rows_in = [r.row_tok, x]
+    rows_specs = [pl.BlockSpec((bm,), lambda fb, i: (i,)), _WHOLE]  # tokens; x in place
+  else:
+    rows_in = [jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[r.row_tok]]  # [R, D]; pad: 0
+    rows_specs = [pl.BlockSpec((bm, d), lambda fb, i: (i, 0))]  # xs: the tile's rows
   warps = num_warps or (_NUM_WARPS_WIDE if t.block_rows >= 64 else _NUM_WARPS)
   params = None if interpret else triton_params(warps, num_stages or _NUM_STAGES)
   call = functools.partial(pl.pallas_call, interpret=interpret, compiler_params=params)
-  bm = t.block_rows
   h = call(
       functools.partial(_up_kernel, t=t), grid=(f // t.block_f, t.n_tiles),
       out_shape=jax.ShapeDtypeStruct((t.rows, f), x.dtype),
       in_specs=[_WHOLE, _WHOLE, _WHOLE,  # n_used, tile_expert, first
-                pl.BlockSpec((bm, d), lambda fb, i: (i, 0)),  # xs: the tile's rows
+                *rows_specs,
                 _WHOLE, _WHOLE],  # wg, wu: read in place at the loaded expert
       out_specs=pl.BlockSpec((bm, t.block_f), lambda fb, i: (i, fb)),
       name="moe_grouped_up",
-  )(r.n_used, r.tile_expert, first, xs, wg, wu)
+  )(r.n_used, r.tile_expert, first, *rows_in, wg, wu)
   y = call(
       functools.partial(_down_kernel, t=t), grid=(d // t.block_d, t.n_tiles),
       out_shape=jax.ShapeDtypeStruct((t.rows, d), _F32),
