@@ -44,7 +44,9 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   grows128/gf128/gcd64/gd128/gcf64/gw8/gs3  the grouped MoE kernel's row tile (and group
             padding), up's F block and D step, down's D block and F step, warps, stages
   gdnf32in  the chunked GDN op fed fp32 q/k/v with q/k repeated to the v-heads (before run 71)
-  ggk       the grouped MoE kernel's up launch loads its rows of x by token (no XLA gather)
+  ggk / ggx the grouped MoE kernel's up launch loads its rows of x by token (the default since
+            run 71) / takes them from XLA's gather (before)
+  gdnsN     the GDN "separate" state pass at N pipeline stages (3 since run 71, 2 before)
   convcat   the GDN conv state sliced out of the written concatenation (before run 71)
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
   one traced call each).
@@ -213,9 +215,12 @@ def patch(variant: str):
         return jax.vmap(lambda e, n: lax.dynamic_slice_in_dim(e, n, conv_state.shape[1], 0))(
             ext, start)
       setattr_undo(gdn, "conv_window", conv_window)
-    elif part == "ggk":   # the grouped MoE kernel loads its rows of x in place (gather="kernel")
+    elif part in ("ggk", "ggx"):   # the grouped MoE kernel's rows of x: in place / XLA's gather
       from pallas_kernels.moe import grouped
-      setattr_undo(grouped, "_GATHER", "kernel")
+      setattr_undo(grouped, "_GATHER", "kernel" if part == "ggk" else "xla")
+    elif re.fullmatch(r"gdns\d", part):   # the GDN "separate" state pass's pipeline stages
+      from pallas_kernels.gdn import parallel_kernel
+      setattr_undo(parallel_kernel, "_STAGES", {**parallel_kernel._STAGES, "separate": int(part[4:])})
     elif part == "route4w":   # the routing kernel at four warps for every program (run 38's base)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)
@@ -391,10 +396,12 @@ def time_gdn_ops(cfg, T):
 def time_prefill(args, cfg, params, lora, dtype, res):
   import jax
   import jax.numpy as jnp
+  import numpy as np
 
   from strata_jax import steps
   from strata_jax.state import init_state
   T = args.prefill
+  first = None   # the first variant's last-position logits
   for variant in args.variants.split(","):
     name, _, lstate = variant.partition("@")
     undo = patch(name)
@@ -433,8 +440,16 @@ def time_prefill(args, cfg, params, lora, dtype, res):
         safe = variant.replace("@", "_at_").replace("+", "_and_")
         with gzip.open(os.path.join(args.dump_hlo, f"prefill{T}_{safe}.hlo.txt.gz"), "wt") as f:
           f.write(text)
+      # How far this variant's last-position logits are from the first variant's, and how
+      # near the top two are: on random weights the argmax alone flips on rounding noise.
+      last = np.asarray(logits, np.float32).reshape(-1)
+      first = first if first is not None else last
+      top2 = np.sort(last)[-2:]
       row = dict(variant=variant, prefill=T, ms=med * 1e3, tok_s=T / med, compile_s=t_compile,
-                 argmax=int(jnp.argmax(logits)), hlo=common.hlo_counts(text))
+                 argmax=int(last.argmax()), top2_margin=float(top2[1] - top2[0]),
+                 logit_std=float(last.std()),
+                 max_abs_vs_first=float(np.abs(last - first).max()),
+                 hlo=common.hlo_counts(text))
     except Exception as e:
       row = dict(variant=variant, prefill=T, error=f"{type(e).__name__}: {e}"[:2000])
     finally:

@@ -5,6 +5,7 @@
 # its GPU programs are the decode/prefill steps these files check). No precision
 # flag: float32 programs ask for full-fp32 dots through their Forms (strata_jax/forms.py).
 # Log to $OUT/gpu_tests.log, ending with pytest's summary line.
+# Arguments go to pytest (e.g. -k EXPR).
 set -uo pipefail
 # Every carried wheel but fla's: with fla importable, transformers' Qwen3-Next runs fla's
 # kernels instead of its torch reference, and the parity tests would compare against those
@@ -40,4 +41,4 @@ case "${GPU_SET:-all}" in
 esac
 TESTS=${GPU_TESTS:-$SET}
 timeout "${CAP:-420}" python3 -m pytest -p no:cacheprovider -W ignore -q -rfs --durations=20 \
-  -n "${WORKERS:-6}" "${MARK[@]}" $TESTS 2>&1 | tee "$OUT/gpu_tests${GPU_SET:+_$GPU_SET}.log" | tail -40
+  -n "${WORKERS:-6}" "${MARK[@]}" "$@" $TESTS 2>&1 | tee "$OUT/gpu_tests${GPU_SET:+_$GPU_SET}.log" | tail -40

@@ -703,5 +703,25 @@ if want s15c; then
       2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
   done
 fi
+# Session of 2026-12-05 (seventeenth), after run 71 (an H100) set the grouped MoE kernel's
+# gather="kernel" and the GDN "separate" pass's 3 stages as defaults. SECTIONS=s16a (~7 min):
+# the compiled tests those defaults run that run 71's capped kernel set did not reach or ran on
+# the old defaults, the 2,500-token prefill on the new defaults against the old ones (with
+# each variant's logits against the first's), then the Engine at batch 1 (TTFT of 2,500
+# tokens, decode greedy / sampled). SECTIONS=s16b (~5 min): the GPU model set (transformers
+# parity on the new defaults), which run 71's 200 s cap cut at 44 of 57.
+if want s16a; then
+  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py tests/test_moe_grouped_kernel.py" \
+    CAP=130 WORKERS=4 bash experiments/bench/gpu_tests.sh -k "separate or api_vmap or layer_stack or small or gathered" | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_moe.log 2>/dev/null
+  timeout 120 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,gdns2+ggx,gdnf32in+convcat+gdns2+ggx,base,gdns2,ggx --profile base \
+    --out $OUT/decode_probe_prefill_s16.json 2>&1 | grep '"variant"' | cut -c1-260
+  timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py --reps 2 --batches 1 \
+    --out $OUT/bench_engine_b1_s16.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+fi
+if want s16b; then
+  GPU_SET=model CAP=$(( $(left) - 10 )) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

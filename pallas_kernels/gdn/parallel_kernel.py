@@ -71,7 +71,10 @@ _SUB = 16
 _INTRA_WARPS = 4
 _STATE_WARPS = 4
 _OUT_WARPS = 4
-_STAGES = {"fused": 1, "separate": 2}
+# "separate" at 3 stages since run 71 (an H100, the lent card that day, 4 intra warps, bf16
+# intermediates): 331.9 us against 363.2 at 2 stages and 386.2 at 2 stages with 8 intra warps
+# (experiments/results/device/run71/gdn_probe_s15.json).
+_STAGES = {"fused": 1, "separate": 3}
 
 
 def _masks(c):

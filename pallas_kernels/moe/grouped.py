@@ -64,9 +64,12 @@ _NUM_STAGES = 3
 # Where the up launch gets its rows: "xla" gathers xs = [x; 0][row_tok] ([R, D], written then
 # read: 48 x 81 us of bench-a3b's 2,500-token prefill on the H200, "loop_gather_fusion" in
 # experiments/results/device/run70); "kernel" loads each tile's rows of x in place by their
-# tokens (a gather load). Not timed compiled yet: "xla" stays the default until it is.
+# tokens (a gather load). "kernel" by default: bench-a3b's 2,500-token prefill took 79.6 ms
+# against 80.4 / 80.6 with "xla" (run 71, on an H100: the lent card that day,
+# experiments/results/device/run71/decode_probe_prefill_s15.json, variant "ggk"); the up
+# launch's scattered loads cost back most of the 3.5 ms gather.
 GATHERS = ("xla", "kernel")
-_GATHER = "xla"
+_GATHER = "kernel"
 
 
 class GroupedTiling(NamedTuple):
