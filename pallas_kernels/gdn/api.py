@@ -83,7 +83,8 @@ PARALLEL_CHUNK = 64
 def chunked_implementation(implementation=None):
   """The chunked implementation to run for `implementation` (None: "auto"): "auto" is
   "pallas_split" on the GPU (H200, T = 2,500, 32 heads of 128, bf16 q/k/v: 320.6 us at its
-  tuned defaults, bf16 intermediates and 2 stages, against 505 us for "pallas_parallel"
+  tuned defaults then, bf16 intermediates and 2 stages (3 since run 71: 331.9 against 363.2
+  us on an H100), against 505 us for "pallas_parallel"
   (experiments/results/device/run70), 870 us for the serial "pallas", 2,544 us for "reference"
   and 1,632 us for "products"), "reference" elsewhere. A ValueError for any other name."""
   impl = check_choice("gdn chunked", implementation or "auto", CHUNKED_CHOICES)
