@@ -43,7 +43,9 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   pq64/pk32/pw8/ps2  the prefill attention kernel's query / key block, warps, stages
   grows128/gf128/gcd64/gd128/gcf64/gw8/gs3  the grouped MoE kernel's row tile (and group
             padding), up's F block and D step, down's D block and F step, warps, stages
-  gdnf32in  the chunked GDN op fed fp32 q/k/v with q/k repeated to the v-heads (before run 71)
+  gdnf32in  the chunked GDN op fed fp32 q/k/v with q/k repeated to the v-heads (before run 71;
+            q/k arrive already rounded, so it reproduces the old dtype, layout and fp32
+            intermediates, not the old values)
   ggk / ggx the grouped MoE kernel's up launch loads its rows of x by token (the default since
             run 71) / takes them from XLA's gather (before)
   gdnsN     the GDN "separate" state pass at N pipeline stages (3 since run 71, 2 before)
