@@ -724,18 +724,26 @@ if want s16b; then
   GPU_SET=model CAP=$(( $(left) - 10 )) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
 fi
 # Session of 2026-12-06 (eighteenth). SECTIONS=s17a (~9.5 min): the GPU model set on the
-# defaults runs 71-72 set (transformers parity; owed since run 72), the GDN op beside fla in one
-# process on the same card (fla was not reached in run 71), then the Engine at batch 1 with
-# --profile: where the time from submit to first token of 2,500 tokens goes beyond one
-# prefill call (run 72 on an H100: 101.1 against 82.2 ms).
+# defaults runs 71-72 set (transformers parity; owed since run 72); the 2,500-token prefill at
+# the grouped MoE kernel's 64-row tiles (the default) against 128-row tiles (run 70's fastest
+# row, "grows128+gw8", was 128-row tiles: its groups average 391 rows, not 40, so the cap did
+# change the tile; 64 rows at 8 warps was never timed beside it); the GDN op beside fla in one
+# process on the same card (fla was not reached in run 71). SECTIONS=s17b (~4 min): the Engine
+# at batch 1 with --profile: where the time from submit to first token of 2,500 tokens goes
+# beyond one prefill call (run 72 on an H100: 101.1 against 82.2 ms).
 if want s17a; then
-  GPU_SET=model CAP=${TEST_CAP:-300} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  GPU_SET=model CAP=${TEST_CAP:-320} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  timeout 130 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,grows128,base,grows128,grows128+gs4 \
+    --out $OUT/decode_probe_prefill_s17.json 2>&1 | grep '"variant"' | cut -c1-260
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
     .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
-  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 110 python3 experiments/bench/gdn_probe.py \
-    --skip decode,floor,layers,sweep --budget_s 80 --chunk_steps 5 --reps 5 \
+  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout $(( $(left) - 5 )) python3 experiments/bench/gdn_probe.py \
+    --skip decode,floor,layers,sweep --budget_s $(( $(left) - 40 )) --chunk_steps 5 --reps 5 \
     --chunked_plan pallas_split/64/3/bfloat16 --out $OUT/gdn_probe_s17.json \
     2>&1 | grep -e "'impl'" -e "^chunked" -e Error | cut -c1-260
+fi
+if want s17b; then
   timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py --reps 2 --batches 1 \
     --profile --out $OUT/bench_engine_b1_s17_profile.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-400
 fi

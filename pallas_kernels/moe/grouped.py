@@ -57,8 +57,10 @@ _CHUNK_F = 64  # down: K step over F
 _NUM_WARPS = 4
 # Warps for 64-row tiles and wider (a prefill's groups): 8. On the H200, bench-a3b's
 # 2,500-token prefill took 80.8 ms at 8 against 82.3-82.6 at 4
-# (experiments/results/device/run70/decode_probe_prefill_grouped.json, "grows128+gw8": the
-# row cap changed nothing there, its groups average 40 rows, 64-row tiles either way).
+# (experiments/results/device/run70/decode_probe_prefill_grouped.json, "grows128+gw8"). That
+# row was 128-row tiles, not 64: 25,000 pairs over 64 experts average 391 rows a group, so the
+# cap picks the tile (259 tiles at 128 rows, 454 at 64); 64-row tiles at 8 warps, the default
+# kept, were never timed beside it (pending_run.sh s17a times both).
 _NUM_WARPS_WIDE = 8
 _NUM_STAGES = 3
 # Where the up launch gets its rows: "xla" gathers xs = [x; 0][row_tok] ([R, D], written then
