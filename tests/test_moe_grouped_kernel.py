@@ -118,12 +118,15 @@ def test_rows_gathered_in_the_kernel_lower_to_triton():
 
 
 def test_row_tiles_default_to_the_mean_group_size():
-  """Decode batches pad each expert's few pairs to 16-row tiles, not 64; a prefill keeps
-  wgmma's 64. bench-a3b: E = 64, k = 10."""
+  """Decode batches pad each expert's few pairs to 16-row tiles; a 16-bit prefill takes
+  128-row tiles, an fp32 one 64 (twice the bytes a tile). bench-a3b: E = 64, k = 10; the
+  80B: E = 512."""
   assert default_block_rows(8 * 10, 64) == 16  # batch 8: 80 pairs, 1.25 a group
   assert default_block_rows(32 * 10, 64) == 16  # batch 32: 5 a group
   assert default_block_rows(200 * 10, 64) == 32  # 31.25 a group
-  assert default_block_rows(2500 * 10, 64) == 64  # a 2,500-token prefill
+  assert default_block_rows(2500 * 10, 64) == 128  # a 2,500-token prefill: 391 a group
+  assert default_block_rows(2500 * 10, 64, F32) == 64
+  assert default_block_rows(2500 * 10, 512) == 64  # the 80B: 49 a group
   assert default_block_rows(3, 64) == 16 and default_block_rows(0, 8) == 16
   # The default call is the explicit 16-row call (N = 40, k = 2, E = 8: 10 a group).
   args = make_inputs(40, seed=11)

@@ -49,7 +49,14 @@ _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # lhs @ rhs^T without materializing a transpose
 _MIN_TILE = 16  # tl.dot needs every dim >= 16
 # Compiled defaults: usual Triton GEMM tiles, NOT measured (README, "Grouped kernel").
-_BLOCK_ROWS = 64  # M: rows per tile (also the group padding); wgmma wants M = 64
+# M: rows per tile at most (also the group padding), for 16-bit operands: 128. On the H100,
+# bench-a3b's 2,500-token prefill (391 pairs a group: 128-row tiles) took 77.47 / 76.75 ms
+# against 80.20 / 79.71 at 64 (alternating in one process, the same logits bit for bit;
+# run 73, experiments/results/device/run73/decode_probe_prefill_s17.json; 4 stages: 79.32).
+_BLOCK_ROWS = 128
+# fp32 operands keep 64: twice the bytes a tile, and 128-row fp32 tiles at the default widths
+# were never compiled on the device (shared memory: an SM has 227 KiB).
+_BLOCK_ROWS_F32 = 64
 _BLOCK_F = 64  # up: N of the dot; two [64, 64] fp32 accumulators (gate and up)
 _CHUNK_D = 64  # up: K step over D
 _BLOCK_D = 128  # down: N of the dot; one [64, 128] fp32 accumulator
@@ -59,8 +66,8 @@ _NUM_WARPS = 4
 # 2,500-token prefill took 80.8 ms at 8 against 82.3-82.6 at 4
 # (experiments/results/device/run70/decode_probe_prefill_grouped.json, "grows128+gw8"). That
 # row was 128-row tiles, not 64: 25,000 pairs over 64 experts average 391 rows a group, so the
-# cap picks the tile (259 tiles at 128 rows, 454 at 64); 64-row tiles at 8 warps, the default
-# kept, were never timed beside it (pending_run.sh s17a times both).
+# cap picks the tile (259 tiles at 128 rows, 454 at 64). Run 73 (H100) timed 64 and 128 rows,
+# both at 8 warps, side by side: 128 is now the default (`_BLOCK_ROWS` above).
 _NUM_WARPS_WIDE = 8
 _NUM_STAGES = 3
 # Where the up launch gets its rows: "xla" gathers xs = [x; 0][row_tok] ([R, D], written then
@@ -94,13 +101,15 @@ class GroupedTiling(NamedTuple):
     return self.n_tiles * self.block_rows
 
 
-def default_block_rows(n_pairs, n_experts):
+def default_block_rows(n_pairs, n_experts, dtype=jnp.bfloat16):
   """Rows per tile when none is given: the mean group's size (pairs per touched expert) as a
-  power of 2, from 16 (`tl.dot`'s least) to 64 (wgmma's M). Every group pads to whole tiles,
-  so at decode sizes 64-row tiles are mostly zeros: bench-a3b at batch 8 has 80 pairs over
-  64 experts, and 64-row tiles gather, multiply and write ~4,160 rows a layer for them."""
+  power of 2, from 16 (`tl.dot`'s least) to 128 (64 for fp32 operands, `dtype`). Every group
+  pads to whole tiles, so at decode sizes wide tiles are mostly zeros: bench-a3b at batch 8
+  has 80 pairs over 64 experts, and 64-row tiles gather, multiply and write ~4,160 rows a
+  layer for them."""
+  cap = _BLOCK_ROWS_F32 if jnp.dtype(dtype).itemsize >= 4 else _BLOCK_ROWS
   mean = -(-max(n_pairs, 1) // max(1, min(n_experts, n_pairs)))
-  return int(min(_BLOCK_ROWS, max(_MIN_TILE, pl.next_power_of_2(mean))))
+  return int(min(cap, max(_MIN_TILE, pl.next_power_of_2(mean))))
 
 
 def max_tiles(n_pairs, n_experts, block_rows):
@@ -112,13 +121,14 @@ def max_tiles(n_pairs, n_experts, block_rows):
 
 
 def grouped_tiling(n, k, n_experts, f, d, *, block_rows=None, interpret=False,
-                   block_f=None, chunk_d=None, block_d=None, chunk_f=None):
+                   block_f=None, chunk_d=None, block_d=None, chunk_f=None,
+                   dtype=jnp.bfloat16):
   """Given tiles win; None means the compiled defaults, or under the interpreter the whole
   dim (each interpreted grid step costs ~0.1 ms; fewer is faster). Every tile must be a
   power of 2 >= 16 (tl.dot) and no larger than its dim. block_rows None:
-  `default_block_rows` of the call's pairs."""
+  `default_block_rows` of the call's pairs and operand dtype."""
   if block_rows is None:
-    block_rows = default_block_rows(n * k, n_experts)
+    block_rows = default_block_rows(n * k, n_experts, dtype)
   if not isinstance(block_rows, int) or block_rows < _MIN_TILE or not pow2(block_rows):
     raise ValueError(f"moe grouped: block_rows={block_rows} must be a power of 2 >= "
                      f"{_MIN_TILE} (tl.dot needs every dim >= 16)")
@@ -268,7 +278,8 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None
       [L, E, F, D] / [L, E, D, F] and layer `layer`'s experts are read in place (as
       `moe_pallas(layer=)`: a slice made by a layer scan would be copied for the kernel).
     block_rows: rows per tile; every expert's group is padded to a multiple of it. A power
-      of 2 >= 16; None: `default_block_rows` (16 at decode batches, 64 for a prefill).
+      of 2 >= 16; None: `default_block_rows` (16 at decode batches, 128 for a 16-bit
+      prefill, 64 for fp32).
     block_f, chunk_d: up kernel: F columns of h per program, D step of the product.
     block_d, chunk_f: down kernel: D columns of y per program, F step of the product.
       Powers of 2, >= 16, no larger than their dim; None: the compiled defaults (64, 64,
@@ -287,7 +298,8 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None
   n_experts, f = wg.shape[-3:-1]
   k = idx.shape[1]
   t = grouped_tiling(n, k, n_experts, f, d, block_rows=block_rows, interpret=interpret,
-                     block_f=block_f, chunk_d=chunk_d, block_d=block_d, chunk_f=chunk_f)
+                     block_f=block_f, chunk_d=chunk_d, block_d=block_d, chunk_f=chunk_f,
+                     dtype=x.dtype)
   if layer is None:
     first = jnp.zeros((1,), jnp.int32)
   else:  # [L, E, ...] -> [L * E, ...] is a free reshape; expert e of layer l is row l * E + e
