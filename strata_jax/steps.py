@@ -44,7 +44,8 @@ def _prefill(cfg, params, lora, state, slot, tokens, n_new, switch, all_logits, 
   sw = jnp.reshape(switch, (1,)).astype(jnp.int32)
   kv = (_row(state.k, slot), _row(state.v, slot))
   gdn = (_row(state.conv, slot), _row(state.ssm, slot))
-  cuts = None if cut is None else jnp.reshape(cut, (1,)).astype(jnp.int32)
+  # one row: cut [] -> [1]; several cuts [C] -> [1, C] (with a tuple of C windows)
+  cuts = None if cut is None else jnp.asarray(cut, jnp.int32)[None]
   with _precision(cfg, state):
     x = forward.embed(params, tokens[None]) if params.embed is not None else tokens[None]
     x, kv, gdn, *at_cut = forward.run_layers(cfg, params.layers, lora, kv, gdn, x, pos, nv, sw,
@@ -92,7 +93,8 @@ def prefill_cut(cfg: ModelConfig, params, lora, state: ModelState, slot, tokens,
   tokens ending before cut + cut_window <= T (`model.gdn.gdn_mixer`). One pass over the
   weights for what would otherwise be a chunk ending at the cut and a small one after it.
   Returns (logits, state, (conv [Lg, K-1, C], ssm [Lg, Hv, Dv, Dk])) as `read_recurrent` reads
-  them."""
+  them. Several cuts: cut int32 [n] (increasing) and cut_window a tuple of n windows (window i
+  reaching cut i + 1, the last the valid end); the states then have an n axis after Lg."""
   return _prefill(cfg, params, lora, state, slot, tokens, n_new, switch, all_logits, cvec,
                   cut, cut_window)
 

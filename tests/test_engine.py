@@ -393,6 +393,63 @@ def _unmerged(schedule):
   return split
 
 
+def test_one_pass_schedule_takes_a_prompt_in_one_chunk_with_its_state_points_inside(model):
+  """`bucket_step`: buckets above it are its multiples, and a chunk runs past the state points
+  inside it, each with a power-of-two window reaching the next point; without it, the chunks
+  end at the points (powers of two)."""
+  eng = sj.Engine(model, slots=1, max_seq=4096, block_size=64, bucket_step=512)
+  assert eng._schedule(0, 2500, 39, True) == [(0, 2500, 2560, ((2048, 512), (2496, 64)))]
+  assert eng._schedule(0, 3000, 46, True) == [(0, 3000, 3072, ((2048, 1024), (2944, 64)))]
+  # one point with a block's window: the one-cut program `merge_tail` uses
+  assert eng._schedule(0, 5000, 78, True) == [(0, 4096, 4096, ((2048, 2048),)),
+                                              (4096, 904, 1024, 896)]
+  plain = sj.Engine(model, slots=1, max_seq=4096, block_size=64)
+  assert plain._schedule(0, 2500, 39, True) == [(0, 2048, 2048, None), (2048, 452, 512, 448)]
+  for bad in (32, 96):
+    with pytest.raises(sj.StrataError, match=f"bucket_step={bad}"):
+      sj.Engine(model, slots=1, max_seq=256, block_size=64, bucket_step=bad)
+
+
+@pytest.mark.parametrize("lora_on", [False, True])
+def test_one_pass_prefill_caches_every_state_point_as_the_chunked_schedule_does(model, lora_on):
+  """A prompt of 5 full blocks and 4 tokens with a state every 2 blocks: under `bucket_step`
+  one 192-token chunk that hands back the GDN states at blocks 2, 4 and 5 from inside, where
+  the default runs 4 chunks. Each cached GDN state agrees with the chunked schedule's to fp32
+  rounding (other shapes), every block's K/V is cached, the tokens are the same, and a prompt
+  extending it resumes from the prefix cache at its last full block in both with the same
+  tokens. Its prompt
+  logits are those of the same chunk with no state points inside (state_every past the
+  prompt): bit for bit before the first point, to fp32 rounding after (the GDN op's windows
+  from each point). (Against the 4-chunk schedule the logits move by up to 3.6e-5 of their
+  max in the first block already, with one chunk and no points as with these: the 64-row
+  chunk's own rounding, not the points'.)"""
+  lora = random_lora()
+  prompt = list(np.random.default_rng(12).integers(0, TINY.vocab_size, 5 * BS + 4))
+  got = {}
+  for name, step, every in (("one_pass", 64, 2), ("chunked", None, 2), ("one_chunk", 64, 99)):
+    eng = sj.Engine(model, lora=lora, slots=1, max_seq=256, block_size=BS, state_every=every,
+                    bucket_step=step, warmup=[len(prompt)])
+    assert len(eng._schedule(0, len(prompt), 5, True)) == (4 if name == "chunked" else 1)
+    res = eng.generate(tokens=prompt, max_tokens=6, return_logits=True, lora=lora_on)
+    eng._flush_snapshots()
+    hashes = sj.block_hashes(prompt, BS, eng.adapters.resolve(lora_on).identity)
+    entries = [eng.prefix_cache.peek(hashes[b])[0] for b in range(5)]
+    eng.erase_slot(0)   # the follow-up resumes from the prefix cache, not the conversation
+    follow = eng.generate(tokens=prompt + res.tokens + [7], max_tokens=3, lora=lora_on)
+    got[name] = res, entries, follow
+  (a, ea, fa), (b, eb, fb), (c, _, _) = got["one_pass"], got["chunked"], got["one_chunk"]
+  for x, y in zip(ea, eb):
+    assert ("ssm" in x) == ("ssm" in y)
+    for key in ("ssm", "conv") if "ssm" in x else ():
+      assert_close(x[key], y[key], rel=CHUNK_SHAPE_REL_FP32, what=key)
+    assert x["k"].shape == y["k"].shape and x["v"].shape == y["v"].shape
+  assert ["ssm" in x for x in ea] == [False, True, False, True, True]
+  assert np.array_equal(a.prompt_logits[:2 * BS], c.prompt_logits[:2 * BS])
+  assert_close(a.prompt_logits, c.prompt_logits, rel=CHUNK_SHAPE_REL_FP32, what="prompt logits")
+  assert a.tokens == b.tokens == c.tokens and fa.tokens == fb.tokens
+  assert fa.cached_tokens == fb.cached_tokens == 5 * BS
+
+
 @pytest.mark.parametrize("lora_on", [False, True])
 def test_a_chunk_holding_the_last_full_block_and_the_tail_computes_what_two_chunks_do(
     model, lora_on):

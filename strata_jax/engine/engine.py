@@ -258,6 +258,18 @@ class Engine:
       was opt-in after two CPU test runs hung with it on; most likely jaxlib 0.10's LAPACK
       triangular solve deadlocking XLA's CPU thread pool, seen under gdb in the same setting
       and gone now that the GDN reference solves one matrix a call.)
+    bucket_step: opt-in one-pass prefill (None, the default: off). A power of two >= the
+      block size: chunk buckets above it are its multiples (not powers of two), and a chunk runs
+      on past the recurrent-state points inside it (every `state_every` blocks, the prompt's
+      last full block), handing their states back from inside (`steps.prefill_cut` with
+      several cuts; the GDN op runs once more from each point). A prompt up to
+      `max_prefill_chunk` then makes one pass over the weights: with 512, a 2,500-token
+      prompt is one 2,560-token chunk, where the default runs 2,048 and 512 (on an H100 the
+      second chunk's re-read of every expert took most of the time to first token beyond one
+      prefill call: experiments/results/device/run74). Not timed on the device yet, so not the
+      default. The states match the default schedule's to rounding (other shapes), not bit for
+      bit. `warmup=True` compiles its buckets but not its several-cut programs: pass prompt
+      lengths.
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
@@ -269,7 +281,8 @@ class Engine:
                warmup: bool | Sequence[int] = False, forms: Forms | None = None,
                control_vector=None, lora_rank: int | None = None, spec: int = 0,
                draft: str | None = None, decode_buckets: bool = False,
-               snapshot_thread: bool | None = None, merge_tail: bool = True):
+               snapshot_thread: bool | None = None, merge_tail: bool = True,
+               bucket_step: int | None = None):
     self.model, self.n_slots = model, int(slots)
     # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
     pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
@@ -364,6 +377,11 @@ class Engine:
     self._snapshot_thread = (jax.default_backend() != "cpu" if snapshot_thread is None
                              else bool(snapshot_thread))
     self.merge_tail = bool(merge_tail)
+    if bucket_step is not None and (int(bucket_step) < self.block_size
+                                    or int(bucket_step) & (int(bucket_step) - 1)):
+      raise StrataError(f"bucket_step={bucket_step}: a power of two >= the block size "
+                        f"({self.block_size}), or None")
+    self.bucket_step = None if bucket_step is None else int(bucket_step)
     has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
@@ -567,22 +585,26 @@ class Engine:
     use (None: every bucket), the first-token choice and the decode programs of `plans`."""
     if self.busy:
       raise RequestError("warmup() needs an idle engine")
-    buckets = set()   # (bucket, whether a chunk of it hands back a state from inside)
+    # (bucket, whether a chunk of it hands back a state from inside, or its windows)
+    buckets = set()
     if prompt_lengths is None:
       b = self.block_size
       while b <= self.max_chunk:
         buckets.update({(b, False), (b, True)} if b > self.block_size and self.merge_tail
                        else {(b, False)})
-        b *= 2
+        b = b * 2 if self.bucket_step is None or b < self.bucket_step else b + self.bucket_step
     else:
       for n in prompt_lengths:
         n_blocks = n // self.block_size
-        buckets.update((bk, cut is not None)
+        # a chunk with several points (`bucket_step`): its windows make its program
+        buckets.update((bk, cut is not None if not isinstance(cut, tuple)
+                        else tuple(w for _, w in cut))
                        for _, _, bk, cut in self._schedule(0, int(n), n_blocks, True))
-    for b, with_cut in sorted(buckets):
-      # n_new 0: every layer leaves the row as it is
-      self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False,
-                          cut=b - self.block_size if with_cut else None)
+    for b, with_cut in sorted(buckets, key=lambda bc: (bc[0], str(bc[1]))):
+      # n_new 0: every layer leaves the row as it is (and the offsets are traced)
+      cut = (tuple((0, w) for w in with_cut) if isinstance(with_cut, tuple)
+             else b - self.block_size if with_cut else None)
+      self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False, cut=cut)
       if self.prefix_cache.max_bytes > 0:   # the chunk's K/V slice for the prefix cache
         for st, state in zip(self.stages, self.states):
           distributed.call_on_stage(steps.read_kv, st.device, state, np.int32(0),
@@ -693,20 +715,59 @@ class Engine:
     if aligned:
       cuts = {(b + 1) * bs for b in range(n_hashes)
               if (b + 1) % self.state_every == 0 or b == n_hashes - 1}
+    if self.bucket_step is not None:
+      return self._schedule_one_pass(start, total, cuts)
     out, pos = [], start
     while pos < total:
       end = min(total, pos + self.max_chunk)
       end = min([c for c in cuts if pos < c <= end], default=end)
       n = end - pos
-      bucket = bs
-      while bucket < n:
-        bucket *= 2
+      bucket = self._bucket(n)
       out.append((pos, n, bucket, None))
       pos = end
     if self.merge_tail and len(out) > 1 and out[-1][1] < bs and out[-1][0] in cuts:
       (p, n, bucket, _), (_, tail, _, _) = out[-2:]
       if n + tail <= bucket:
         out[-2:] = [(p, n + tail, bucket, n)]
+    return out
+
+  def _bucket(self, n: int) -> int:
+    """A chunk of n tokens' bucket: the least power of two >= n from the block size; with
+    `bucket_step`, the least multiple of it >= n above it."""
+    bucket = self.block_size
+    while bucket < n:
+      bucket *= 2
+    step = self.bucket_step
+    return bucket if step is None or bucket <= step else -(-n // step) * step
+
+  def _schedule_one_pass(self, start: int, total: int, cuts: set) -> list:
+    """`_schedule` under `bucket_step`: chunks as long as `max_chunk` allows, each handing
+    back the states at the state points inside it (`cut`: ((offset, window), ...), or None,
+    or an int offset when it is one point with a block's window: `prefill_cut`'s one-cut
+    program, as `merge_tail` makes). Window i is the least power of two (>= a block) that
+    reaches the next point (the last: the chunk's end); a point whose window would run past
+    the chunk's bucket ends the chunk there instead."""
+    bs, out, pos = self.block_size, [], start
+    while pos < total:
+      end = min(total, pos + self.max_chunk)
+      inner = sorted(c for c in cuts if pos < c < end)
+      while True:
+        bucket, pairs = self._bucket(end - pos), []
+        for i, c in enumerate(inner):
+          reach = (inner[i + 1] if i + 1 < len(inner) else end) - c
+          w = bs
+          while w < reach:
+            w *= 2
+          if c - pos + w > bucket:
+            break
+          pairs.append((c - pos, w))
+        if len(pairs) == len(inner):
+          break
+        end, inner = inner[len(pairs)], inner[:len(pairs)]   # end the chunk at that point
+      cut = (None if not pairs else pairs[0][0] if len(pairs) == 1 and pairs[0][1] == bs
+             else tuple(pairs))
+      out.append((pos, end - pos, bucket, cut))
+      pos = end
     return out
 
   def _start(self, slot: int, req: Request) -> _Running:
@@ -743,19 +804,8 @@ class Engine:
                                           all_logits=req.return_logits, cut=cut)
         if req.return_logits:
           logits_parts.append(self._host(out)[:n])
-        end = pos + n if cut is None else pos + cut   # where the chunk's kept state is
         if aligned:
-          # K/V for every block the chunk completed (one read); the (much larger) GDN state
-          # every `state_every` blocks and at the prompt's last full block (chunks end there,
-          # or hand it back from inside: `cut`).
-          blks = [b for b in range(pos // self.block_size, (pos + n) // self.block_size)
-                  if b < len(hashes) and (b + 1) * self.block_size > pos]
-          if blks:
-            last_blk = blks[-1]
-            with_state = (last_blk + 1) * self.block_size == end and (
-                (last_blk + 1) % self.state_every == 0 or last_blk == len(hashes) - 1)
-            self._snapshot(slot, hashes, blks, last_blk if with_state else None, bucket,
-                           at_cut)
+          self._snapshot_chunk(slot, hashes, pos, n, bucket, cut, at_cut)
       last = logits_parts[-1][n - 1] if req.return_logits else out
       if self._shared and not req.return_logits:
         last = self._host(last)      # every process samples from the same logits
@@ -789,6 +839,27 @@ class Engine:
       self.rows = self._on_last(steps.deactivate_rows, self.rows, mask)
     return run
 
+  def _snapshot_chunk(self, slot, hashes, pos, n, bucket, cut, at_cut):
+    """Snapshot what a prefill chunk [pos, pos + n) completed: K/V for every block (one read);
+    the (much larger) GDN state every `state_every` blocks and at the prompt's last full block
+    (chunks end there, or hand it back from inside: `cut`). Several points inside a chunk
+    (`bucket_step`): one snapshot per stretch between them, each with its point's state."""
+    bs = self.block_size
+    if cut is None or isinstance(cut, int):
+      stretches = [(pos, pos + n, pos + n if cut is None else pos + cut, at_cut, bucket)]
+    else:
+      bounds = [pos] + [pos + off for off, _ in cut]
+      stretches = [(lo, hi, hi, [(c[:, i], m[:, i]) for c, m in at_cut], self._bucket(hi - lo))
+                   for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+      stretches.append((bounds[-1], pos + n, pos + n, None, self._bucket(pos + n - bounds[-1])))
+    for lo, hi, end, state, length in stretches:
+      blks = [b for b in range(lo // bs, hi // bs) if b < len(hashes) and (b + 1) * bs > lo]
+      if blks:
+        last_blk = blks[-1]
+        with_state = (last_blk + 1) * bs == end and (
+            (last_blk + 1) % self.state_every == 0 or last_blk == len(hashes) - 1)
+        self._snapshot(slot, hashes, blks, last_blk if with_state else None, length, state)
+
   def _prefill_chunk(self, slot, chunk, n, switch, all_logits, cut=None):
     """One prefill chunk through every stage: (logits, None), or with `cut` (logits, the GDN
     state after the chunk's first `cut` tokens per stage, as `read_recurrent` reads it)."""
@@ -801,9 +872,11 @@ class Engine:
       if cut is None:
         x, self.states[i] = distributed.call_on_stage(
             steps.prefill, st.device, *args, all_logits=all_logits, cvec=st.cvec)
-      else:
+      else:   # one point with a block's window, or several: ((offset, window), ...)
+        offsets, windows = ((np.int32(cut), self.block_size) if isinstance(cut, int) else
+                            (np.array([o for o, _ in cut], np.int32), tuple(w for _, w in cut)))
         x, self.states[i], gdn = distributed.call_on_stage(
-            steps.prefill_cut, st.device, *args, np.int32(cut), cut_window=self.block_size,
+            steps.prefill_cut, st.device, *args, offsets, cut_window=windows,
             all_logits=all_logits, cvec=st.cvec)
         at_cut.append(gdn)
     return x, (at_cut if cut is not None else None)

@@ -75,13 +75,22 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   outputs before the cut are final, its state is the state at the cut), and over the W tokens
   from the cut, from that state. These are the very calls of a chunk ending at the cut and a
   W-token chunk after it, so the states and outputs are theirs, while every other layer makes
-  one pass over the weights for both. Returns (y, conv_state, ssm, (conv_cut, ssm_cut))."""
+  one pass over the weights for both. Returns (y, conv_state, ssm, (conv_cut, ssm_cut)).
+
+  cut [B, C] with a tuple of C windows (W_1, ..., W_C): the states after each of C increasing
+  cuts. The op runs over the chunk masked from cut 1, then over W_i tokens from cut i (from
+  the state at cut i), masked from cut i + 1 for all but the last: the calls of chunks ending
+  at each cut. Each cut + W_i <= T, and W_i reaches cut i + 1 (the last: the row's valid end).
+  conv_cut and ssm_cut then carry a C axis after B."""
   if keep_steps and layer is not None:
     raise ValueError("gdn_mixer: keep_steps returns per-step states, not a stack: no `layer`")
   B, T, _ = x.shape
-  if cut is not None and (T == 1 or keep_steps or layer is not None or cut_window < 1):
+  many = cut is not None and jnp.ndim(cut) == 2
+  windows = tuple(cut_window) if many else (cut_window,)
+  if cut is not None and (T == 1 or keep_steps or layer is not None or min(windows) < 1
+                          or (many and len(windows) != cut.shape[1])):
     raise ValueError("gdn_mixer: a cut is for a prefill chunk (T > 1, one layer's state, "
-                     "cut_window >= 1)")
+                     "cut_window >= 1, one window per cut)")
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
   if (T == 1 and layer is not None and not keep_steps
@@ -147,7 +156,10 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     return jnp.where((n_new > 0).reshape((B,) + (1,) * (old.ndim - 1)), new, old)
   conv_cut = None
   if cut is not None:   # the last K-1 raw rows before the cut, as causal_conv keeps them
-    conv_cut = conv_window(conv_state, qkv, cut).astype(conv_state.dtype)
+    cuts = cut if many else cut[:, None]                                   # [B, C]
+    conv_cut = jnp.stack([conv_window(conv_state, qkv, cuts[:, i]) for i in range(len(windows))],
+                         axis=1).astype(conv_state.dtype)
+    conv_cut = conv_cut if many else conv_cut[:, 0]
   qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new)
   conv_state = idle(conv_new, conv_state)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
@@ -190,13 +202,23 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     if cut is None:
       o, s = jax.vmap(chunked)(q, k, v, g, beta, s_in)
     else:
-      before = (jnp.arange(T)[None, :] < cut[:, None])[..., None]           # [B, T, 1]
-      o, s_cut = jax.vmap(chunked)(q, k, v, jnp.where(before, g, 0.0),
-                                   jnp.where(before, beta, 0.0), s_in)
-      win = lambda a: jax.vmap(lambda r, c: lax.dynamic_slice_in_dim(r, c, cut_window, 0))(
-          a, cut)
-      o_w, s = jax.vmap(chunked)(win(q), win(k), win(v), win(g), win(beta), s_cut)
-      o = jax.vmap(lambda r, w, c: lax.dynamic_update_slice_in_dim(r, w, c, 0))(o, o_w, cut)
+      def masked(a, upto, length):   # gates and betas zero from `upto` [B] on: state kept
+        keep = (jnp.arange(length)[None, :] < upto[:, None])[..., None]
+        return jnp.where(keep, a, 0.0)
+      o, s = jax.vmap(chunked)(q, k, v, masked(g, cuts[:, 0], T), masked(beta, cuts[:, 0], T),
+                               s_in)
+      s_cuts = [s]
+      for i, w in enumerate(windows):   # from cut i, to the next cut (or on)
+        c = cuts[:, i]
+        win = lambda a: jax.vmap(lambda r, c0: lax.dynamic_slice_in_dim(r, c0, w, 0))(a, c)
+        g_w, b_w = win(g), win(beta)
+        if i + 1 < len(windows):
+          g_w, b_w = masked(g_w, cuts[:, i + 1] - c, w), masked(b_w, cuts[:, i + 1] - c, w)
+        o_w, s = jax.vmap(chunked)(win(q), win(k), win(v), g_w, b_w, s)
+        o = jax.vmap(lambda r, u, c0: lax.dynamic_update_slice_in_dim(r, u, c0, 0))(o, o_w, c)
+        if i + 1 < len(windows):
+          s_cuts.append(s)
+      s_cut = jnp.stack(s_cuts, axis=1) if many else s_cuts[0]
   s = idle(s, s_in)
   ssm = s if layer is None else lax.dynamic_update_index_in_dim(ssm, s, layer, 0)
   y = _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale)
