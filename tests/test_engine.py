@@ -403,6 +403,9 @@ def test_one_pass_schedule_takes_a_prompt_in_one_chunk_with_its_state_points_ins
   # one point with a block's window: the one-cut program `merge_tail` uses
   assert eng._schedule(0, 5000, 78, True) == [(0, 4096, 4096, ((2048, 2048),)),
                                               (4096, 904, 1024, 896)]
+  # a 2,560-token capacity: the largest chunk is 2,560 (powers of two stop at 2,048)
+  fit = sj.Engine(model, slots=1, max_seq=2560, block_size=64, bucket_step=512)
+  assert fit._schedule(0, 2500, 39, True) == [(0, 2500, 2560, ((2048, 512), (2496, 64)))]
   plain = sj.Engine(model, slots=1, max_seq=4096, block_size=64)
   assert plain._schedule(0, 2500, 39, True) == [(0, 2048, 2048, None), (2048, 452, 512, 448)]
   for bad in (32, 96):

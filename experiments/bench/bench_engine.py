@@ -510,6 +510,8 @@ def main(argv=None):
   ap.add_argument("--decode-steps", type=int, default=16, help="engine steps per dispatch")
   ap.add_argument("--forms", default="", help="Forms for every engine, as the CLI's --forms "
                   "(e.g. dense_weights=kernel); the entries' command records it")
+  ap.add_argument("--bucket-step", type=int, default=None,
+                  help="Engine(bucket_step=): one-pass prefill with buckets in multiples of it")
   ap.add_argument("--warm-threads", type=int, default=1,
                   help="engines compiled at once before timing (1: one after another)")
   ap.add_argument("--profile", action="store_true",
@@ -544,7 +546,8 @@ def main(argv=None):
              "prompt": args.prompt, "new": args.new, "ttft_tokens": args.ttft_tokens,
              "server_clients": args.server_clients, "server_batch": max(batches),
              "reps": args.reps, "decode_steps": args.decode_steps, "compilation_cache": cache_dir,
-             "sampled": SAMPLED, "forms": args.forms, "decode": {}}
+             "sampled": SAMPLED, "forms": args.forms, "bucket_step": args.bucket_step,
+             "decode": {}}
   out_path = os.path.abspath(args.out)
   err = None
   try:
@@ -559,11 +562,11 @@ def main(argv=None):
     engines = {}
     for B in batches:   # batch 1 also serves the TTFT prompt (its K/V capacity fits it)
       engines[B] = sj.Engine(model, lora=lora, slots=B, decode_steps=(args.decode_steps,),
-                             forms=forms,
+                             forms=forms, bucket_step=args.bucket_step,
                              max_seq=ttft_seq if B == 1 else short_seq)
     if 1 not in engines:
       engines[1] = sj.Engine(model, lora=lora, slots=1, decode_steps=(args.decode_steps,),
-                             forms=forms,
+                             forms=forms, bucket_step=args.bucket_step,
                              max_seq=ttft_seq)
     from strata_jax.engine import sampling as hs
     from strata_jax.engine.engine import Request

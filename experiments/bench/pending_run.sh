@@ -750,8 +750,10 @@ fi
 # Owed to the next session (after runs 73-74 on an H100 made 128-row grouped MoE tiles the
 # default for 16-bit operands). SECTIONS=s18a (~9 min): the compiled grouped MoE tests and the
 # GPU model set on 128-row tiles, then the 2,500-token prefill at 128 against 64 rows
-# (alternating, one process), then the Engine at batch 1 (TTFT, decode) on this commit's
-# defaults. On an H200 this re-measures summary.json's H200 prefill and TTFT entries.
+# (alternating, one process), then the Engine at batch 1 (TTFT, decode) with the one-pass
+# prefill (`Engine(bucket_step=512)`: a 2,500-token prompt as one 2,560-token chunk) and on
+# this commit's defaults. Make bucket_step 512 the default if its TTFT wins. On an H200 this
+# re-measures summary.json's H200 prefill and TTFT entries.
 if want s18a; then
   GPU_SET=kernels GPU_TESTS="tests/test_moe_grouped_kernel.py" CAP=90 WORKERS=4 \
     bash experiments/bench/gpu_tests.sh | tail -2
@@ -760,8 +762,12 @@ if want s18a; then
   timeout 110 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
     --variants base,grows64,base,grows64 --out $OUT/decode_probe_prefill_s18.json 2>&1 \
     | grep '"variant"' | cut -c1-260
-  timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py --reps 2 --batches 1 \
-    --out $OUT/bench_engine_b1_s18.json 2>&1 | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+  for st in 512 ""; do   # the one-pass prefill (Engine(bucket_step=512)), then the default
+    [ $(left) -lt 100 ] && break
+    timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py --reps 2 --batches 1 \
+      ${st:+--bucket-step $st} --out $OUT/bench_engine_b1_s18_step${st:-none}.json 2>&1 \
+      | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
+  done
 fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

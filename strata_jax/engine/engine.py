@@ -259,16 +259,17 @@ class Engine:
       triangular solve deadlocking XLA's CPU thread pool, seen under gdb in the same setting
       and gone now that the GDN reference solves one matrix a call.)
     bucket_step: opt-in one-pass prefill (None, the default: off). A power of two >= the
-      block size: chunk buckets above it are its multiples (not powers of two), and a chunk runs
-      on past the recurrent-state points inside it (every `state_every` blocks, the prompt's
-      last full block), handing their states back from inside (`steps.prefill_cut` with
-      several cuts; the GDN op runs once more from each point). A prompt up to
-      `max_prefill_chunk` then makes one pass over the weights: with 512, a 2,500-token
-      prompt is one 2,560-token chunk, where the default runs 2,048 and 512 (on an H100 the
-      second chunk's re-read of every expert took most of the time to first token beyond one
-      prefill call: experiments/results/device/run74). Not timed on the device yet, so not the
-      default. The states match the default schedule's to rounding (other shapes), not bit for
-      bit. `warmup=True` compiles its buckets but not its several-cut programs: pass prompt
+      block size: chunk buckets above it are its multiples (not powers of two), the largest
+      chunk is the largest such bucket that fits, and a chunk runs on past the
+      recurrent-state points inside it (every `state_every` blocks, the prompt's last full
+      block), handing their states back from inside (`steps.prefill_cut` with several cuts;
+      the GDN op runs once more from each point). A prompt up to that length then makes one
+      pass over the weights: with 512, a 2,500-token prompt is one 2,560-token chunk, where
+      the default runs 2,048 and 512 (on an H100 the second chunk's re-read of every expert
+      took most of the time to first token beyond one prefill call:
+      experiments/results/device/run74). Not timed on the device yet, so not the default. The
+      states match the default schedule's to rounding (other shapes), not bit for bit.
+      `warmup=True` compiles its buckets but not its several-cut programs: pass prompt
       lengths.
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
@@ -299,10 +300,18 @@ class Engine:
     self.state_every = max(1, int(state_every))
     cap = max_seq or min(cfg.context_length, 4096)
     self.max_seq = -(-int(cap) // self.block_size) * self.block_size
-    chunk = self.block_size
-    while chunk * 2 <= min(int(max_prefill_chunk), self.max_seq):
+    if bucket_step is not None and (int(bucket_step) < self.block_size
+                                    or int(bucket_step) & (int(bucket_step) - 1)):
+      raise StrataError(f"bucket_step={bucket_step}: a power of two >= the block size "
+                        f"({self.block_size}), or None")
+    self.bucket_step = None if bucket_step is None else int(bucket_step)
+    chunk, cap = self.block_size, min(int(max_prefill_chunk), self.max_seq)
+    while chunk * 2 <= cap:
       chunk *= 2
-    self.max_chunk = chunk
+    # the largest bucket that fits: with `bucket_step`, a multiple of it (2,560 for a 2,500-token
+    # prompt's 2,560-token capacity, where powers of two stop at 2,048)
+    self.max_chunk = max(chunk, cap // self.bucket_step * self.bucket_step
+                         if self.bucket_step else 0)
     self.decode_steps = tuple(sorted({int(b) for b in decode_steps if int(b) >= 1})) or (1,)
     # Without an adapter the engine runs the very same program with an all-zero adapter and
     # every switch off: "off" is then bit-identical to "no adapter" by construction, on any
@@ -377,11 +386,6 @@ class Engine:
     self._snapshot_thread = (jax.default_backend() != "cpu" if snapshot_thread is None
                              else bool(snapshot_thread))
     self.merge_tail = bool(merge_tail)
-    if bucket_step is not None and (int(bucket_step) < self.block_size
-                                    or int(bucket_step) & (int(bucket_step) - 1)):
-      raise StrataError(f"bucket_step={bucket_step}: a power of two >= the block size "
-                        f"({self.block_size}), or None")
-    self.bucket_step = None if bucket_step is None else int(bucket_step)
     has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
