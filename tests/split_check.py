@@ -112,5 +112,25 @@ out["mixed_rows_match"] = all(
 out["stage_params_on_device"] = all(
     {d for a in jax.tree.leaves(st.params) for d in a.sharding.device_set} == {st.device}
     for st in eng.stages)
+
+
+def one_pass(m):
+  """`Engine(bucket_step=)`: a 100-token prompt with a state every block is one chunk that
+  hands back three states from inside, per stage; then a prompt extending it (slot erased)
+  resumes from the prefix cache."""
+  eng = sj.Engine(m, lora=lora, slots=1, max_seq=160, block_size=32, state_every=1,
+                  bucket_step=32)
+  p = list(np.random.default_rng(7).integers(0, TINY.vocab_size, 100))
+  sched = eng._schedule(0, len(p), 3, True)
+  res = eng.generate(tokens=p, max_tokens=4, lora=True)
+  eng._flush_snapshots()
+  eng.erase_slot(0)
+  follow = eng.generate(tokens=p + res.tokens + [7], max_tokens=3, lora=True)
+  return sched, res.tokens, follow.tokens, follow.cached_tokens
+
+
+single_pass, split_pass = one_pass(model), one_pass(split_model)
+out["one_pass_schedule"] = split_pass[0]
+out["one_pass_same"] = single_pass[1:] == split_pass[1:] and split_pass[3] == 96
 out["logs"] = logs
 print(json.dumps(out))

@@ -28,6 +28,9 @@ def test_split_on_three_devices_matches_single_device():
   assert out["mixed_rows_match"]
   assert out["programs_stable"], "compiled-program count grew with the switch"
   assert out["stage_params_on_device"]
+  # one-pass prefill (`bucket_step`): every stage hands back its states from inside the chunk
+  assert out["one_pass_schedule"] == [[0, 100, 128, [[32, 32], [64, 32], [96, 32]]]]
+  assert out["one_pass_same"], "a split engine's one-pass prefill must decode as one device's"
   assert any(m.startswith("LoRA: 1 files, 8 layers adapted") for m in out["logs"]), out["logs"]
   assert any("layers 0-2 (dev0), 3-4 (dev1), 5-7 (dev2)" in m for m in out["logs"]), out["logs"]
 
@@ -81,3 +84,4 @@ def test_split_across_two_processes():
     assert out["max_logit_err"] <= 1e-6 and out["max_prompt_logit_err"] <= 1e-6, out
     assert out["off_bit_identical"] and out["mixed_rows_match"] and out["programs_stable"]
     assert out["stage_params_on_device"]
+    assert out["one_pass_same"], out["one_pass_schedule"]
