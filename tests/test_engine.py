@@ -8,6 +8,7 @@ from model_fixtures import TINY, random_lora, tiny_model
 from tolerances import CHUNK_SHAPE_REL_FP32, assert_close
 
 import strata_jax as sj
+from strata_jax import steps
 from strata_jax.engine.engine import Request, _snap_bytes, chunk_steps
 
 BS = 32
@@ -433,6 +434,15 @@ def test_one_pass_prefill_caches_every_state_point_as_the_chunked_schedule_does(
     eng = sj.Engine(model, lora=lora, slots=1, max_seq=256, block_size=BS, state_every=every,
                     bucket_step=step, warmup=[len(prompt)])
     assert len(eng._schedule(0, len(prompt), 5, True)) == (4 if name == "chunked" else 1)
+    programs = (steps.prefill._cache_size(), steps.prefill_cut._cache_size(),
+                steps.read_kv._cache_size())
+    eng.generate(tokens=prompt, max_tokens=2, lora=lora_on)   # cold: snapshots its blocks
+    eng._flush_snapshots()
+    # warmup compiled every program the prompt's chunk and its snapshots use
+    assert (steps.prefill._cache_size(), steps.prefill_cut._cache_size(),
+            steps.read_kv._cache_size()) == programs
+    eng.prefix_cache.clear()
+    eng.erase_slot(0)
     res = eng.generate(tokens=prompt, max_tokens=6, return_logits=True, lora=lora_on)
     eng._flush_snapshots()
     hashes = sj.block_hashes(prompt, BS, eng.adapters.resolve(lora_on).identity)

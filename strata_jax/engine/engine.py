@@ -609,10 +609,16 @@ class Engine:
       cut = (tuple((0, w) for w in with_cut) if isinstance(with_cut, tuple)
              else b - self.block_size if with_cut else None)
       self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False, cut=cut)
-      if self.prefix_cache.max_bytes > 0:   # the chunk's K/V slice for the prefix cache
+    if self.prefix_cache.max_bytes > 0:   # the K/V slices the prefix cache's snapshots read
+      lengths = {b for b, _ in buckets}
+      for n in prompt_lengths or ():   # a chunk with points inside reads one per stretch
+        lengths.update(length for pos, m, bk, cut in self._schedule(
+            0, int(n), int(n) // self.block_size, True)
+            for *_, length in self._stretches(pos, m, bk, cut, None))
+      for length in sorted(lengths):
         for st, state in zip(self.stages, self.states):
           distributed.call_on_stage(steps.read_kv, st.device, state, np.int32(0),
-                                    np.int32(0), length=min(b, self.max_seq))
+                                    np.int32(0), length=min(length, self.max_seq))
     for plan in plans:
       one = self._put(host_sampling.empty_rows(1))
       self._on_last(steps.sample_step, self._put(jnp.zeros((1, self.model.cfg.vocab_size))),
@@ -849,20 +855,25 @@ class Engine:
     (chunks end there, or hand it back from inside: `cut`). Several points inside a chunk
     (`bucket_step`): one snapshot per stretch between them, each with its point's state."""
     bs = self.block_size
-    if cut is None or isinstance(cut, int):
-      stretches = [(pos, pos + n, pos + n if cut is None else pos + cut, at_cut, bucket)]
-    else:
-      bounds = [pos] + [pos + off for off, _ in cut]
-      stretches = [(lo, hi, hi, [(c[:, i], m[:, i]) for c, m in at_cut], self._bucket(hi - lo))
-                   for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
-      stretches.append((bounds[-1], pos + n, pos + n, None, self._bucket(pos + n - bounds[-1])))
-    for lo, hi, end, state, length in stretches:
+    for lo, hi, end, state, length in self._stretches(pos, n, bucket, cut, at_cut):
       blks = [b for b in range(lo // bs, hi // bs) if b < len(hashes) and (b + 1) * bs > lo]
       if blks:
         last_blk = blks[-1]
         with_state = (last_blk + 1) * bs == end and (
             (last_blk + 1) % self.state_every == 0 or last_blk == len(hashes) - 1)
         self._snapshot(slot, hashes, blks, last_blk if with_state else None, length, state)
+
+  def _stretches(self, pos, n, bucket, cut, at_cut):
+    """A chunk's snapshot stretches [(lo, hi, where its state is, that state per stage or None
+    for the row's after the chunk, K/V slice length)]: the whole chunk, or (several points
+    inside) one per stretch up to each point, with its state, and the rest."""
+    if cut is None or isinstance(cut, int):
+      return [(pos, pos + n, pos + n if cut is None else pos + cut, at_cut, bucket)]
+    bounds = [pos] + [pos + off for off, _ in cut]
+    pick = lambda i: None if at_cut is None else [(c[:, i], m[:, i]) for c, m in at_cut]
+    return [(lo, hi, hi, pick(i), self._bucket(hi - lo))
+            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))] + [
+        (bounds[-1], pos + n, pos + n, None, self._bucket(pos + n - bounds[-1]))]
 
   def _prefill_chunk(self, slot, chunk, n, switch, all_logits, cut=None):
     """One prefill chunk through every stage: (logits, None), or with `cut` (logits, the GDN
