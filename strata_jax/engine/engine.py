@@ -590,31 +590,26 @@ class Engine:
     if self.busy:
       raise RequestError("warmup() needs an idle engine")
     # (bucket, whether a chunk of it hands back a state from inside, or its windows)
-    buckets = set()
+    buckets, lengths = set(), set()   # lengths: the K/V slices the snapshots read
     if prompt_lengths is None:
-      b = self.block_size
-      while b <= self.max_chunk:
+      for b in sorted({self._bucket(n) for n in range(1, self.max_chunk + 1)}):
         buckets.update({(b, False), (b, True)} if b > self.block_size and self.merge_tail
                        else {(b, False)})
-        b = b * 2 if self.bucket_step is None or b < self.bucket_step else b + self.bucket_step
+        lengths.add(b)
     else:
       for n in prompt_lengths:
-        n_blocks = n // self.block_size
-        # a chunk with several points (`bucket_step`): its windows make its program
-        buckets.update((bk, cut is not None if not isinstance(cut, tuple)
-                        else tuple(w for _, w in cut))
-                       for _, _, bk, cut in self._schedule(0, int(n), n_blocks, True))
+        for pos, m, bk, cut in self._schedule(0, int(n), int(n) // self.block_size, True):
+          # a chunk with several points (`bucket_step`): its windows make its program, and it
+          # reads one K/V slice per stretch between them
+          buckets.add((bk, tuple(w for _, w in cut) if isinstance(cut, tuple)
+                       else cut is not None))
+          lengths.update(length for *_, length in self._stretches(pos, m, bk, cut, None))
     for b, with_cut in sorted(buckets, key=lambda bc: (bc[0], str(bc[1]))):
       # n_new 0: every layer leaves the row as it is (and the offsets are traced)
       cut = (tuple((0, w) for w in with_cut) if isinstance(with_cut, tuple)
              else b - self.block_size if with_cut else None)
       self._prefill_chunk(0, np.zeros(b, np.int32), 0, 0, all_logits=False, cut=cut)
-    if self.prefix_cache.max_bytes > 0:   # the K/V slices the prefix cache's snapshots read
-      lengths = {b for b, _ in buckets}
-      for n in prompt_lengths or ():   # a chunk with points inside reads one per stretch
-        lengths.update(length for pos, m, bk, cut in self._schedule(
-            0, int(n), int(n) // self.block_size, True)
-            for *_, length in self._stretches(pos, m, bk, cut, None))
+    if self.prefix_cache.max_bytes > 0:   # the K/V slices for the prefix cache
       for length in sorted(lengths):
         for st, state in zip(self.stages, self.states):
           distributed.call_on_stage(steps.read_kv, st.device, state, np.int32(0),
@@ -741,13 +736,17 @@ class Engine:
         out[-2:] = [(p, n + tail, bucket, n)]
     return out
 
+  def _pow2(self, n: int) -> int:
+    """The least power of two >= n from the block size."""
+    size = self.block_size
+    while size < n:
+      size *= 2
+    return size
+
   def _bucket(self, n: int) -> int:
-    """A chunk of n tokens' bucket: the least power of two >= n from the block size; with
-    `bucket_step`, the least multiple of it >= n above it."""
-    bucket = self.block_size
-    while bucket < n:
-      bucket *= 2
-    step = self.bucket_step
+    """A chunk of n tokens' bucket: `_pow2(n)`; with `bucket_step`, the least multiple of it
+    >= n above it."""
+    bucket, step = self._pow2(n), self.bucket_step
     return bucket if step is None or bucket <= step else -(-n // step) * step
 
   def _schedule_one_pass(self, start: int, total: int, cuts: set) -> list:
@@ -764,10 +763,7 @@ class Engine:
       while True:
         bucket, pairs = self._bucket(end - pos), []
         for i, c in enumerate(inner):
-          reach = (inner[i + 1] if i + 1 < len(inner) else end) - c
-          w = bs
-          while w < reach:
-            w *= 2
+          w = self._pow2((inner[i + 1] if i + 1 < len(inner) else end) - c)
           if c - pos + w > bucket:
             break
           pairs.append((c - pos, w))

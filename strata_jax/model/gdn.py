@@ -157,9 +157,9 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   conv_cut = None
   if cut is not None:   # the last K-1 raw rows before the cut, as causal_conv keeps them
     cuts = cut if many else cut[:, None]                                   # [B, C]
-    conv_cut = jnp.stack([conv_window(conv_state, qkv, cuts[:, i]) for i in range(len(windows))],
-                         axis=1).astype(conv_state.dtype)
-    conv_cut = conv_cut if many else conv_cut[:, 0]
+    conv_cut = (jnp.stack([conv_window(conv_state, qkv, cuts[:, i])
+                           for i in range(len(windows))], axis=1) if many
+                else conv_window(conv_state, qkv, cut)).astype(conv_state.dtype)
   qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new)
   conv_state = idle(conv_new, conv_state)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
