@@ -1,7 +1,7 @@
 """What every kernel file shares: the Triton lowering's import, its compiler parameters across
 JAX versions, the power-of-two tile check, the masked load, the split GEMVs' partial sums in
-their one order (outside a kernel and inside one), and the compensated fp32 sum of tile
-products.
+their one order (outside a kernel and inside one), the compensated fp32 sum of tile
+products, and the stable sort of small ids by a narrow key.
 
 Every kernel here lowers through Pallas's Triton backend (`jax.experimental.pallas.triton`),
 deprecated in JAX 0.11; each kernel's README says why it still uses it. Without it (a future
@@ -47,6 +47,25 @@ def sum_partials(parts):
   for k in range(1, parts.shape[0]):
     total = total + parts[k]
   return total
+
+
+# Sort small ids by the narrowest unsigned key that holds them (`argsort_ids`). A GPU radix
+# sort makes one pass per key byte: an expert id below 256 sorts in one pass instead of an
+# int32's four (bench-a3b's 2,500-token prefill ran 192 sort passes, 1.47 ms, on the H100:
+# experiments/results/device/run74). False: the int32 key (decode_probe's "sort32").
+NARROW_SORT_KEYS = True
+
+
+def argsort_ids(ids, bound: int):
+  """Stable argsort of int ids in [0, bound) as int32: `jnp.argsort(ids, stable=True)`'s
+  order exactly (a stable sort of equal keys keeps index order; the narrower key holds every
+  id unchanged)."""
+  key = ids
+  if NARROW_SORT_KEYS and bound <= 1 << 8:
+    key = ids.astype(jnp.uint8)
+  elif NARROW_SORT_KEYS and bound <= 1 << 16:
+    key = ids.astype(jnp.uint16)
+  return jnp.argsort(key, stable=True).astype(jnp.int32)
 
 
 def masked_load(view, mask):

@@ -14,6 +14,7 @@ import pytest
 from test_moe_kernel import BF16, F32, H_ROUNDING, E, K, check, j, make_inputs
 from tolerances import KERNEL_REL, assert_close
 
+from pallas_kernels._common import argsort_ids
 from pallas_kernels.moe.api import (
   resolve_many,
   routed_experts_many,
@@ -183,6 +184,18 @@ def test_route_without_a_sort_is_the_sorted_layout(n, k, e, bm, monkeypatch):
   by_sort = route(idx, e, bm, tiles)
   for name, a, b in zip(by_sort._fields, by_compare, by_sort):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+@pytest.mark.parametrize("bound", [5, 64, 256, 257, 65536, 70000])
+def test_narrow_sort_key_gives_the_int32_keys_order(bound):
+  """`argsort_ids` sorts by a uint8 / uint16 key where the ids fit: the stable int32
+  argsort's permutation exactly, repeats and the largest id included."""
+  rng = np.random.default_rng(bound)
+  ids = rng.integers(0, bound, 5000)
+  ids[:3] = bound - 1
+  ids = jnp.asarray(ids, jnp.int32)
+  want = np.asarray(jnp.argsort(ids, stable=True))
+  np.testing.assert_array_equal(np.asarray(argsort_ids(ids, bound)), want)
 
 
 def test_reads_weights_in_place():

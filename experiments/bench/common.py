@@ -385,5 +385,5 @@ def hlo_counts(text: str) -> dict:
   """Launch-relevant op counts in an optimized HLO text (custom calls are the Pallas kernels
   and cuBLAS; conditionals the LoRA branch)."""
   return {k: text.count(k) for k in ("fusion(", "custom-call(", "copy(", "while(", "gather(",
-                                     "dynamic-slice(", "conditional(", "command_buffer",
+                                     "dynamic-slice(", "conditional(", "command_buffer", "concatenate(",
                                      "__triton")}

@@ -226,6 +226,14 @@ def patch(variant: str):
     elif part == "route4w":   # the routing kernel at four warps for every program (run 38's base)
       from pallas_kernels.moe import topk
       setattr_undo(topk, "ROUTE_WARPS_ONE_ROW", 4)
+    elif part == "sort32":   # the grouped MoE's pairs sorted by an int32 key (before session 19)
+      import pallas_kernels._common as kc
+      setattr_undo(kc, "NARROW_SORT_KEYS", False)
+    elif part == "merged":   # XLA may merge a layer's projections (weights concatenated per call)
+      from pallas_kernels.quant import api as quant_api
+      setattr_undo(quant_api, "SEPARATE_DOTS", False)
+    elif part == "convfused":   # the prefill's GDN conv left to XLA's fusion (before session 19)
+      setattr_undo(gdn, "CONV_APART", False)
     elif part in FORM_VARIANTS or part == "sample":
       continue   # variant_cfg; "sample": the program (main)
     else:

@@ -769,5 +769,33 @@ if want s18a; then
       | grep -e "^decode" -e "^ttft" -e Error | cut -c1-300
   done
 fi
+# Session of 2026-12-06 (nineteenth). SECTIONS=s19a (~9.5 min): the prefill's XLA glue, then
+# the one-pass prefill. Run 74's prefill profile put ~13 ms of 76.5 in XLA copies and sorts:
+# the weights concatenated per call by XLA's dot merger (now `quant_api.apart`), the GDN conv's
+# concatenation (now `gdn.CONV_APART`), the expert sort's four radix passes (now a uint8 key,
+# `argsort_ids`), and the per-layer weight slices out of the stacks (an XLA flag tried in its
+# own process). Then the Engine at batch 1 with `bucket_step=512` and on the defaults (the
+# persistent compilation cache makes the second cheaper). SECTIONS=s19b: the compiled grouped
+# MoE tests and the GPU model set on this commit's defaults.
+if want s19a; then
+  timeout 170 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,sort32+merged+convfused,base,sort32,merged,convfused,sort32+merged+convfused \
+    --profile base --out $OUT/decode_probe_prefill_s19.json 2>&1 | grep '"variant"' | cut -c1-330
+  XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true" timeout 75 python3 \
+    experiments/bench/decode_probe.py --prefill 2500 --reps 5 --variants base,base \
+    --out $OUT/decode_probe_prefill_s19_dsfusion.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
+  for st in 512 ""; do
+    [ $(left) -lt 100 ] && break
+    timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py --reps 2 --batches 1 \
+      ${st:+--bucket-step $st} --out $OUT/bench_engine_b1_s19_step${st:-none}.json 2>&1 \
+      | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
+  done
+fi
+if want s19b; then
+  GPU_SET=kernels GPU_TESTS="tests/test_moe_grouped_kernel.py" CAP=90 WORKERS=4 \
+    bash experiments/bench/gpu_tests.sh | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_moe_grouped.log 2>/dev/null
+  GPU_SET=model CAP=${TEST_CAP:-330} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import pow2, require_triton, triton_params
+from pallas_kernels._common import argsort_ids, pow2, require_triton, triton_params
 from pallas_kernels.moe.kernel import check_moe_inputs
 
 _F32 = jnp.float32
@@ -191,7 +191,7 @@ def route(idx, n_experts, block_rows, n_tiles):
     pair_row = first_row[e] + rank
     row_tok = jnp.full((n_tiles * bm,), n, jnp.int32).at[pair_row].set(pairs // k)
   else:
-    order = jnp.argsort(e, stable=True).astype(jnp.int32)  # sorted position -> pair
+    order = argsort_ids(e, n_experts)  # sorted position -> pair
     e_sorted = e[order]
     first_pair = jnp.cumsum(sizes) - sizes  # sorted position of each group's first pair
     prow = first_row[e_sorted] + pairs - first_pair[e_sorted]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import sum_partials
+from pallas_kernels._common import argsort_ids, sum_partials
 from pallas_kernels.lora.kernel import dot_policy
 from pallas_kernels.quant import dense_dot, finish, gemv
 from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, triton_params
@@ -164,6 +164,22 @@ def _stack3(a):
   return a.reshape(-1, *a.shape[-2:])
 
 
+# XLA's dot merger joins products of one input into a GEMM over the weights concatenated,
+# which copies every weight on every call: in bench-a3b's 2,500-token prefill, [12288, 2048]
+# per GDN layer and [9216, 2048] per attention layer (`wrapped_concatenate`, about 2 ms on the
+# H100, experiments/results/device/run74). `apart` hands each product its own name for the
+# input, so nothing merges. False: merged as before (decode_probe's "merged").
+SEPARATE_DOTS = True
+
+
+def apart(x, n: int):
+  """n names for x that XLA's dot merger cannot see as one operand (an optimization barrier:
+  no copy, no change to any value), or [x] * n with SEPARATE_DOTS off."""
+  if n < 2 or not SEPARATE_DOTS:
+    return [x] * n
+  return list(lax.optimization_barrier(tuple(x for _ in range(n))))
+
+
 def dense_reference(x, stack, index):
   """x [N, in] @ stack[index]^T, the XLA path of `dense_matmul`: the matrix taken at the
   (traced) index, one dot returning x's dtype (fp32 accumulation), as the model's `linear`."""
@@ -267,7 +283,8 @@ def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", pa
                              for s in stacks):
     return dense_dot.dense_dot_multi_call(x, stacks, index, interpret=interpret,
                                           compiler_params=params, partials=partials)
-  ys = [dense_matmul(x, s, index, implementation=implementation, few=few) for s in stacks]
+  ys = [dense_matmul(xi, s, index, implementation=implementation, few=few)
+        for xi, s in zip(apart(x, len(stacks)), stacks)]
   return [y[None] for y in ys] if partials else ys
 
 
@@ -620,7 +637,8 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
     sort_pairs = n * k > n_experts
   order = None
   if sort_pairs and impl != "xla":
-    order = jnp.argsort(rows, stable=True)
+    # Every pair has the call's layer, so the rows sort as their expert ids do.
+    order = argsort_ids(rows % n_experts, n_experts)
     rows, xp = rows[order], xp[order]
   if impl == "xla":
     def proj(w, v):  # gather the chosen experts' planes, dequantise, multiply

@@ -129,12 +129,15 @@ def linears(x, ws, partials=False):
   layer's projections of one input: GDN qkv / gate / ba, attention q / k / v, the shared
   expert's gate / up; `Forms.dense_launch`), the products run in one kernel launch where the
   in-place kernels take the rows (`quant_api.dense_matmul_multi`); each result is `linear`'s
-  bit for bit either way. partials: each as [S, *x.shape[:-1], out], the launch's split
+  bit for bit either way. Products XLA makes of plain weight arrays stay separate GEMMs
+  (`quant_api.apart`; `dense_matmul_multi` does the same). partials: each as [S, *x.shape[:-1], out], the launch's split
   partial sums (S = 1: the product itself), for a kernel that adds them itself
   (`gemv.sum_partials`, then x's dtype: `linear`'s bits)."""
   if not (len(ws) > 1 and all(isinstance(w, DRef) and w.fused for w in ws)
           and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1):
-    return [linear(x, w)[None] if partials else linear(x, w) for w in ws]
+    from pallas_kernels.quant.api import apart  # noqa: PLC0415 (kernels load lazily)
+    xs = apart(x, len(ws)) if all(isinstance(w, jnp.ndarray) for w in ws) else [x] * len(ws)
+    return [linear(xi, w)[None] if partials else linear(xi, w) for xi, w in zip(xs, ws)]
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
   x2 = x.reshape(-1, x.shape[-1])
   ys = quant_api.dense_matmul_multi(x2, [w.w for w in ws], ws[0].index,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import argsort_ids
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
 from strata_jax.model.common import group_call, is_quant, linear, linear_parts, linears
@@ -32,7 +33,7 @@ def routed_grouped(x, wg, wu, wd, idx, w):
   N, k = idx.shape
   E = wg.shape[0]
   flat = idx.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
+  order = argsort_ids(flat, E)
   xs = x[order // k]                                                          # [N*k, D]
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
   h = (jax.nn.silu(_grouped_dot(xs, wg, sizes)).astype(x.dtype)
