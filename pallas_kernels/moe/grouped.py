@@ -79,6 +79,11 @@ _NUM_STAGES = 3
 # launch's scattered loads cost back most of the 3.5 ms gather.
 GATHERS = ("xla", "kernel")
 _GATHER = "kernel"
+# The down launch's rows y, one per (token, expert) pair, kept in fp32 (False) or rounded to
+# x's dtype (True: as transformers rounds each expert's output) before the weighted fp32 sum
+# over a token's experts. Rounded, a 16-bit prefill writes and reads half the bytes (bench-a3b
+# at 2,500 tokens: 29,056 x 2,048 rows a layer). Opt-in until timed (decode_probe "gy16").
+_ROUND_Y = False
 
 
 class GroupedTiling(NamedTuple):
@@ -253,7 +258,7 @@ def _down_kernel(n_used_ref, te_ref, first_ref, h_ref, wd_ref, y_ref, *, t):
       return acc + _dot_nt(h_ref[:, cols], wd_ref[e, rows, cols], t)
 
     zero = jnp.zeros((t.block_rows, t.block_d), _F32)
-    y_ref[...] = lax.fori_loop(0, t.f // t.chunk_f, body, zero)
+    y_ref[...] = lax.fori_loop(0, t.f // t.chunk_f, body, zero).astype(y_ref.dtype)
 
 
 _WHOLE = pl.BlockSpec()  # the full array: indexed in the kernel by the loaded expert id
@@ -337,7 +342,7 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None
   )(r.n_used, r.tile_expert, first, *rows_in, wg, wu)
   y = call(
       functools.partial(_down_kernel, t=t), grid=(d // t.block_d, t.n_tiles),
-      out_shape=jax.ShapeDtypeStruct((t.rows, d), _F32),
+      out_shape=jax.ShapeDtypeStruct((t.rows, d), cd if _ROUND_Y else _F32),
       in_specs=[_WHOLE, _WHOLE, _WHOLE,  # n_used, tile_expert, first
                 pl.BlockSpec((bm, f), lambda db, i: (i, 0)),  # h: the tile's rows
                 _WHOLE],  # wd
@@ -345,5 +350,5 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None
       name="moe_grouped_down",
   )(r.n_used, r.tile_expert, first, h, wd)
   # The reference's last step, in its order: sum over j of y_j * w_j (fp32).
-  y_pairs = y[r.pair_row].reshape(n, k, d)
+  y_pairs = y[r.pair_row].reshape(n, k, d).astype(_F32)
   return jnp.sum(y_pairs * w.astype(_F32)[..., None], axis=1)
