@@ -70,14 +70,17 @@ def test_prefix_hit_equals_uncached(model, length):
 
 def test_prefix_hit_bit_identical_logits(model):
   """With a prefix-cache hit (the caches on: `return_step_logits`), the logits every token
-  was chosen from, the prompt's last logits included, are bit-identical to a cold run's."""
+  was chosen from, the prompt's last logits included, are bit-identical to a cold run's,
+  under the powers-of-two schedule (`bucket_step=None`), which runs this cold prompt in the
+  very chunks the hit resumes with. (The default one-pass schedule runs it as one chunk, the
+  same numbers to rounding: `test_bucket_step_prefix_cache_resume`.)"""
   prompt = list(np.random.default_rng(9).integers(0, TINY.vocab_size, 80))
-  warm = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
+  warm = sj.Engine(model, slots=1, max_seq=256, block_size=BS, bucket_step=None)
   warm.generate(tokens=prompt, max_tokens=1)
   # a different slot-state so the conversation cache cannot serve it: reset by another prompt
   warm.generate(tokens=[1, 2, 3], max_tokens=1)
   hit = warm.run([Request(tokens=prompt + [3], max_tokens=4, return_step_logits=True)])[0]
-  cold = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
+  cold = sj.Engine(model, slots=1, max_seq=256, block_size=BS, bucket_step=None)
   ref = cold.run([Request(tokens=prompt + [3], max_tokens=4, return_step_logits=True)])[0]
   assert hit.cached_tokens == 64 and ref.cached_tokens == 0
   assert hit.step_logits.shape == ref.step_logits.shape == (4, TINY.vocab_size)
@@ -109,10 +112,11 @@ def test_waiting_snapshots_past_the_cache_capacity_are_dropped_oldest_first(mode
   """Snapshots wait on the device for their host copies; those that the cache could not hold
   go at once, oldest first, and the newest prompt's blocks are the ones stored."""
   rng = np.random.default_rng(4)
-  probe = sj.Engine(model, slots=1, max_seq=256, block_size=BS)
+  # the powers-of-two schedule (bucket_step=None): one snapshot per prompt, its two blocks
+  probe = sj.Engine(model, slots=1, max_seq=256, block_size=BS, bucket_step=None)
   probe.run([Request(tokens=list(rng.integers(0, TINY.vocab_size, 2 * BS + 1)), max_tokens=1)])
   per_prompt = probe.prefix_cache.stats["bytes"]          # its 2 blocks, one with the state
-  eng = sj.Engine(model, slots=3, max_seq=256, block_size=BS,
+  eng = sj.Engine(model, slots=3, max_seq=256, block_size=BS, bucket_step=None,
                   prefix_cache_bytes=per_prompt + per_prompt // 2)
   prompts = [list(rng.integers(0, TINY.vocab_size, 2 * BS + 1)) for _ in range(3)]
   start = eng._start_snapshot_copies   # every snapshot waits until the engine is idle
@@ -235,8 +239,10 @@ def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_
     return read_kv(*a, **kw)
   monkeypatch.setattr(steps, "read_kv", counted)
   prompt = list(np.random.default_rng(5).integers(0, TINY.vocab_size, 5 * BS + 3))
-  # the tail in chunks of its own (merge_tail=False): a cache hit computes what a cold run does
-  eng = sj.Engine(model, slots=1, max_seq=512, block_size=BS, merge_tail=False)
+  # the tail in chunks of its own (merge_tail=False, powers-of-two buckets): a cache hit
+  # computes what a cold run does
+  eng = sj.Engine(model, slots=1, max_seq=512, block_size=BS, merge_tail=False,
+                  bucket_step=None)
   eng.generate(tokens=prompt, max_tokens=2)
   assert calls == [8 * BS]   # one chunk of 5 blocks in an 8-block bucket: one read
   hashes = sj.block_hashes(prompt, BS)
@@ -248,7 +254,7 @@ def test_a_prefill_chunk_reads_its_blocks_in_one_slice_and_caches_them_block_by_
   eng.generate(tokens=[1, 2, 3], max_tokens=1)   # the slot's conversation no longer matches
   hit = eng.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
   cold = sj.Engine(model, slots=1, max_seq=512, block_size=BS, prefix_cache_bytes=0,
-                   merge_tail=False)
+                   merge_tail=False, bucket_step=None)
   ref = cold.run([Request(tokens=follow, max_tokens=3, return_step_logits=True)])[0]
   assert hit.cached_tokens == 5 * BS and np.array_equal(hit.step_logits, ref.step_logits)
   # with merge_tail (the default) the cold prompt's 4 new tokens share the chunk holding its
@@ -396,8 +402,8 @@ def _unmerged(schedule):
 
 def test_one_pass_schedule_takes_a_prompt_in_one_chunk_with_its_state_points_inside(model):
   """`bucket_step`: buckets above it are its multiples, and a chunk runs past the state points
-  inside it, each with a power-of-two window reaching the next point; without it, the chunks
-  end at the points (powers of two)."""
+  inside it, each with a power-of-two window reaching the next point; without it (None), the
+  chunks end at the points (powers of two). 512 is the default."""
   eng = sj.Engine(model, slots=1, max_seq=4096, block_size=64, bucket_step=512)
   assert eng._schedule(0, 2500, 39, True) == [(0, 2500, 2560, ((2048, 512), (2496, 64)))]
   assert eng._schedule(0, 3000, 46, True) == [(0, 3000, 3072, ((2048, 1024), (2944, 64)))]
@@ -407,7 +413,9 @@ def test_one_pass_schedule_takes_a_prompt_in_one_chunk_with_its_state_points_ins
   # a 2,560-token capacity: the largest chunk is 2,560 (powers of two stop at 2,048)
   fit = sj.Engine(model, slots=1, max_seq=2560, block_size=64, bucket_step=512)
   assert fit._schedule(0, 2500, 39, True) == [(0, 2500, 2560, ((2048, 512), (2496, 64)))]
-  plain = sj.Engine(model, slots=1, max_seq=4096, block_size=64)
+  default = sj.Engine(model, slots=1, max_seq=4096, block_size=64)
+  assert default.bucket_step == 512
+  plain = sj.Engine(model, slots=1, max_seq=4096, block_size=64, bucket_step=None)
   assert plain._schedule(0, 2500, 39, True) == [(0, 2048, 2048, None), (2048, 452, 512, 448)]
   for bad in (32, 96):
     with pytest.raises(sj.StrataError, match=f"bucket_step={bad}"):
@@ -475,7 +483,8 @@ def test_a_chunk_holding_the_last_full_block_and_the_tail_computes_what_two_chun
   prompt = list(np.random.default_rng(11).integers(0, TINY.vocab_size, 3 * BS + 4))
   got = {}
   for merged in (True, False):
-    eng = sj.Engine(model, lora=lora, slots=1, max_seq=256, block_size=BS, merge_tail=True)
+    eng = sj.Engine(model, lora=lora, slots=1, max_seq=256, block_size=BS, merge_tail=True,
+                    bucket_step=None)
     assert eng._schedule(0, len(prompt), 3, True) == [(0, 3 * BS + 4, 128, 3 * BS)]
     if not merged:
       eng._schedule = _unmerged(eng._schedule)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe_kernel import BF16, F32, H_ROUNDING, E, K, check, j, make_inputs
+from test_moe_kernel import BF16, F32, H_ROUNDING, E, K, j, make_inputs
+from test_moe_kernel import check as check_few
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels._common import argsort_ids
@@ -27,6 +28,9 @@ from pallas_kernels.moe.grouped import (
   routed_experts_grouped,
 )
 from pallas_kernels.moe.reference import moe_reference
+
+# The many-token contract: each expert's output rounded to x's dtype (`round_y`).
+check = functools.partial(check_few, round_y=True)
 
 route_jit = jax.jit(route, static_argnums=(1, 2, 3))
 
@@ -196,6 +200,25 @@ def test_narrow_sort_key_gives_the_int32_keys_order(bound):
   ids = jnp.asarray(ids, jnp.int32)
   want = np.asarray(jnp.argsort(ids, stable=True))
   np.testing.assert_array_equal(np.asarray(argsort_ids(ids, bound)), want)
+
+
+def test_rows_rounded_to_x_dtype_only_for_16_bit_x(monkeypatch):
+  """`_ROUND_Y`: a bf16 x's per-pair rows are rounded (another result than fp32 rows, within
+  the y rounding bound of it); an fp32 x's are unchanged bit for bit."""
+  for act in (BF16, F32):
+    args = make_inputs(24, act=act, seed=4)
+    rounded = np.asarray(grouped(args))
+    monkeypatch.setattr(grouped_module, "_ROUND_Y", False)
+    jax.clear_caches()
+    kept = np.asarray(grouped(args))
+    monkeypatch.setattr(grouped_module, "_ROUND_Y", True)
+    jax.clear_caches()
+    if act == F32:
+      np.testing.assert_array_equal(rounded, kept)
+    else:
+      assert not np.array_equal(rounded, kept)
+      check_few(kept, args, what="fp32 rows")
+      check(rounded, args, what="rounded rows")
 
 
 def test_reads_weights_in_place():

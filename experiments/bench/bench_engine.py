@@ -510,8 +510,9 @@ def main(argv=None):
   ap.add_argument("--decode-steps", type=int, default=16, help="engine steps per dispatch")
   ap.add_argument("--forms", default="", help="Forms for every engine, as the CLI's --forms "
                   "(e.g. dense_weights=kernel); the entries' command records it")
-  ap.add_argument("--bucket-step", type=int, default=None,
-                  help="Engine(bucket_step=): one-pass prefill with buckets in multiples of it")
+  ap.add_argument("--bucket-step", type=int, default=512,
+                  help="Engine(bucket_step=): one-pass prefill with buckets in multiples of "
+                       "it (the Engine's default, 512; 0: off)")
   ap.add_argument("--warm-threads", type=int, default=1,
                   help="engines compiled at once before timing (1: one after another)")
   ap.add_argument("--profile", action="store_true",
@@ -562,11 +563,11 @@ def main(argv=None):
     engines = {}
     for B in batches:   # batch 1 also serves the TTFT prompt (its K/V capacity fits it)
       engines[B] = sj.Engine(model, lora=lora, slots=B, decode_steps=(args.decode_steps,),
-                             forms=forms, bucket_step=args.bucket_step,
+                             forms=forms, bucket_step=args.bucket_step or None,
                              max_seq=ttft_seq if B == 1 else short_seq)
     if 1 not in engines:
       engines[1] = sj.Engine(model, lora=lora, slots=1, decode_steps=(args.decode_steps,),
-                             forms=forms, bucket_step=args.bucket_step,
+                             forms=forms, bucket_step=args.bucket_step or None,
                              max_seq=ttft_seq)
     from strata_jax.engine import sampling as hs
     from strata_jax.engine.engine import Request

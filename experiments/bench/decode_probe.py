@@ -232,11 +232,9 @@ def patch(variant: str):
     elif part == "merged":   # XLA may merge a layer's projections (weights concatenated per call)
       from pallas_kernels.quant import api as quant_api
       setattr_undo(quant_api, "SEPARATE_DOTS", False)
-    elif part == "gy16":   # the grouped MoE's per-pair rows rounded to x's dtype (opt-in)
+    elif part in ("gy16", "gy32"):   # the grouped MoE's per-pair rows in x's dtype / fp32
       from pallas_kernels.moe import grouped
-      setattr_undo(grouped, "_ROUND_Y", True)
-    elif part == "convfused":   # the prefill's GDN conv left to XLA's fusion (before session 19)
-      setattr_undo(gdn, "CONV_APART", False)
+      setattr_undo(grouped, "_ROUND_Y", part == "gy16")
     elif part in FORM_VARIANTS or part == "sample":
       continue   # variant_cfg; "sample": the program (main)
     else:

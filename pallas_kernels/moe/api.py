@@ -28,7 +28,7 @@ IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
 MANY_DEFAULT = "xla"  # the oracle; the model picks its own many-token form (model/moe.py)
 
-moe_xla = jax.jit(moe_reference, static_argnames=("precision",))
+moe_xla = jax.jit(moe_reference, static_argnames=("precision", "round_y"))
 
 
 def resolve(implementation=None):
@@ -60,7 +60,7 @@ def routed_experts(x, wg, wu, wd, idx, w, *, layer=None, implementation=None):
   return _run(resolve(implementation), moe_pallas, x, wg, wu, wd, idx, w, layer)
 
 
-def _run(impl, kernel, x, wg, wu, wd, idx, w, layer):
+def _run(impl, kernel, x, wg, wu, wd, idx, w, layer, round_y=False):
   """`kernel` compiled ("pallas") or interpreted, or the jnp reference ("xla")."""
   if impl == "pallas":
     require_gpu("moe", impl, "'pallas_interpret' or 'xla'")
@@ -69,7 +69,7 @@ def _run(impl, kernel, x, wg, wu, wd, idx, w, layer):
     return kernel(x, wg, wu, wd, idx, w, layer=layer, interpret=True)
   if layer is not None:  # jnp indexing clamps a traced index, as the kernel does
     wg, wu, wd = wg[layer], wu[layer], wd[layer]
-  return moe_xla(x, wg, wu, wd, idx, w)
+  return moe_xla(x, wg, wu, wd, idx, w, round_y=round_y)
 
 
 def resolve_many(implementation=None):
@@ -78,7 +78,9 @@ def resolve_many(implementation=None):
 
 
 def routed_experts_many(x, wg, wu, wd, idx, w, *, layer=None, implementation=None):
-  """The routed experts for many tokens (prefill): `routed_experts`' contract and numerics.
+  """The routed experts for many tokens (prefill): `routed_experts`' contract and numerics,
+  except that each expert's output y_j is rounded to x's dtype before the weighted fp32 sum
+  (as transformers rounds it; `moe_reference(round_y=True)`; nothing changes for fp32 x).
 
   "pallas" / "pallas_interpret" run the grouped-GEMM kernel (`routed_experts_grouped`):
   the (token, expert) pairs sorted by expert and padded to row tiles of one expert each, so
@@ -102,7 +104,7 @@ def routed_experts_many(x, wg, wu, wd, idx, w, *, layer=None, implementation=Non
     [N, D] float32.
   """
   return _run(resolve_many(implementation), routed_experts_grouped, x, wg, wu, wd, idx, w,
-              layer)
+              layer, round_y=True)
 
 
 def top_k(x, k: int, *, implementation=None):

@@ -79,11 +79,12 @@ _NUM_STAGES = 3
 # launch's scattered loads cost back most of the 3.5 ms gather.
 GATHERS = ("xla", "kernel")
 _GATHER = "kernel"
-# The down launch's rows y, one per (token, expert) pair, kept in fp32 (False) or rounded to
-# x's dtype (True: as transformers rounds each expert's output) before the weighted fp32 sum
-# over a token's experts. Rounded, a 16-bit prefill writes and reads half the bytes (bench-a3b
-# at 2,500 tokens: 29,056 x 2,048 rows a layer). Opt-in until timed (decode_probe "gy16").
-_ROUND_Y = False
+# The down launch's rows y, one per (token, expert) pair, rounded to x's dtype (as
+# transformers rounds each expert's output) before the weighted fp32 sum over a token's
+# experts: a 16-bit prefill writes and reads half the bytes. bench-a3b's 2,500-token prefill
+# on the H100: 69.97 against 73.3-73.4 ms with fp32 rows (run 75, decode_probe "gy16",
+# experiments/results/device/run75). False: fp32 rows (decode_probe's "gy32").
+_ROUND_Y = True
 
 
 class GroupedTiling(NamedTuple):
@@ -295,7 +296,8 @@ def routed_experts_grouped(x, wg, wu, wd, idx, w, *, layer=None, block_rows=None
       launch loads its rows of x by token); None: `_GATHER`. The same result either way.
 
   Returns:
-    routed [N, D] float32.
+    routed [N, D] float32: sum_j w_j y_j in fp32, each y_j rounded to x's dtype first
+    (`_ROUND_Y`; `moe_reference(round_y=True)`).
   """
   check_moe_inputs(x, wg, wu, wd, idx, w, layer)
   require_triton(interpret, "moe grouped", "'xla'")

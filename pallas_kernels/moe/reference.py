@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from pallas_kernels._common import sum_partials
 
 
-def moe_reference(x, wg, wu, wd, idx, w, precision=None):
+def moe_reference(x, wg, wu, wd, idx, w, precision=None, round_y=False):
   """routed[n] = sum_j w[n, j] * wd[e] @ (silu(wg[e] @ x[n]) * (wu[e] @ x[n])), e = idx[n, j].
 
   The same ops, dtypes and order as the `N * k <= E` branch of `strata_jax/model/moe.py`:
@@ -14,6 +14,8 @@ def moe_reference(x, wg, wu, wd, idx, w, precision=None):
     h        = silu(h_g).astype(xdt) * h_u.astype(xdt)   in x.dtype
     y        = wd @ h                             fp32 accumulation
     routed   = sum_j y_j * w_j                     fp32
+  round_y: each y_j rounded to x.dtype first (the many-token contract, `routed_experts_many`:
+  transformers rounds each expert's output so; a no-op for fp32 x).
   With precision=None this is bit for bit what the model computes today. The tests pass
   `lax.Precision.HIGHEST` on GPU for fp32 inputs (the default there may use TF32; the
   kernel's products are IEEE fp32); it changes nothing for 16-bit inputs or on CPU.
@@ -38,6 +40,8 @@ def moe_reference(x, wg, wu, wd, idx, w, precision=None):
   h = jax.nn.silu(h_g).astype(x.dtype) * h_u.astype(x.dtype)               # [N, k, F]
   y = jnp.einsum("nkf,nkdf->nkd", h, d.astype(x.dtype), precision=precision,
                  preferred_element_type=f32)
+  if round_y:
+    y = y.astype(x.dtype).astype(f32)
   return jnp.sum(y * w.astype(f32)[..., None], axis=1)
 
 

@@ -258,7 +258,7 @@ class Engine:
       was opt-in after two CPU test runs hung with it on; most likely jaxlib 0.10's LAPACK
       triangular solve deadlocking XLA's CPU thread pool, seen under gdb in the same setting
       and gone now that the GDN reference solves one matrix a call.)
-    bucket_step: opt-in one-pass prefill (None, the default: off). A power of two >= the
+    bucket_step: the one-pass prefill, 512 by default (None or 0: off). A power of two >= the
       block size: chunk buckets above it are its multiples (not powers of two), the largest
       chunk is the largest such bucket that fits, and a chunk runs on past the
       recurrent-state points inside it (every `state_every` blocks, the prompt's last full
@@ -267,8 +267,11 @@ class Engine:
       pass over the weights: with 512, a 2,500-token prompt is one 2,560-token chunk, where
       the default runs 2,048 and 512 (on an H100 the second chunk's re-read of every expert
       took most of the time to first token beyond one prefill call:
-      experiments/results/device/run74). Not timed on the device yet, so not the default. The
-      states match the default schedule's to rounding (other shapes), not bit for bit.
+      experiments/results/device/run74). The default since run 75 (H100, bench-a3b bf16): the
+      2,500-token time to first token 83.5 ms with it against 99.5 ms without, 1.07 / 1.27 x
+      one prefill call (experiments/results/device/run75/bench_engine_b1_s19_step*.json).
+      The states match the powers-of-two schedule's to rounding (other shapes), not bit for
+      bit.
       `warmup=True` compiles its buckets but not its several-cut programs: pass prompt
       lengths.
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
@@ -283,7 +286,7 @@ class Engine:
                control_vector=None, lora_rank: int | None = None, spec: int = 0,
                draft: str | None = None, decode_buckets: bool = False,
                snapshot_thread: bool | None = None, merge_tail: bool = True,
-               bucket_step: int | None = None):
+               bucket_step: int | None = 512):
     self.model, self.n_slots = model, int(slots)
     # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
     pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
@@ -300,10 +303,11 @@ class Engine:
     self.state_every = max(1, int(state_every))
     cap = max_seq or min(cfg.context_length, 4096)
     self.max_seq = -(-int(cap) // self.block_size) * self.block_size
+    bucket_step = bucket_step or None   # 0: off, as None
     if bucket_step is not None and (int(bucket_step) < self.block_size
                                     or int(bucket_step) & (int(bucket_step) - 1)):
       raise StrataError(f"bucket_step={bucket_step}: a power of two >= the block size "
-                        f"({self.block_size}), or None")
+                        f"({self.block_size}), or None / 0 (off)")
     self.bucket_step = None if bucket_step is None else int(bucket_step)
     chunk, cap = self.block_size, min(int(max_prefill_chunk), self.max_seq)
     while chunk * 2 <= cap:

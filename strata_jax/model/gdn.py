@@ -30,14 +30,6 @@ def causal_conv(x, conv_state, w, n_new):
   return y, conv_window(conv_state, x, n_new).astype(conv_state.dtype)
 
 
-# A prefill's conv output is written once, as its own array (an optimization barrier, no
-# value changed). Left to XLA, the L2 norms' reductions and the padding of q / k / v for the
-# chunked op each read the conv, and XLA wrote the [B, K-1+T, C] concatenation of the state
-# and the rows for them: 97 us a GDN layer at T = 2,500 on the H100, 3.5 ms a prefill
-# (experiments/results/device/run74). False: as before (decode_probe's "convfused").
-CONV_APART = True
-
-
 def conv_window(conv_state, x, start):
   """Rows start .. start+K-2 of concat([conv_state, x], axis=1) per batch row (the start
   clamped as `lax.dynamic_slice` clamps it), in x's dtype, gathered from the two operands:
@@ -169,8 +161,6 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
                            for i in range(len(windows))], axis=1) if many
                 else conv_window(conv_state, qkv, cut)).astype(conv_state.dtype)
   qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new)
-  if T > 1 and CONV_APART:
-    qkv = lax.optimization_barrier(qkv)
   conv_state = idle(conv_new, conv_state)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
