@@ -776,10 +776,12 @@ fi
 # `argsort_ids`), and the per-layer weight slices out of the stacks (an XLA flag tried in its
 # own process), and the grouped MoE's per-pair rows rounded to bf16 (opt-in "gy16"). Then the Engine at batch 1 with `bucket_step=512` and on the defaults (the
 # persistent compilation cache makes the second cheaper). SECTIONS=s19b: the compiled grouped
-# MoE tests and the GPU model set on this commit's defaults.
+# MoE tests and the GPU model set on this commit's defaults. (Run 75 ran s19a with a GDN conv
+# barrier in base and a "convfused" variant; the barrier is gone, and gy32 now undoes the
+# rounded MoE rows made the default after it.)
 if want s19a; then
   timeout 190 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-    --variants base,sort32+merged+convfused,base,sort32,merged,convfused,gy16,sort32+merged+convfused \
+    --variants base,sort32+merged+gy32,base,sort32,merged,gy32,sort32+merged+gy32 \
     --profile base --out $OUT/decode_probe_prefill_s19.json 2>&1 | grep '"variant"' | cut -c1-330
   XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true" timeout 75 python3 \
     experiments/bench/decode_probe.py --prefill 2500 --reps 5 --variants base,base \
