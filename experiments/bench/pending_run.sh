@@ -802,5 +802,25 @@ if want s19b; then
     --reps 2 --batches 1 --out $OUT/bench_engine_b1_s19_defaults.json 2>&1 \
     | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
 fi
+# Session of 2026-12-06 (twentieth). SECTIONS=s20a (~8 min): the 2,500-token prefill and the
+# batch-1 decode step on this commit's defaults, each with a kernel profile and its optimised
+# HLO (to name the fusions the profiles list: the prefill's three input_concatenate_fusions,
+# the MoE combine, the weight slices), then the transformers peer on the same card (HF eager,
+# fla's kernels) so prefill_vs_transformers compares one card, then the Engine at batch 1.
+if want s20a; then
+  timeout 150 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 --variants base \
+    --profile base --dump-hlo $OUT/hlo --out $OUT/decode_probe_prefill_s20.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-330
+  timeout 120 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+    --variants base --profile base --dump-hlo $OUT/hlo --out $OUT/decode_probe_b1_s20.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-330
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
+    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
+  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 200 python3 experiments/bench/peer_transformers.py \
+    --out $OUT/peer_transformers_s20.json 2>&1 | grep -i -e prefill -e decode -e error | cut -c1-300
+  [ $(left) -gt 120 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
+    --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20.json 2>&1 \
+    | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
