@@ -106,3 +106,35 @@ def test_conv_window_gathers_the_rows_a_slice_of_the_concatenation_gives():
   assert got.dtype == x.dtype
   np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
                                 np.asarray(want.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 7])
+def test_conv_taps_are_the_concatenations_slices_bit_for_bit(T):
+  """`gdn.conv_taps` (each conv tap as a select of two shifted operands, so that XLA does not
+  write the concatenation) gives every tap's rows of concat([state, x]) with their bits,
+  negative zeros included, for T shorter and longer than the K-1 state rows; and `causal_conv`
+  gives the same output and state either way."""
+  from strata_jax.model import gdn  # noqa: PLC0415
+  rng = np.random.default_rng(5)
+  B, K, C = 2, 4, 6
+  state = rng.standard_normal((B, K - 1, C)).astype(np.float32)
+  state[0, 0, :2] = -0.0
+  state = jnp.asarray(state, jnp.bfloat16)
+  x = rng.standard_normal((B, T, C)).astype(np.float32)
+  x[1, 0, :3] = -0.0
+  x = jnp.asarray(x, jnp.bfloat16)
+  ext = jnp.concatenate([state, x], axis=1)
+  bits = lambda a: np.asarray(a).view(np.uint16)
+  for j in range(K):
+    np.testing.assert_array_equal(bits(gdn.conv_taps(state, x, j)), bits(ext[:, j:j + T]))
+  w = jnp.asarray(rng.standard_normal((C, K)), jnp.float32)
+  n_new = jnp.asarray([T, max(T - 1, 0)], jnp.int32)
+  with_taps = gdn.causal_conv(x, state, w, n_new)
+  old = gdn.CONV_TAPS
+  try:
+    gdn.CONV_TAPS = False
+    concatenated = gdn.causal_conv(x, state, w, n_new)
+  finally:
+    gdn.CONV_TAPS = old
+  for a, b in zip(with_taps, concatenated):
+    np.testing.assert_array_equal(bits(a), bits(b))

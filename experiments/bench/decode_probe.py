@@ -50,6 +50,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             run 71) / takes them from XLA's gather (before)
   gdnsN     the GDN "separate" state pass at N pipeline stages (3 since run 71, 2 before)
   convcat   the GDN conv state sliced out of the written concatenation (before run 71)
+  convcat2  the GDN conv's taps sliced out of the concatenation (before session 20; XLA wrote
+            it for the conv's three readers)
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
   one traced call each).
   Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
@@ -217,6 +219,8 @@ def patch(variant: str):
         return jax.vmap(lambda e, n: lax.dynamic_slice_in_dim(e, n, conv_state.shape[1], 0))(
             ext, start)
       setattr_undo(gdn, "conv_window", conv_window)
+    elif part == "convcat2":   # the conv's taps sliced from the concatenation (before session 20)
+      setattr_undo(gdn, "CONV_TAPS", False)
     elif part in ("ggk", "ggx"):   # the grouped MoE kernel's rows of x: in place / XLA's gather
       from pallas_kernels.moe import grouped
       setattr_undo(grouped, "_GATHER", "kernel" if part == "ggk" else "xla")

@@ -20,14 +20,43 @@ def causal_conv(x, conv_state, w, n_new):
   Returns (y [B, T, C], new conv_state = the last K-1 raw rows up to the last valid token).
   """
   K = w.shape[1]
-  ext = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)             # [B, K-1+T, C]
   T = x.shape[1]
   wf = w.astype(jnp.float32)
-  acc = sum(ext[:, j:j + T].astype(jnp.float32) * wf[:, j] for j in range(K))
+  tap = conv_taps if CONV_TAPS else _concatenated_taps
+  acc = sum(tap(conv_state.astype(x.dtype), x, j).astype(jnp.float32) * wf[:, j]
+            for j in range(K))
   y = jax.nn.silu(acc).astype(x.dtype)
   if K == 1:
     return y, conv_state
   return y, conv_window(conv_state, x, n_new).astype(conv_state.dtype)
+
+
+# Each tap of the conv selects between two shifted operands rather than slicing their
+# concatenation. The values are the same elements; but the conv's output has three readers in a
+# prefill (q, k and v's fusions), and XLA then wrote the [B, K-1+T, C] concatenation for them:
+# 36 x 97 us of a 2,500-token prefill on the H100 (experiments/results/device/run77). Pads and
+# selects it fuses into every reader. False: the concatenation (decode_probe "convcat2").
+CONV_TAPS = True
+
+
+def conv_taps(conv_state, x, j):
+  """Rows j .. j+T-1 of concat([conv_state, x], axis=1), built without the concatenation:
+  conv_state [B, K-1, C] and x [B, T, C] of one dtype; 0 <= j <= K-1. Each row is one of the
+  two operands' elements (a select, so the bits of the slice)."""
+  km1, T = conv_state.shape[1], x.shape[1]
+  zero = jnp.zeros((), x.dtype)
+  shift = km1 - j                     # the first `shift` rows come from conv_state
+  if shift == 0:
+    return x
+  new = lax.pad(x, zero, ((0, 0, 0), (shift, -shift, 0), (0, 0, 0)))        # x moved down
+  old = lax.pad(conv_state[:, j:], zero, ((0, 0, 0), (0, T - shift, 0), (0, 0, 0)))
+  row = lax.broadcasted_iota(jnp.int32, (1, T, 1), 1)
+  return jnp.where(row < shift, old, new)
+
+
+def _concatenated_taps(conv_state, x, j):
+  T = x.shape[1]
+  return jnp.concatenate([conv_state, x], axis=1)[:, j:j + T]
 
 
 def conv_window(conv_state, x, start):
