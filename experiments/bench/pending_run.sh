@@ -822,5 +822,19 @@ if want s20a; then
     --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20.json 2>&1 \
     | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
 fi
+# Session of 2026-12-06 (twenty-first). SECTIONS=s20b (~8 min): the GDN conv's taps as pad+select
+# (no concatenation written for the conv's three readers) against the concatenation
+# ("convcat2"), timed side by side in one process in the 2,500-token prefill and the batch-1
+# decode step, with the prefill's profile on the new default; then the GPU model set
+# (transformers parity, greedy decode, forms, switch) on it.
+if want s20b; then
+  timeout 170 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,convcat2,base,convcat2 --profile base --out $OUT/decode_probe_prefill_s20b.json \
+    2>&1 | grep -e '"variant"' -e Error | cut -c1-330
+  timeout 120 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+    --variants base,convcat2,base,convcat2 --out $OUT/decode_probe_b1_s20b.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-330
+  GPU_SET=model CAP=$(( $(left) - 10 )) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
