@@ -834,6 +834,15 @@ if want s20b; then
   timeout 120 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
     --variants base,convcat2,base,convcat2 --out $OUT/decode_probe_b1_s20b.json 2>&1 \
     | grep -e '"variant"' -e Error | cut -c1-330
+  # XLA's dynamic-slice fusion (cuBLAS reading a layer's weights in the stack, not a copy):
+  # a process flag, so its own process, beside the first process's base.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout 100 python3 \
+    experiments/bench/decode_probe.py --prefill 2500 --reps 5 --variants base \
+    --out $OUT/decode_probe_prefill_s20b_dsf.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
+    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
+  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 200 python3 experiments/bench/peer_transformers.py \
+    --out $OUT/peer_transformers_s20b.json 2>&1 | grep -i -e prefill -e decode -e error | cut -c1-300
   GPU_SET=model CAP=$(( $(left) - 10 )) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
 fi
 rm -rf $OUT/tmp
