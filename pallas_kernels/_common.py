@@ -78,6 +78,16 @@ def masked_load(view, mask):
   return pltriton.load(view, mask=mask, other=zero)
 
 
+def masked_store(view, val, mask):
+  """Store val into a ref view where `mask` (None: everywhere) holds; elsewhere unchanged."""
+  if mask is None:
+    view[...] = val
+  elif pltriton is None:  # pragma: no cover - interpret-only fallback
+    view[...] = jnp.where(mask, val, view[...])
+  else:
+    pltriton.store(view, val, mask=mask)
+
+
 def sum_ref_partials(ref, n_parts, *ix, mask=None):
   """In a kernel: ref[s, *ix] for s < n_parts, in fp32, added in index order (`sum_partials`'
   order, so a consumer kernel's sum of a GEMV's split partials is XLA's bit for bit); with

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 from jaxpr_walk import eqns
 from model_fixtures import TINY, random_lora, tiny_model
-from tolerances import ATTN_DECODE_REL_FP32, ATTN_PREFILL_REL_FP32, DENSE_GEMV_REL_FP32, assert_close
+from tolerances import (
+    ATTN_DECODE_REL_FP32,
+    ATTN_PREFILL_REL_FP32,
+    DENSE_GEMV_REL_FP32,
+    GATED_NORM_REL_FP32,
+    assert_close,
+)
 
 import strata_jax as sj
 from strata_jax import steps
@@ -467,3 +473,28 @@ def test_compiled_kernel_forms_are_refused_off_the_gpu_when_an_engine_is_built(f
                                        f"{instead!r}"):
     sj.Engine(tiny_model(), slots=1, max_seq=32, forms=Forms(**{field: value}))
   sj.Engine(tiny_model(), slots=1, max_seq=32, forms=Forms(**{field: instead}))
+
+
+@pytest.mark.parametrize("chunked", ["reference", "pallas_split_interpret"])
+def test_gated_norm_in_the_chunked_op_gives_the_norm_after_it(monkeypatch, chunked):
+  """A prefill's GDN gated norm taken by the chunked op (`gdn.GATED_NORM_IN_OP`, the default;
+  under "pallas_split" in its output launch) against the norm after the op: the prompt's
+  logits with the adapter off and on, bit for bit where the op runs the norm in jnp
+  ("reference"), to the fp32 rounding of the norm in the kernel."""
+  from strata_jax.model import gdn
+  model = tiny_model()
+  prompt = list(range(3, 40))
+  forms = Forms(gdn_chunked=chunked)
+  logits = {}
+  for in_op in (True, False):
+    monkeypatch.setattr(gdn, "GATED_NORM_IN_OP", in_op)
+    jax.clear_caches()   # the flag is read at trace time
+    eng = sj.Engine(model, slots=1, max_seq=64, forms=forms, lora=random_lora())
+    logits[in_op] = [eng.generate(tokens=prompt, max_tokens=1, return_logits=True,
+                                  lora=on).prompt_logits for on in (False, True)]
+  for a, b in zip(logits[True], logits[False]):
+    if chunked == "reference":
+      assert np.array_equal(a, b)
+    else:
+      assert_close(a, b, rel=GATED_NORM_REL_FP32, what=f"{chunked} prompt logits")
+  assert not np.array_equal(logits[True][0], logits[True][1])

@@ -9,10 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_gdn_chunked_kernel import TF32_REL, check, make_inputs, oracle
-from tolerances import DELTA_RULE_FP32, KERNEL_REL
+from tolerances import DELTA_RULE_FP32, KERNEL_REL, assert_close
 
-from pallas_kernels.gdn import api
-from pallas_kernels.gdn.parallel_kernel import INVERSES, STATE_PASSES, gdn_chunked_parallel
+from pallas_kernels.gdn import api, reference
+from pallas_kernels.gdn.parallel_kernel import (
+    INVERSES,
+    STATE_PASSES,
+    gated_norm_out,
+    gdn_chunked_parallel,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
@@ -152,6 +157,85 @@ def test_api_keeps_intermediates_in_16_bit_inputs_dtype_and_fp32_otherwise(act):
       assert not np.array_equal(np.asarray(got[0]), np.asarray(kernel(None)[0]))
 
 
+def _gate(b, t, h, dv, act, seed):
+  rng = np.random.default_rng(seed)
+  z = jnp.asarray(rng.standard_normal((b, t, h, dv)), act)
+  norm_w = jnp.asarray(1.0 + 0.1 * rng.standard_normal(dv), act)
+  return z, norm_w
+
+
+# (B, T, H, Hk, Dv, chunk, dtype): T padded to whole chunks (37, 130) or not (64); Dv = 8
+# zero-padded to 16 (the tiny model's); grouped q/k heads; bf16 and fp32.
+GATED = [(2, 37, 3, 3, 32, 16, F32), (1, 64, 4, 2, 16, 32, BF16), (3, 64, 2, 1, 8, 16, F32),
+         (2, 130, 2, 2, 16, 64, BF16)]
+
+
+@pytest.mark.parametrize("case", GATED, ids=lambda c: "B{}-T{}-H{}-Hk{}-Dv{}-C{}-{}".format(
+    *c[:-1], jnp.dtype(c[-1]).name))
+def test_gated_norm_in_the_output_launch_equals_the_norm_after_the_op(case):
+  """`gated_norm_out` (the norm in the separate pass's output launch, y unpadded, stored
+  masked) against `reference.gated_rms_norm` of the separate pass's o: the same state bit
+  for bit, y to the rounding of the norm in its dtype."""
+  b, t, h, hk, dv, c, act = case
+  q, k, v, g, beta, s0 = make_inputs(b, t, h, 16, dv, act=act, seed=t + dv)
+  q, k = q[:, :, ::h // hk], k[:, :, ::h // hk]
+  z, norm_w = _gate(b, t, h, dv, act, seed=c)
+  inter = act if act == BF16 else None
+  o, s = gdn_chunked_parallel(q, k, v, g, beta, s0, chunk=c, interpret=True,
+                              state_pass="separate", inter_dtype=inter)
+  y, s_y = gated_norm_out(q, k, v, g, beta, s0, z, norm_w, eps=1e-6, out_dtype=act, chunk=c,
+                          interpret=True, inter_dtype=inter)
+  assert y.shape == (b, t, h, dv) and y.dtype == act
+  np.testing.assert_array_equal(np.asarray(s_y), np.asarray(s))
+  want = reference.gated_rms_norm(o, z, norm_w, 1e-6, act)
+  assert_close(y, want, rel=KERNEL_REL[jnp.dtype(act).name], what=f"gated y {case}")
+  assert np.all(np.isfinite(np.asarray(y, np.float32)))
+
+
+def test_api_chunked_gated_is_the_op_then_the_norm_under_vmap():
+  """The model's call, `jax.vmap(api.chunked_gated)`: the reference form is `chunked`, then
+  `reference.gated_rms_norm`, bit for bit; "pallas_split_interpret" (the norm in the kernel)
+  equals it to the norm's rounding; "pallas_parallel_interpret" (no separate output launch)
+  runs the op, then the norm."""
+  q, k, v, g, beta, s0 = make_inputs(2, 37, H, 16, 16, act=BF16, seed=3)
+  z, norm_w = _gate(2, 37, H, 16, BF16, seed=4)
+  for impl in ("reference", "pallas_parallel_interpret", "pallas_split_interpret"):
+    gated = lambda q, k, v, g, b, s, z, impl=impl: api.chunked_gated(
+        q, k, v, g, b, s, z, norm_w, eps=1e-6, out_dtype=BF16, pallas_chunk=16,
+        implementation=impl)
+    plain = lambda *a, impl=impl: api.chunked(*a, pallas_chunk=16, implementation=impl)
+    y, s = jax.jit(jax.vmap(gated))(q, k, v, g, beta, s0, z)
+    o, s_op = jax.jit(jax.vmap(plain))(q, k, v, g, beta, s0)
+    want = reference.gated_rms_norm(o, z, norm_w, 1e-6, BF16)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_op))
+    if impl == "pallas_split_interpret":
+      assert_close(y, want, rel=KERNEL_REL["bfloat16"], what=impl)
+    else:
+      np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+
+
+def test_gated_norm_needs_the_separate_pass_and_matching_shapes():
+  q, k, v, g, beta, s0 = make_inputs(1, 8, H, 16, 16)
+  z, norm_w = _gate(1, 8, H, 16, F32, seed=0)
+  with pytest.raises(ValueError, match="separate"):
+    gdn_chunked_parallel(q, k, v, g, beta, s0, interpret=True, state_pass="fused",
+                         gate=(z, norm_w), eps=1e-6, out_dtype=jnp.dtype(F32))
+  with pytest.raises(ValueError, match="gate z"):
+    gated_norm_out(q, k, v, g, beta, s0, z[:, :4], norm_w, eps=1e-6, out_dtype=F32,
+                   interpret=True)
+
+
+def test_gated_norm_out_lowers_to_triton_for_the_gpu():
+  """Cross-lowering at the bench's head size, T not a multiple of the chunk (the masked
+  loads and stores of z and y)."""
+  q, k, v, g, beta, s0 = make_inputs(1, 100, 2, 128, 128, act=BF16)
+  z, norm_w = _gate(1, 100, 2, 128, BF16, seed=1)
+  f = lambda *a: gated_norm_out(*a, eps=1e-6, out_dtype=BF16, chunk=64, inter_dtype=BF16)
+  text = jax.jit(f).trace(q, k, v, g, beta, s0, z, norm_w).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("triton") >= 3 and "gdn_chunk_out_gated" in text
+
+
 def test_choices_and_input_checks():
   for impl in api.PARALLEL_INTERPRET:
     assert api.chunked_implementation(impl) == impl
@@ -219,6 +303,22 @@ def test_gpu_bf16_intermediates(state_pass):
   args = make_inputs(1, 2500, 32, 128, 128, act=BF16, seed=14)
   got = gdn_chunked_parallel(*args, state_pass=state_pass, inter_dtype=BF16)
   check(got, oracle(*args), f"gpu bf16 intermediates {state_pass}", rel=KERNEL_REL["bfloat16"])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_gated_norm_in_the_output_launch():
+  """Compiled at the bench's shape (T = 2,500, 32 heads of 128, 16 q/k heads, bf16): the
+  norm in the output launch against the norm after the op (the same kernels' o)."""
+  q, k, v, g, beta, s0 = make_inputs(1, 2500, 32, 128, 128, act=BF16, seed=15)
+  q, k = q[:, :, ::2], k[:, :, ::2]
+  z, norm_w = _gate(1, 2500, 32, 128, BF16, seed=16)
+  o, s = gdn_chunked_parallel(q, k, v, g, beta, s0, state_pass="separate", inter_dtype=BF16)
+  y, s_y = gated_norm_out(q, k, v, g, beta, s0, z, norm_w, eps=1e-6, out_dtype=BF16,
+                          inter_dtype=BF16)
+  np.testing.assert_array_equal(np.asarray(s_y), np.asarray(s))
+  assert_close(y, reference.gated_rms_norm(o, z, norm_w, 1e-6, BF16),
+               rel=KERNEL_REL["bfloat16"], what="gpu gated y")
 
 
 @pytest.mark.gpu

@@ -58,6 +58,10 @@ ATTN_DECODE_REL_FP32 = 1e-5
 # against the model's XLA einsums, fp32 logits, max abs over max |want|
 # (Forms.attn_prefill; tests/test_forms.py).
 ATTN_PREFILL_REL_FP32 = 1e-5
+# A prefill's GDN gated norm in the chunked op's output launch against the norm after the op,
+# fp32 logits, max abs over max |want|: the kernel's sum of squares and rsqrt round their own
+# way (tests/test_forms.py).
+GATED_NORM_REL_FP32 = 1e-5
 # A GDN layer's decode core in one kernel (Forms.gdn_decode="pallas_layer"): the gated norm's
 # sum of squares runs in Dv tiles, where XLA reduces the row its own way; fp32 logits after
 # three decode steps, max abs over max |want| (tests/test_gdn_decode_layer_kernel.py measured

@@ -52,6 +52,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   convcat   the GDN conv state sliced out of the written concatenation (before run 71)
   convcat2  the GDN conv's taps sliced out of the concatenation (before session 20; XLA wrote
             it for the conv's three readers)
+  gnormxla  a prefill's GDN gated norm after the chunked op, in XLA (before session 21), not
+            in the op's output launch
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
   one traced call each).
   Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
@@ -221,6 +223,8 @@ def patch(variant: str):
       setattr_undo(gdn, "conv_window", conv_window)
     elif part == "convcat2":   # the conv's taps sliced from the concatenation (before session 20)
       setattr_undo(gdn, "CONV_TAPS", False)
+    elif part == "gnormxla":   # the gated norm after the chunked op (before session 21)
+      setattr_undo(gdn, "GATED_NORM_IN_OP", False)
     elif part in ("ggk", "ggx"):   # the grouped MoE kernel's rows of x: in place / XLA's gather
       from pallas_kernels.moe import grouped
       setattr_undo(grouped, "_GATHER", "kernel" if part == "ggk" else "xla")

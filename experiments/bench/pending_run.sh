@@ -822,26 +822,27 @@ if want s20a; then
     --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20.json 2>&1 \
     | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
 fi
-# Session of 2026-12-06 (twenty-first). SECTIONS=s20b (~8 min): the GDN conv's taps as pad+select
-# (no concatenation written for the conv's three readers) against the concatenation
-# ("convcat2"), timed side by side in one process in the 2,500-token prefill and the batch-1
-# decode step, with the prefill's profile on the new default; then the GPU model set
-# (transformers parity, greedy decode, forms, switch) on it.
+# Session of 2026-12-06 (twenty-first). SECTIONS=s20b (~9 min): the GDN gated norm's compiled
+# tests (in the chunked op's output launch), then two prefill changes timed side by side in one
+# process in the 2,500-token prefill, each against its old form: the conv's taps as pad+select
+# (no concatenation written for the conv's three readers; old: "convcat2") and the gated norm
+# in the op's output launch (old: "gnormxla"), with the new defaults' profile; the batch-1
+# decode step with the conv change; the transformers peer on the same card; then the GPU model
+# set (transformers parity, greedy decode, forms, switch) on the new defaults.
 if want s20b; then
-  timeout 170 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-    --variants base,convcat2,base,convcat2 --profile base --out $OUT/decode_probe_prefill_s20b.json \
-    2>&1 | grep -e '"variant"' -e Error | cut -c1-330
-  timeout 120 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=100 WORKERS=2 \
+    bash experiments/bench/gpu_tests.sh -k "gated or api_vmap" | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
+  timeout 190 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,convcat2,gnormxla,convcat2+gnormxla,base,convcat2,gnormxla \
+    --profile base --out $OUT/decode_probe_prefill_s20b.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-330
+  timeout 100 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
     --variants base,convcat2,base,convcat2 --out $OUT/decode_probe_b1_s20b.json 2>&1 \
     | grep -e '"variant"' -e Error | cut -c1-330
-  # XLA's dynamic-slice fusion (cuBLAS reading a layer's weights in the stack, not a copy):
-  # a process flag, so its own process, beside the first process's base.
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout 100 python3 \
-    experiments/bench/decode_probe.py --prefill 2500 --reps 5 --variants base \
-    --out $OUT/decode_probe_prefill_s20b_dsf.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
     .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
-  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 200 python3 experiments/bench/peer_transformers.py \
+  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 150 python3 experiments/bench/peer_transformers.py \
     --out $OUT/peer_transformers_s20b.json 2>&1 | grep -i -e prefill -e decode -e error | cut -c1-300
   GPU_SET=model CAP=$(( $(left) - 10 )) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
 fi

@@ -43,7 +43,7 @@ from pallas_kernels.gdn.chunked_kernel import gdn_chunked_pallas
 from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused, gdn_decode_fused_steps
 from pallas_kernels.gdn.decode_kernel import gdn_decode_pallas
 from pallas_kernels.gdn.decode_layer_kernel import gdn_decode_layer
-from pallas_kernels.gdn.parallel_kernel import gdn_chunked_parallel
+from pallas_kernels.gdn.parallel_kernel import gated_norm_out, gdn_chunked_parallel
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")
 CHOICES = (*IMPLEMENTATIONS, "auto")
@@ -179,6 +179,27 @@ def chunked_batched(q, k, v, g, beta, state, *, chunk: int = 64, implementation=
                               interpret=impl == "pallas_interpret")
   one = lambda *a: chunked(*a, chunk=chunk, implementation=impl, pallas_chunk=pallas_chunk)
   return jax.vmap(one)(q, k, v, g, beta, state)
+
+
+def chunked_gated(q, k, v, g, beta, state, z, norm_w, *, eps: float, out_dtype,
+                  chunk: int = 64, implementation=None, pallas_chunk: int | str | None = None):
+  """`chunked` followed by the layer's gated norm (`reference.gated_rms_norm(o, z, norm_w,
+  eps, out_dtype)`): one sequence, z [T, H, Dv], norm_w [Dv] -> (y [T, H, Dv] in out_dtype,
+  state). Under "pallas_split" (+ "_interpret") the norm runs in the op's output launch
+  (`parallel_kernel.gated_norm_out`: the fp32 o is never written; equal to the norm after
+  the op to its fp32 rounding); every other form runs `chunked`, then the norm in jnp."""
+  impl = chunked_implementation(implementation)
+  pallas_chunk = pallas_chunk_for(impl, pallas_chunk)
+  if PARALLEL.get(impl, PARALLEL_INTERPRET.get(impl)) == "separate":
+    inter = v.dtype if jnp.dtype(v.dtype).itemsize == 2 else None   # as `_parallel`
+    y, s = gated_norm_out(q[None], k[None], v[None], g[None], beta[None], state[None], z[None],
+                          norm_w, eps=eps, out_dtype=out_dtype,
+                          chunk=min(chunk, pallas_chunk), interpret=impl in PARALLEL_INTERPRET,
+                          inter_dtype=inter)
+    return y[0], s[0]
+  o, s = chunked(q, k, v, g, beta, state, chunk=chunk, implementation=impl,
+                 pallas_chunk=pallas_chunk)
+  return reference.gated_rms_norm(o, z, norm_w, eps, out_dtype), s
 
 
 def step(q, k, v, g, beta, state):

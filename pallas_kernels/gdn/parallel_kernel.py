@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import SQUEEZED, triton_params
+from pallas_kernels._common import SQUEEZED, masked_load, masked_store, triton_params
 from pallas_kernels.gdn.chunked_kernel import (
     _NN,
     _NT,
@@ -217,12 +217,44 @@ def _out_kernel(q_ref, a_ref, gc_ref, u_ref, h_ref, o_ref, *, precision):
                 + _dot(a_ref[...], u_ref[...].astype(_F32), _NN, precision))
 
 
+def _out_gated_kernel(q_ref, a_ref, gc_ref, u_ref, h_ref, z_ref, nw_ref, y_ref, *, precision,
+                      eps, t, dv0):
+  """`_out_kernel` on the whole Dv with the layer's gated norm after it: one program per
+  (b, h, chunk i) writes y = (o rsqrt(mean(o^2) + eps) norm_w) silu(z) for the chunk's rows
+  below t (z and y are unpadded: the last chunk's block overhangs them, loads and stores
+  masked). Padded Dv columns of o are zero, so the mean divides by dv0."""
+  c = q_ref.shape[0]
+  q_dec = jnp.exp(gc_ref[...])[:, None] * q_ref[...].astype(_F32)
+  o = (_dot(q_dec, h_ref[...].astype(_F32), _NT, precision)
+       + _dot(a_ref[...], u_ref[...].astype(_F32), _NN, precision))      # [C, Dv]
+  rows = pl.program_id(2) * c + jnp.arange(c)
+  ok = (rows < t)[:, None]
+  zf = masked_load(z_ref, ok).astype(_F32)
+  inv = lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv0 + eps)
+  y = (o * inv * nw_ref[...].astype(_F32)[None, :]) * jax.nn.silu(zf)
+  masked_store(y_ref, y.astype(y_ref.dtype), ok)
+
+
+def gated_norm_out(q, k, v, g, beta, state, z, norm_w, *, eps, out_dtype, chunk=64,
+                   interpret=False, **kw):
+  """`gdn_chunked_parallel(state_pass="separate")` with the GDN layer's gated norm in its
+  output launch: returns (y [B, T, H, Dv] in out_dtype, state), y =
+  `reference.gated_rms_norm(o, z, norm_w, eps, out_dtype)` of the op's o, to the fp32
+  rounding of the norm (the kernel's sum and rsqrt against XLA's). z [B, T, H, Dv] any float
+  dtype; norm_w [Dv]. The fp32 o is never written: the output launch takes each head's whole
+  Dv (the norm needs it) and writes y, unpadded. kw: `gdn_chunked_parallel`'s tiles."""
+  return gdn_chunked_parallel(q, k, v, g, beta, state, chunk=chunk, interpret=interpret,
+                              state_pass="separate", gate=(z, norm_w), eps=eps,
+                              out_dtype=jnp.dtype(out_dtype), **kw)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "chunk", "interpret", "block_v", "num_warps", "intra_warps", "num_stages", "precision",
-    "state_pass", "inter_dtype", "inverse"))
+    "state_pass", "inter_dtype", "inverse", "eps", "out_dtype"))
 def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, block_v=None,
                          num_warps=None, intra_warps=None, num_stages=None, precision=None,
-                         state_pass="fused", inter_dtype=None, inverse="products"):
+                         state_pass="fused", inter_dtype=None, inverse="products", gate=None,
+                         eps=None, out_dtype=None):
   """Chunked gated delta rule for a batch, intra-chunk work parallel over chunks.
 
   Args and returns as `chunked_kernel.gdn_chunked_pallas` (q, k [B, T, H, Dk] normalised and
@@ -240,6 +272,8 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
       input dtype) at bf16 rounding of those values; A, G, the state and all math stay fp32.
     inverse: how the intra launch gets T = (I + M)⁻¹: "products" ((I + N)(I + N²)··· on
       [C, C]) or "blocked" (16-row blocks by forward substitution, as fla's solve_tril).
+    gate, eps, out_dtype: (z, norm_w) for `gated_norm_out` ("separate" only): the output
+      launch returns the gated norm of o in out_dtype instead of o.
   """
   if state_pass not in STATE_PASSES:
     raise ValueError(f"gdn chunked: state_pass={state_pass!r}: expected one of {STATE_PASSES}")
@@ -248,8 +282,11 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   b, t, h, dk0, dv0, c, dk, dv, bv = chunked_tiles(q, k, v, g, beta, state, chunk, block_v,
                                                     interpret, grouped=True)
   grp = h // q.shape[2]   # v-head hh reads q/k head hh // grp (read in place, not repeated)
+  if gate is not None and state_pass != "separate":
+    raise ValueError("gdn chunked: the gated norm rides in the separate output launch "
+                     f"(state_pass='separate', not {state_pass!r})")
   if t == 0:
-    return jnp.zeros((b, 0, h, dv0), _F32), state
+    return jnp.zeros((b, 0, h, dv0), _F32 if gate is None else out_dtype), state
   n = pl.cdiv(t, c)
   tp = n * c
   g, beta = g.astype(_F32), beta.astype(_F32)
@@ -318,6 +355,10 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
         compiler_params=params(warps, stages),
         name="gdn_chunk_state",
     )(k, ubar, w, gc, state)
+    if gate is not None:
+      y = _gated_out_launch(q, a, gc, u, hs, gate, b, t, h, grp, n, c, dk, dv0, dv, eps,
+                            out_dtype, precision, interpret, num_warps, stages)
+      return y, (state[:, :, :dv0, :dk0] if padded else state)
     # 3. Outputs, one program per (b, h, chunk, Dv tile); the grid's last axis enumerates
     #    (chunk, tile) pairs (the Triton backend has at most three grid axes).
     nv = dv // bv
@@ -339,3 +380,32 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   if padded:
     o, state = o[:, :t, :, :dv0], state[:, :, :dv0, :dk0]
   return o, state
+
+
+def _gated_out_launch(q, a, gc, u, hs, gate, b, t, h, grp, n, c, dk, dv0, dv, eps, out_dtype,
+                      precision, interpret, num_warps, stages):
+  """The output launch of `gated_norm_out`: grid (b, h, chunk), whole (padded) Dv tiles of
+  the intermediates, z and y blocks over their unpadded rows."""
+  z, norm_w = gate
+  if z.shape != (b, t, h, dv0) or norm_w.shape != (dv0,):
+    raise ValueError(f"gdn chunked: the gate z {z.shape} must be [B, T, H, Dv] = "
+                     f"{(b, t, h, dv0)} and norm_w {norm_w.shape} [Dv]")
+  if dv != dv0:   # zero columns: o's are zero, z's and the weight's are cut from y
+    z = jnp.pad(z, ((0, 0), (0, 0), (0, 0), (0, dv - dv0)))
+    norm_w = jnp.pad(norm_w, (0, dv - dv0))
+  sq = SQUEEZED
+  tile = lambda d, r=1: pl.BlockSpec((sq, c, sq, d), lambda i, hh, j: (i, j, hh // r, 0))
+  y = pl.pallas_call(
+      functools.partial(_out_gated_kernel, precision=precision, eps=eps, t=t, dv0=dv0),
+      grid=(b, h, n),
+      in_specs=[tile(dk, grp), tile(c), pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j, hh)),
+                tile(dv), pl.BlockSpec((sq, sq, sq, dv, dk), lambda i, hh, j: (i, hh, j, 0, 0)),
+                tile(dv), pl.BlockSpec((dv,), lambda i, hh, j: (0,))],
+      out_specs=tile(dv),
+      out_shape=jax.ShapeDtypeStruct((b, t, h, dv), out_dtype),
+      interpret=interpret,
+      compiler_params=None if interpret else triton_params(
+          _OUT_WARPS if num_warps is None else num_warps, stages),
+      name="gdn_chunk_out_gated",
+  )(q, a, gc, u, hs, z, norm_w)
+  return y[..., :dv0] if dv != dv0 else y

@@ -113,6 +113,14 @@ def causal_conv_step(x, conv_state, conv_w, valid=None):
   return jax.nn.silu(acc).astype(x.dtype), new
 
 
+def gated_rms_norm(o, z, norm_w, eps, out_dtype):
+  """The GDN layer's gated norm of the delta rule's output, as the model applies it: o
+  [..., Dv] fp32 RMS-normalised over Dv (`rms_norm`, fp32), times silu(z) in fp32, rounded to
+  out_dtype once."""
+  y = rms_norm(o.astype(jnp.float32), norm_w, eps)
+  return (y * jax.nn.silu(z.astype(jnp.float32))).astype(out_dtype)
+
+
 def decode_layer_reference(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, state, valid,
                            layer, *, n_k_heads, eps, out_dtype=None):
   """The oracle of `decode_layer_kernel.gdn_decode_layer`: a GDN layer's decode core as the

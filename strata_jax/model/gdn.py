@@ -8,9 +8,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gdn import api as gdn_api
+from pallas_kernels.gdn import reference as gdn_reference
 from pallas_kernels.quant.gemv import sum_partials
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import l2_norm, linears, out_projection, rms_norm
+from strata_jax.model.common import l2_norm, linears, out_projection
 
 
 def causal_conv(x, conv_state, w, n_new):
@@ -29,6 +30,13 @@ def causal_conv(x, conv_state, w, n_new):
   if K == 1:
     return y, conv_state
   return y, conv_window(conv_state, x, n_new).astype(conv_state.dtype)
+
+
+# A prefill's chunked delta rule returns its output already gated and normed
+# (`gdn_api.chunked_gated`): under "pallas_split" the norm rides in the op's output launch and
+# the [B, T, Hv, Dv] fp32 o is never written (nor read back by a separate norm). False: the
+# op's o, then the norm in `_gdn_out` (decode_probe "gnormxla").
+GATED_NORM_IN_OP = True
 
 
 # Each tap of the conv selects between two shifted operands rather than slicing their
@@ -211,6 +219,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     y = _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale)
     return y, conv_state, ssm
   s_in = ssm if layer is None else lax.dynamic_index_in_dim(ssm, layer, 0, keepdims=False)
+  normed = False   # whether o already holds the gated norm (`_gdn_out`)
   if T == 1:
     # One fused step (L2 norms, head expansion, the delta rule) on the GPU.
     o, s = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], s_in,
@@ -226,16 +235,24 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     q = (l2_norm(q_raw) * (Dk ** -0.5)).astype(act)
     k = l2_norm(k_raw).astype(act)
     v = v.astype(act)   # exact: v holds qkv's values (x's dtype)
-    chunked = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
-                                pallas_chunk=cfg.forms.gdn_pallas_chunk)
+    if GATED_NORM_IN_OP:   # o comes back gated and normed (x's dtype), as `_gdn_out` would
+      normed = True
+      op = functools.partial(gdn_api.chunked_gated, norm_w=p.norm, eps=cfg.rms_eps,
+                             out_dtype=x.dtype, implementation=cfg.forms.gdn_chunked,
+                             pallas_chunk=cfg.forms.gdn_pallas_chunk)
+      chunked = lambda q, k, v, g, beta, s, z: op(q, k, v, g, beta, s, z)
+    else:
+      op = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
+                             pallas_chunk=cfg.forms.gdn_pallas_chunk)
+      chunked = lambda q, k, v, g, beta, s, z: op(q, k, v, g, beta, s)
     if cut is None:
-      o, s = jax.vmap(chunked)(q, k, v, g, beta, s_in)
+      o, s = jax.vmap(chunked)(q, k, v, g, beta, s_in, z)
     else:
       def masked(a, upto, length):   # gates and betas zero from `upto` [B] on: state kept
         keep = (jnp.arange(length)[None, :] < upto[:, None])[..., None]
         return jnp.where(keep, a, 0.0)
       o, s = jax.vmap(chunked)(q, k, v, masked(g, cuts[:, 0], T), masked(beta, cuts[:, 0], T),
-                               s_in)
+                               s_in, z)
       s_cuts = [s]
       for i, w in enumerate(windows):   # from cut i, to the next cut (or on)
         c = cuts[:, i]
@@ -243,23 +260,25 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
         g_w, b_w = win(g), win(beta)
         if i + 1 < len(windows):
           g_w, b_w = masked(g_w, cuts[:, i + 1] - c, w), masked(b_w, cuts[:, i + 1] - c, w)
-        o_w, s = jax.vmap(chunked)(win(q), win(k), win(v), g_w, b_w, s)
+        o_w, s = jax.vmap(chunked)(win(q), win(k), win(v), g_w, b_w, s, win(z))
         o = jax.vmap(lambda r, u, c0: lax.dynamic_update_slice_in_dim(r, u, c0, 0))(o, o_w, c)
         if i + 1 < len(windows):
           s_cuts.append(s)
       s_cut = jnp.stack(s_cuts, axis=1) if many else s_cuts[0]
   s = idle(s, s_in)
   ssm = s if layer is None else lax.dynamic_update_index_in_dim(ssm, s, layer, 0)
-  y = _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale)
+  y = _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale, normed)
   if cut is not None:
     return y, conv_state, ssm, (conv_cut, s_cut)
   return y, conv_state, ssm
 
 
-def _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale=None):
-  """The gated norm and the output projection (with the LoRA hook): o [B, T, Hv, Dv] f32."""
+def _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale=None, normed=False):
+  """The gated norm and the output projection (with the LoRA hook): o [B, T, Hv, Dv] f32,
+  or (normed) the gated norm already applied, in x's dtype."""
   B, T, Hv, Dv = o.shape
-  o = rms_norm(o, p.norm, cfg.rms_eps).astype(jnp.float32)                   # [B, T, Hv, Dv]
-  o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, Hv * Dv)
+  if not normed:
+    o = gdn_reference.gated_rms_norm(o, z, p.norm, cfg.rms_eps, x.dtype)
+  o = o.reshape(B, T, Hv * Dv)
   return out_projection(o, p.out, lora_a, lora_b, switch, cfg.forms.lora_impl, row_scale,
                         cfg.forms.gemv_lora, cfg.forms.proj_finish)
