@@ -827,8 +827,8 @@ fi
 # process in the 2,500-token prefill, each against its old form: the conv's taps as pad+select
 # (no concatenation written for the conv's three readers; old: "convcat2") and the gated norm
 # in the op's output launch (old: "gnormxla"), with the new defaults' profile; the batch-1
-# decode step with the conv change; the transformers peer on the same card; then the GPU model
-# set (transformers parity, greedy decode, forms, switch) on the new defaults.
+# decode step with the conv change; the transformers peer on the same card; the Engine at
+# batch 1 (TTFT of 2,500 tokens: its one-pass prefill runs the cut form, z windows included).
 if want s20b; then
   GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=100 WORKERS=2 \
     bash experiments/bench/gpu_tests.sh -k "gated or api_vmap" | tail -2
@@ -838,13 +838,23 @@ if want s20b; then
     --profile base --out $OUT/decode_probe_prefill_s20b.json 2>&1 \
     | grep -e '"variant"' -e Error | cut -c1-330
   timeout 100 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
-    --variants base,convcat2,base,convcat2 --out $OUT/decode_probe_b1_s20b.json 2>&1 \
+    --variants base,convcat2 --out $OUT/decode_probe_b1_s20b.json 2>&1 \
     | grep -e '"variant"' -e Error | cut -c1-330
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
     .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
   PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 150 python3 experiments/bench/peer_transformers.py \
     --out $OUT/peer_transformers_s20b.json 2>&1 | grep -i -e prefill -e decode -e error | cut -c1-300
-  GPU_SET=model CAP=$(( $(left) - 10 )) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  [ $(left) -gt 100 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
+    --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20b.json 2>&1 \
+    | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
+fi
+# SECTIONS=s20c (~6 min): the GPU model set (transformers parity, greedy decode, forms, switch)
+# on s20b's defaults, then the Engine at batch 8 and 32.
+if want s20c; then
+  GPU_SET=model CAP=${TEST_CAP:-300} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+  [ $(left) -gt 100 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
+    --reps 2 --batches 32,8 --out $OUT/bench_engine_b32_s20c.json 2>&1 \
+    | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
 fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
