@@ -40,8 +40,12 @@ SPEC_STATE_REL_FP32 = 1e-5
 # Prompt logits when a prefill chunk's shape changes (the same tokens in another bucket, or
 # joined to the chunk before), fp32, max abs over max |want|: as above, XLA's CPU kernels for
 # another row count round some sums differently (tests/test_engine.py: padding only the last
-# chunk to 128 rows instead of 32 moves the tiny model's logits by up to 6.3e-6).
-CHUNK_SHAPE_REL_FP32 = 1e-5
+# chunk to 128 rows instead of 32 moves the tiny model's logits by up to 6.3e-6). It was 1e-5
+# until an Intel Xeon host gave 1.013e-5 on the unchanged code (ab70104, the GDN conv state in
+# tests/test_engine.py::test_one_pass_prefill_caches_every_state_point_as_the_chunked_schedule_does,
+# 2026-12-06) and 1.205e-5 in its prompt logits once the GDN gated norm moved into the chunked
+# op (each prefill call's rows normed, then the windows joined: other fusions, other roundings).
+CHUNK_SHAPE_REL_FP32 = 2e-5
 # One request's decode logprobs when the engine decodes it in batches of another row count
 # (its decode buckets against all slots), fp32, max abs over max |want|: the same rounding as
 # above. It had the kernel bound (1e-6) until an AMD EPYC host gave 1.9e-6 on the unchanged

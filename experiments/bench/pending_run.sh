@@ -856,5 +856,17 @@ if want s20c; then
     --reps 2 --batches 32,8 --out $OUT/bench_engine_b32_s20c.json 2>&1 \
     | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
 fi
+# SECTIONS=s20d (~9 min, one call: the session's device time was down to ~1,100 s after two
+# refused starts and one machine taken back mid-call): s20b's prefill A/B with the profile,
+# the gated norm's compiled tests, then the GPU model set on the new defaults.
+if want s20d; then
+  timeout 150 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,convcat2,gnormxla,convcat2+gnormxla,base --profile base \
+    --out $OUT/decode_probe_prefill_s20d.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
+  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=90 WORKERS=2 \
+    bash experiments/bench/gpu_tests.sh -k "gated or api_vmap" | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
+  GPU_SET=model CAP=$(( $(left) - 15 )) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
