@@ -822,24 +822,10 @@ if want s20a; then
     --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20.json 2>&1 \
     | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
 fi
-# Session of 2026-12-06 (twenty-first). SECTIONS=s20b (~9 min): the GDN gated norm's compiled
-# tests (in the chunked op's output launch), then two prefill changes timed side by side in one
-# process in the 2,500-token prefill, each against its old form: the conv's taps as pad+select
-# (no concatenation written for the conv's three readers; old: "convcat2") and the gated norm
-# in the op's output launch (old: "gnormxla"), with the new defaults' profile; the batch-1
-# decode step with the conv change; the transformers peer on the same card; the Engine at
-# batch 1 (TTFT of 2,500 tokens: its one-pass prefill runs the cut form, z windows included).
+# Session of 2026-12-06 (twenty-first). SECTIONS=s20b (~5 min): the transformers peer on the
+# same card, then the Engine at batch 1 (TTFT of 2,500 tokens: its one-pass prefill runs the
+# cut form, the gated norm's z windows included) on s20d's defaults.
 if want s20b; then
-  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=100 WORKERS=2 \
-    bash experiments/bench/gpu_tests.sh -k "gated or api_vmap" | tail -2
-  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
-  timeout 190 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-    --variants base,convcat2,gnormxla,convcat2+gnormxla,base,convcat2,gnormxla \
-    --profile base --out $OUT/decode_probe_prefill_s20b.json 2>&1 \
-    | grep -e '"variant"' -e Error | cut -c1-330
-  timeout 100 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
-    --variants base,convcat2 --out $OUT/decode_probe_b1_s20b.json 2>&1 \
-    | grep -e '"variant"' -e Error | cut -c1-330
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
     .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
   PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 150 python3 experiments/bench/peer_transformers.py \

@@ -56,7 +56,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import masked_load, sum_partials  # noqa: F401 (re-exported)
+from pallas_kernels._common import (  # noqa: F401 (re-exported)
+    masked_load,
+    masked_store,
+    sum_partials,
+)
 from pallas_kernels.lora.kernel import dot_policy
 from pallas_kernels.quant.layout import BLOCK, PLANES
 from pallas_kernels.quant.multi import Part, launch
@@ -115,16 +119,6 @@ def plane_views(planes, qtype, units):
   """{name: [S, out, cols]} -> the N-D views the kernel indexes (free reshapes)."""
   return {name: p.reshape(p.shape[0], p.shape[1], units, *UNIT_VIEW[qtype][name])
           for name, p in planes.items()}
-
-
-def masked_store(view, val, mask):
-  """Store into a ref view; where `mask` (None: everywhere) is false, leave it."""
-  if mask is None:
-    view[...] = val
-  elif pltriton is None:  # pragma: no cover - interpret-only fallback
-    view[...] = jnp.where(mask, val, view[...])
-  else:
-    pltriton.store(view, val, mask=mask)
 
 
 def tile_mask(row_ok, col_ok, rows, cols):
