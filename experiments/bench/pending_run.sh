@@ -854,5 +854,17 @@ if want s20d; then
   mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
   GPU_SET=model CAP=$(( $(left) - 15 )) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
 fi
+# SECTIONS=s20e (~4.5 min, the session's last ~380 s of device time): the prefill A/B, then the
+# gated norm's compiled tests and the chunk-parallel forms' transformers parity.
+if want s20e; then
+  timeout 110 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,convcat2,gnormxla,base --profile base \
+    --out $OUT/decode_probe_prefill_s20e.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
+  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=70 WORKERS=2 \
+    bash experiments/bench/gpu_tests.sh -k "gated" | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
+  GPU_SET=model GPU_TESTS="tests/test_model_parity.py" CAP=$(( $(left) - 8 )) WORKERS=4 \
+    bash experiments/bench/gpu_tests.sh -k "parallel or greedy" | tail -2
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
