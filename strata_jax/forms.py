@@ -41,6 +41,20 @@ CHOICES: dict[str, tuple] = {
     # chunk-parallel kernels (500 against 637 us at 32, gdn_probe_run1.json) and 32 for the
     # serial one (64 spilled registers on sm_90 there: 1,059 against 880 us).
     "gdn_pallas_chunk": ("auto", 16, 32, 64, 128),
+    # a prefill's GDN causal conv: "concat" slices each tap out of [conv state ; x]; "taps"
+    # builds each tap as a select between the two operands shifted (two pads, the same
+    # elements bit for bit), which XLA can fuse into each of the conv's three readers (q, k,
+    # v): in run 77's 2,500-token prefill on the H100 it wrote the concatenation for them,
+    # 36 x 97 us (experiments/results/device/run77). "auto" = "concat" everywhere: "taps" was
+    # built and CPU-tested on 2026-12-06 but not yet timed on the device (pending_run s20e).
+    "gdn_conv": ("auto", "concat", "taps"),
+    # a prefill's GDN gated norm: "after" the chunked op (XLA reads its fp32 o); "in_op" in the
+    # op's output launch under "pallas_split" (`pallas_kernels/gdn/README.md`: the fp32 o is
+    # never written; 36 x ~36 us of run 77's prefill read it back), after the op in jnp under
+    # every other chunked form. "auto" = "after" everywhere: "in_op" has passed its CPU
+    # (interpreter and Triton-lowering) tests but has not been compiled on the device yet
+    # (pending_run s20e).
+    "gdn_gated_norm": ("auto", "after", "in_op"),
     # the decode delta rule step: "auto" = "pallas_fused" on the GPU (one launch from the raw
     # inputs, gates included, the state stack updated in place, inactive rows not stored;
     # measured on the H200 at or below the default at every batch: 5.63 / 8.75 / 10.56 ms a
@@ -235,6 +249,8 @@ class Forms:
   lora_impl: str = "auto"
   gdn_chunked: str = "auto"
   gdn_pallas_chunk: int | str = "auto"
+  gdn_conv: str = "auto"
+  gdn_gated_norm: str = "auto"
   gdn_decode: str = "auto"
   moe_many: str = "auto"
   moe_few: str = "auto"
@@ -277,6 +293,8 @@ class Forms:
                        else "xla"),
         gdn_chunked=gdn_chunked,
         gdn_pallas_chunk=pallas_chunk_for(gdn_chunked, self.gdn_pallas_chunk),
+        gdn_conv=auto(self.gdn_conv, "concat", "concat"),
+        gdn_gated_norm=auto(self.gdn_gated_norm, "after", "after"),
         gdn_decode=auto(self.gdn_decode, "pallas_fused", "xla"),
         moe_many=auto(self.moe_many, "pallas", "dense"),
         moe_few=auto(self.moe_few, "pallas", "xla"),

@@ -129,12 +129,7 @@ def test_conv_taps_are_the_concatenations_slices_bit_for_bit(T):
     np.testing.assert_array_equal(bits(gdn.conv_taps(state, x, j)), bits(ext[:, j:j + T]))
   w = jnp.asarray(rng.standard_normal((C, K)), jnp.float32)
   n_new = jnp.asarray([T, max(T - 1, 0)], jnp.int32)
-  with_taps = gdn.causal_conv(x, state, w, n_new)
-  old = gdn.CONV_TAPS
-  try:
-    gdn.CONV_TAPS = False
-    concatenated = gdn.causal_conv(x, state, w, n_new)
-  finally:
-    gdn.CONV_TAPS = old
+  with_taps = gdn.causal_conv(x, state, w, n_new, taps=True)
+  concatenated = gdn.causal_conv(x, state, w, n_new)
   for a, b in zip(with_taps, concatenated):
     np.testing.assert_array_equal(bits(a), bits(b))

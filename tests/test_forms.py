@@ -475,32 +475,31 @@ def test_compiled_kernel_forms_are_refused_off_the_gpu_when_an_engine_is_built(f
   sj.Engine(tiny_model(), slots=1, max_seq=32, forms=Forms(**{field: instead}))
 
 
-def test_gated_norm_in_the_chunked_op_gives_the_norm_after_it(monkeypatch):
-  """A prefill's GDN gated norm taken by the chunked op (`gdn.GATED_NORM_IN_OP`, the default;
-  under "pallas_split" in its output launch) against the norm after the op: the prompt's
-  logits with the adapter off and on, to the fp32 rounding of the norm in the kernel. (Under
-  the jnp forms the op runs the norm after itself, bit for bit:
-  tests/test_gdn_parallel_kernel.py.)"""
+def test_gdn_prefill_forms_give_the_default_forms_logits(monkeypatch):
+  """The two opt-in GDN prefill forms against the defaults, the prompt's logits with the
+  adapter off and on: `gdn_conv="taps"` (the conv's taps by pad + select) bit for bit, and
+  `gdn_gated_norm="in_op"` under the chunk-parallel kernel (the norm in its output launch,
+  which is traced only then) to the fp32 rounding of the norm. (Under the jnp chunked forms
+  "in_op" runs the norm after the op, bit for bit: tests/test_gdn_parallel_kernel.py.)"""
   from pallas_kernels.gdn import api as gdn_api
-  from strata_jax.model import gdn
   model = tiny_model()
   prompt = list(range(3, 40))
-  chunked = "pallas_split_interpret"
-  forms = Forms(gdn_chunked=chunked)
   traced = []   # the kernel launch with the norm, as traced
   launch = gdn_api.gated_norm_out
   monkeypatch.setattr(gdn_api, "gated_norm_out",
                       lambda *a, **k: traced.append(1) or launch(*a, **k))
+  base = dict(gdn_chunked="pallas_split_interpret")
   logits, launches = {}, {}
-  for in_op in (True, False):
-    monkeypatch.setattr(gdn, "GATED_NORM_IN_OP", in_op)
-    jax.clear_caches()   # the flag is read at trace time
+  for name, extra in (("default", {}), ("taps", {"gdn_conv": "taps"}),
+                      ("in_op", {"gdn_gated_norm": "in_op"})):
     traced.clear()
-    eng = sj.Engine(model, slots=1, max_seq=64, forms=forms, lora=random_lora())
-    logits[in_op] = [eng.generate(tokens=prompt, max_tokens=1, return_logits=True,
-                                  lora=on).prompt_logits for on in (False, True)]
-    launches[in_op] = len(traced)
-  assert launches[True] > 0 and launches[False] == 0
-  for a, b in zip(logits[True], logits[False]):
-    assert_close(a, b, rel=GATED_NORM_REL_FP32, what=f"{chunked} prompt logits")
-  assert not np.array_equal(logits[True][0], logits[True][1])
+    eng = sj.Engine(model, slots=1, max_seq=64, forms=Forms(**base, **extra), lora=random_lora())
+    logits[name] = [eng.generate(tokens=prompt, max_tokens=1, return_logits=True,
+                                 lora=on).prompt_logits for on in (False, True)]
+    launches[name] = len(traced)
+  assert launches == {"default": 0, "taps": 0, "in_op": launches["in_op"]}
+  assert launches["in_op"] > 0
+  for a, b, c in zip(logits["default"], logits["taps"], logits["in_op"]):
+    assert np.array_equal(a, b)
+    assert_close(c, a, rel=GATED_NORM_REL_FP32, what="in_op prompt logits")
+  assert not np.array_equal(logits["default"][0], logits["default"][1])

@@ -50,10 +50,10 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             run 71) / takes them from XLA's gather (before)
   gdnsN     the GDN "separate" state pass at N pipeline stages (3 since run 71, 2 before)
   convcat   the GDN conv state sliced out of the written concatenation (before run 71)
-  convcat2  the GDN conv's taps sliced out of the concatenation (before session 20; XLA wrote
-            it for the conv's three readers)
-  gnormxla  a prefill's GDN gated norm after the chunked op, in XLA (before session 21), not
-            in the op's output launch
+  convtaps  the GDN conv's taps as pad + select (Forms.gdn_conv="taps"), not sliced out of
+            the concatenation, which XLA writes for the conv's three readers in a prefill
+  gnormop   a prefill's GDN gated norm in the chunked op's output launch
+            (Forms.gdn_gated_norm="in_op"), not after the op in XLA
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
   one traced call each).
   Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
@@ -92,6 +92,8 @@ FORM_VARIANTS = {
     "gdnfused": {"gdn_decode": "pallas_fused"},
     "gdnlayer": {"gdn_decode": "pallas_layer"},   # a GDN layer's decode core in one launch
     "attnpro": {"attn_decode": "pallas_prologue"},   # attention's norms, RoPE, cache write
+    "convtaps": {"gdn_conv": "taps"},   # the GDN conv's taps as pad + select (2026-12-06)
+    "gnormop": {"gdn_gated_norm": "in_op"},   # the gated norm in the chunked op's launch
     "pfin": {"proj_finish": "kernel"},   # one kernel after each mixer's output projection
     "xfin": {"proj_finish": "xla"},      # XLA's fusions after it (the default before run 54)
     "headgemv": {"head": "kernel"},   # the head by the in-place kernels (the GPU's default)
@@ -221,10 +223,6 @@ def patch(variant: str):
         return jax.vmap(lambda e, n: lax.dynamic_slice_in_dim(e, n, conv_state.shape[1], 0))(
             ext, start)
       setattr_undo(gdn, "conv_window", conv_window)
-    elif part == "convcat2":   # the conv's taps sliced from the concatenation (before session 20)
-      setattr_undo(gdn, "CONV_TAPS", False)
-    elif part == "gnormxla":   # the gated norm after the chunked op (before session 21)
-      setattr_undo(gdn, "GATED_NORM_IN_OP", False)
     elif part in ("ggk", "ggx"):   # the grouped MoE kernel's rows of x: in place / XLA's gather
       from pallas_kernels.moe import grouped
       setattr_undo(grouped, "_GATHER", "kernel" if part == "ggk" else "xla")

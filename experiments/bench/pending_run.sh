@@ -822,9 +822,23 @@ if want s20a; then
     --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20.json 2>&1 \
     | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
 fi
-# Session of 2026-12-06 (twenty-first). SECTIONS=s20b (~5 min): the transformers peer on the
-# same card, then the Engine at batch 1 (TTFT of 2,500 tokens: its one-pass prefill runs the
-# cut form, the gated norm's z windows included) on s20d's defaults.
+# Session of 2026-12-06 (twenty-first): no machine ran (experiments/bench/README.md). Owed:
+# SECTIONS=s20e (~5 min): the two opt-in GDN prefill forms (Forms.gdn_conv="taps",
+# gdn_gated_norm="in_op") timed against the defaults side by side in one process in the
+# 2,500-token prefill, with the profile of both; the gated launch's compiled tests; the
+# chunk-parallel forms' transformers parity and greedy decode.
+if want s20e; then
+  timeout 110 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,convtaps,gnormop,convtaps+gnormop,base --profile convtaps+gnormop \
+    --out $OUT/decode_probe_prefill_s20e.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
+  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=70 WORKERS=2 \
+    bash experiments/bench/gpu_tests.sh -k "gated" | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
+  GPU_SET=model GPU_TESTS="tests/test_model_parity.py" CAP=$(( $(left) - 8 )) WORKERS=4 \
+    bash experiments/bench/gpu_tests.sh -k "parallel or greedy" | tail -2
+fi
+# SECTIONS=s20b (~5 min): the transformers peer on the same card as the rest of the call, then
+# the Engine at batch 1 (TTFT of 2,500 tokens, decode).
 if want s20b; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
     .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
@@ -833,38 +847,6 @@ if want s20b; then
   [ $(left) -gt 100 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
     --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20b.json 2>&1 \
     | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
-fi
-# SECTIONS=s20c (~6 min): the GPU model set (transformers parity, greedy decode, forms, switch)
-# on s20b's defaults, then the Engine at batch 8 and 32.
-if want s20c; then
-  GPU_SET=model CAP=${TEST_CAP:-300} WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
-  [ $(left) -gt 100 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
-    --reps 2 --batches 32,8 --out $OUT/bench_engine_b32_s20c.json 2>&1 \
-    | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
-fi
-# SECTIONS=s20d (~9 min, one call: the session's device time was down to ~1,100 s after two
-# refused starts and one machine taken back mid-call): s20b's prefill A/B with the profile,
-# the gated norm's compiled tests, then the GPU model set on the new defaults.
-if want s20d; then
-  timeout 150 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-    --variants base,convcat2,gnormxla,convcat2+gnormxla,base --profile base \
-    --out $OUT/decode_probe_prefill_s20d.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
-  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=90 WORKERS=2 \
-    bash experiments/bench/gpu_tests.sh -k "gated or api_vmap" | tail -2
-  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
-  GPU_SET=model CAP=$(( $(left) - 15 )) WORKERS=8 bash experiments/bench/gpu_tests.sh | tail -3
-fi
-# SECTIONS=s20e (~4.5 min, the session's last ~380 s of device time): the prefill A/B, then the
-# gated norm's compiled tests and the chunk-parallel forms' transformers parity.
-if want s20e; then
-  timeout 110 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-    --variants base,convcat2,gnormxla,base --profile base \
-    --out $OUT/decode_probe_prefill_s20e.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
-  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=70 WORKERS=2 \
-    bash experiments/bench/gpu_tests.sh -k "gated" | tail -2
-  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
-  GPU_SET=model GPU_TESTS="tests/test_model_parity.py" CAP=$(( $(left) - 8 )) WORKERS=4 \
-    bash experiments/bench/gpu_tests.sh -k "parallel or greedy" | tail -2
 fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

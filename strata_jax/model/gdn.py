@@ -14,43 +14,36 @@ from strata_jax.config import ModelConfig
 from strata_jax.model.common import l2_norm, linears, out_projection
 
 
-def causal_conv(x, conv_state, w, n_new):
+def causal_conv(x, conv_state, w, n_new, taps: bool = False):
   """Depthwise causal conv (tap K-1 on the current token), then SiLU.
 
   x [B, T, C] raw rows; conv_state [B, K-1, C] previous raw rows; w [C, K]; n_new [B].
   Returns (y [B, T, C], new conv_state = the last K-1 raw rows up to the last valid token).
+  taps (`Forms.gdn_conv` "taps"): each tap from `conv_taps`, not sliced out of the
+  concatenation of conv_state and x; the same elements, so the same y bit for bit.
   """
   K = w.shape[1]
   T = x.shape[1]
   wf = w.astype(jnp.float32)
-  tap = conv_taps if CONV_TAPS else _concatenated_taps
-  acc = sum(tap(conv_state.astype(x.dtype), x, j).astype(jnp.float32) * wf[:, j]
-            for j in range(K))
+  state = conv_state.astype(x.dtype)
+  if taps:
+    rows = [conv_taps(state, x, j) for j in range(K)]
+  else:
+    ext = jnp.concatenate([state, x], axis=1)                                  # [B, K-1+T, C]
+    rows = [ext[:, j:j + T] for j in range(K)]
+  acc = sum(r.astype(jnp.float32) * wf[:, j] for j, r in enumerate(rows))
   y = jax.nn.silu(acc).astype(x.dtype)
   if K == 1:
     return y, conv_state
   return y, conv_window(conv_state, x, n_new).astype(conv_state.dtype)
 
 
-# A prefill's chunked delta rule returns its output already gated and normed
-# (`gdn_api.chunked_gated`): under "pallas_split" the norm rides in the op's output launch and
-# the [B, T, Hv, Dv] fp32 o is never written (nor read back by a separate norm). False: the
-# op's o, then the norm in `_gdn_out` (decode_probe "gnormxla").
-GATED_NORM_IN_OP = True
-
-
-# Each tap of the conv selects between two shifted operands rather than slicing their
-# concatenation. The values are the same elements; but the conv's output has three readers in a
-# prefill (q, k and v's fusions), and XLA then wrote the [B, K-1+T, C] concatenation for them:
-# 36 x 97 us of a 2,500-token prefill on the H100 (experiments/results/device/run77). Pads and
-# selects it fuses into every reader. False: the concatenation (decode_probe "convcat2").
-CONV_TAPS = True
-
-
 def conv_taps(conv_state, x, j):
   """Rows j .. j+T-1 of concat([conv_state, x], axis=1), built without the concatenation:
   conv_state [B, K-1, C] and x [B, T, C] of one dtype; 0 <= j <= K-1. Each row is one of the
-  two operands' elements (a select, so the bits of the slice)."""
+  two operands' elements (a select, so the bits of the slice). Pads and selects fuse into
+  each reader of the conv, where XLA wrote the concatenation for the prefill's three readers
+  (q, k, v): 36 x 97 us of a 2,500-token prefill on the H100 (results/device/run77)."""
   km1, T = conv_state.shape[1], x.shape[1]
   zero = jnp.zeros((), x.dtype)
   shift = km1 - j                     # the first `shift` rows come from conv_state
@@ -60,11 +53,6 @@ def conv_taps(conv_state, x, j):
   old = lax.pad(conv_state[:, j:], zero, ((0, 0, 0), (0, T - shift, 0), (0, 0, 0)))
   row = lax.broadcasted_iota(jnp.int32, (1, T, 1), 1)
   return jnp.where(row < shift, old, new)
-
-
-def _concatenated_taps(conv_state, x, j):
-  T = x.shape[1]
-  return jnp.concatenate([conv_state, x], axis=1)[:, j:j + T]
 
 
 def conv_window(conv_state, x, start):
@@ -197,7 +185,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     conv_cut = (jnp.stack([conv_window(conv_state, qkv, cuts[:, i])
                            for i in range(len(windows))], axis=1) if many
                 else conv_window(conv_state, qkv, cut)).astype(conv_state.dtype)
-  qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new)
+  qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new, cfg.forms.gdn_conv == "taps")
   conv_state = idle(conv_new, conv_state)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
@@ -235,7 +223,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     q = (l2_norm(q_raw) * (Dk ** -0.5)).astype(act)
     k = l2_norm(k_raw).astype(act)
     v = v.astype(act)   # exact: v holds qkv's values (x's dtype)
-    if GATED_NORM_IN_OP:   # o comes back gated and normed (x's dtype), as `_gdn_out` would
+    if cfg.forms.gdn_gated_norm == "in_op":   # o comes back gated and normed (x's dtype)
       normed = True
       op = functools.partial(gdn_api.chunked_gated, norm_w=p.norm, eps=cfg.rms_eps,
                              out_dtype=x.dtype, implementation=cfg.forms.gdn_chunked,
