@@ -56,6 +56,10 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert (gpu.attn_decode, cpu.attn_decode) == ("pallas", "xla")   # measured: forms.py
   assert (gpu.proj_finish, cpu.proj_finish) == ("gemv", "xla")     # measured: forms.py
   assert (gpu.dense_launch, cpu.dense_launch) == ("fused", "fused")   # the same numbers
+  # opt-in until timed on the device (forms.py); named, they stay
+  assert (gpu.gdn_conv, gpu.gdn_gated_norm, cpu.gdn_conv) == ("concat", "after", "concat")
+  named = parse_forms("gdn_conv=taps,gdn_gated_norm=in_op").resolve("gpu", jnp.bfloat16)
+  assert (named.gdn_conv, named.gdn_gated_norm) == ("taps", "in_op")
   assert Forms().resolve("gpu", jnp.float32).attn_decode == "xla"   # forms.py says why
   # the prefill kernel: the op picks it per cache dtype and head size (pallas_kernels/attention)
   assert (gpu.attn_prefill, cpu.attn_prefill) == ("auto", "xla")
