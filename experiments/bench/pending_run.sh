@@ -837,16 +837,5 @@ if want s20e; then
   GPU_SET=model GPU_TESTS="tests/test_model_parity.py" CAP=$(( $(left) - 8 )) WORKERS=4 \
     bash experiments/bench/gpu_tests.sh -k "parallel or greedy" | tail -2
 fi
-# SECTIONS=s20b (~5 min): the transformers peer on the same card as the rest of the call, then
-# the Engine at batch 1 (TTFT of 2,500 tokens, decode).
-if want s20b; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
-    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
-  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 150 python3 experiments/bench/peer_transformers.py \
-    --out $OUT/peer_transformers_s20b.json 2>&1 | grep -i -e prefill -e decode -e error | cut -c1-300
-  [ $(left) -gt 100 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
-    --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20b.json 2>&1 \
-    | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
-fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
