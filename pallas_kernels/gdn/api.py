@@ -99,12 +99,15 @@ def _parallel(impl, q, k, v, g, beta, state, chunk):
   """The chunk-parallel kernel for a batch (impl one of PARALLEL / PARALLEL_INTERPRET)."""
   interpret = impl in PARALLEL_INTERPRET
   sp = (PARALLEL_INTERPRET if interpret else PARALLEL)[impl]
-  # 16-bit q/k/v: ū, w, u and h kept in that dtype between the launches, as fla keeps them
-  # (on the H200, 363 against 421 us at T = 2,500; experiments/results/device/run70). fp32
-  # inputs keep fp32 intermediates.
-  inter = v.dtype if jnp.dtype(v.dtype).itemsize == 2 else None
   return gdn_chunked_parallel(q, k, v, g, beta, state, chunk=chunk, interpret=interpret,
-                              state_pass=sp, inter_dtype=inter)
+                              state_pass=sp, inter_dtype=_inter_dtype(v))
+
+
+def _inter_dtype(v):
+  """16-bit q/k/v: ū, w, u and h kept in that dtype between the launches, as fla keeps them
+  (on the H200, 363 against 421 us at T = 2,500; experiments/results/device/run70). fp32
+  inputs keep fp32 intermediates (None)."""
+  return v.dtype if jnp.dtype(v.dtype).itemsize == 2 else None
 
 
 def _expand_heads(q, k, v):
@@ -191,11 +194,10 @@ def chunked_gated(q, k, v, g, beta, state, z, norm_w, *, eps: float, out_dtype,
   impl = chunked_implementation(implementation)
   pallas_chunk = pallas_chunk_for(impl, pallas_chunk)
   if PARALLEL.get(impl, PARALLEL_INTERPRET.get(impl)) == "separate":
-    inter = v.dtype if jnp.dtype(v.dtype).itemsize == 2 else None   # as `_parallel`
     y, s = gated_norm_out(q[None], k[None], v[None], g[None], beta[None], state[None], z[None],
                           norm_w, eps=eps, out_dtype=out_dtype,
                           chunk=min(chunk, pallas_chunk), interpret=impl in PARALLEL_INTERPRET,
-                          inter_dtype=inter)
+                          inter_dtype=_inter_dtype(v))
     return y[0], s[0]
   o, s = chunked(q, k, v, g, beta, state, chunk=chunk, implementation=impl,
                  pallas_chunk=pallas_chunk)

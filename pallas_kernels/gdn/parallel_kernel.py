@@ -210,11 +210,16 @@ def _state_kernel(k_ref, ubar_ref, w_ref, gc_ref, s_ref, u_ref, h_ref, s_out_ref
   s_out_ref[...] = lax.fori_loop(0, n_chunks, body, s_ref[...].astype(_F32))
 
 
+def _chunk_out(q_ref, a_ref, gc_ref, u_ref, h_ref, precision):
+  """o = (e^G q) hᵢᵀ + A u for one chunk and the Dv columns of the u / h blocks, fp32."""
+  q_dec = jnp.exp(gc_ref[...])[:, None] * q_ref[...].astype(_F32)
+  return (_dot(q_dec, h_ref[...].astype(_F32), _NT, precision)
+          + _dot(a_ref[...], u_ref[...].astype(_F32), _NN, precision))
+
+
 def _out_kernel(q_ref, a_ref, gc_ref, u_ref, h_ref, o_ref, *, precision):
   """One program: (b, h, chunk i, Dv tile): o = (e^G q) hᵢᵀ + A u for block_v columns."""
-  q_dec = jnp.exp(gc_ref[...])[:, None] * q_ref[...].astype(_F32)
-  o_ref[...] = (_dot(q_dec, h_ref[...].astype(_F32), _NT, precision)
-                + _dot(a_ref[...], u_ref[...].astype(_F32), _NN, precision))
+  o_ref[...] = _chunk_out(q_ref, a_ref, gc_ref, u_ref, h_ref, precision)
 
 
 def _out_gated_kernel(q_ref, a_ref, gc_ref, u_ref, h_ref, z_ref, nw_ref, y_ref, *, precision,
@@ -224,9 +229,7 @@ def _out_gated_kernel(q_ref, a_ref, gc_ref, u_ref, h_ref, z_ref, nw_ref, y_ref, 
   below t (z and y are unpadded: the last chunk's block overhangs them, loads and stores
   masked). Padded Dv columns of o are zero, so the mean divides by dv0."""
   c = q_ref.shape[0]
-  q_dec = jnp.exp(gc_ref[...])[:, None] * q_ref[...].astype(_F32)
-  o = (_dot(q_dec, h_ref[...].astype(_F32), _NT, precision)
-       + _dot(a_ref[...], u_ref[...].astype(_F32), _NN, precision))      # [C, Dv]
+  o = _chunk_out(q_ref, a_ref, gc_ref, u_ref, h_ref, precision)                 # [C, Dv]
   rows = pl.program_id(2) * c + jnp.arange(c)
   ok = (rows < t)[:, None]
   zf = masked_load(z_ref, ok).astype(_F32)

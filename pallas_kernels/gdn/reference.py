@@ -145,8 +145,8 @@ def decode_layer_reference(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w
   old = state[layer]
   o, s = delta_rule_step_fused(q, k, v, a, b, a_coef, dt_bias, old, valid)
   s = jnp.where((jnp.asarray(valid) != 0)[:, None, None, None], s, old)
-  y = rms_norm(o, norm_w, eps) * jax.nn.silu(z.astype(x.dtype).astype(f32))   # o: fp32
-  return (y.astype(out_dtype or x.dtype), conv_new, state.at[layer].set(s))
+  y = gated_rms_norm(o, z.astype(x.dtype), norm_w, eps, out_dtype or x.dtype)   # o: fp32
+  return (y, conv_new, state.at[layer].set(s))
 
 
 def delta_rule_recurrent(q, k, v, g, beta, state):

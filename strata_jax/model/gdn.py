@@ -207,7 +207,8 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     y = _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale)
     return y, conv_state, ssm
   s_in = ssm if layer is None else lax.dynamic_index_in_dim(ssm, layer, 0, keepdims=False)
-  normed = False   # whether o already holds the gated norm (`_gdn_out`)
+  # a prefill's chunked op returns o already gated and normed (`Forms.gdn_gated_norm`)
+  in_op_norm = T > 1 and cfg.forms.gdn_gated_norm == "in_op"
   if T == 1:
     # One fused step (L2 norms, head expansion, the delta rule) on the GPU.
     o, s = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], s_in,
@@ -223,15 +224,12 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     q = (l2_norm(q_raw) * (Dk ** -0.5)).astype(act)
     k = l2_norm(k_raw).astype(act)
     v = v.astype(act)   # exact: v holds qkv's values (x's dtype)
-    if cfg.forms.gdn_gated_norm == "in_op":   # o comes back gated and normed (x's dtype)
-      normed = True
-      op = functools.partial(gdn_api.chunked_gated, norm_w=p.norm, eps=cfg.rms_eps,
-                             out_dtype=x.dtype, implementation=cfg.forms.gdn_chunked,
-                             pallas_chunk=cfg.forms.gdn_pallas_chunk)
-      chunked = lambda q, k, v, g, beta, s, z: op(q, k, v, g, beta, s, z)
+    choice = dict(implementation=cfg.forms.gdn_chunked, pallas_chunk=cfg.forms.gdn_pallas_chunk)
+    if in_op_norm:   # o comes back gated and normed (x's dtype): z goes in with each call
+      chunked = functools.partial(gdn_api.chunked_gated, norm_w=p.norm, eps=cfg.rms_eps,
+                                  out_dtype=x.dtype, **choice)
     else:
-      op = functools.partial(gdn_api.chunked, implementation=cfg.forms.gdn_chunked,
-                             pallas_chunk=cfg.forms.gdn_pallas_chunk)
+      op = functools.partial(gdn_api.chunked, **choice)
       chunked = lambda q, k, v, g, beta, s, z: op(q, k, v, g, beta, s)
     if cut is None:
       o, s = jax.vmap(chunked)(q, k, v, g, beta, s_in, z)
@@ -255,7 +253,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
       s_cut = jnp.stack(s_cuts, axis=1) if many else s_cuts[0]
   s = idle(s, s_in)
   ssm = s if layer is None else lax.dynamic_update_index_in_dim(ssm, s, layer, 0)
-  y = _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale, normed)
+  y = _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale, in_op_norm)
   if cut is not None:
     return y, conv_state, ssm, (conv_cut, s_cut)
   return y, conv_state, ssm
