@@ -191,6 +191,19 @@ def test_decode_layer_scan_carries_the_state_stacks(form):
     assert blocked(st.ssm) in xs
 
 
+@pytest.mark.parametrize("form", ["fused", "step"])
+def test_decode_gdn_kernels_take_n_new_without_a_per_layer_conversion(form):
+  """The GDN decode kernels read the step's n_new as their `valid`: no int32 [B] made from it
+  inside the layer scan, where XLA ran that conversion as one kernel a GDN layer."""
+  model = _model(form)
+  cfg, st = model.cfg, init_state(model.cfg, 3, 64)
+  e, _, _ = _layer_scan(cfg, model.params, st)
+  made = [c for c in eqns(e.params["jaxpr"].jaxpr, into_kernels=False)
+          if c.primitive.name == "convert_element_type"
+          and c.outvars[0].aval.dtype == jnp.int32 and tuple(c.outvars[0].aval.shape) == (3,)]
+  assert made == []
+
+
 def test_compiled_decode_has_no_copy_of_the_kv_stack():
   model = _model("xla")
   cfg, st = model.cfg, init_state(model.cfg, 3, 64)

@@ -837,5 +837,21 @@ if want s20e; then
   GPU_SET=model GPU_TESTS="tests/test_model_parity.py" CAP=$(( $(left) - 8 )) WORKERS=4 \
     bash experiments/bench/gpu_tests.sh -k "parallel or greedy" | tail -2
 fi
+# Session of 2026-12-06 (twenty-second): s20e's forms A/B and tests, then the batch-1 decode
+# program with its profile (the GDN decode kernels now take n_new itself: one XLA kernel a GDN
+# layer fewer, against run 77's 1,156 kernels a step).
+if want s22a; then
+  timeout 110 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base,convtaps,gnormop,convtaps+gnormop,base --profile convtaps+gnormop \
+    --out $OUT/decode_probe_prefill_s22.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
+  timeout 90 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+    --variants base --profile base --out $OUT/decode_probe_b1_s22.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-330
+  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=70 WORKERS=2 \
+    bash experiments/bench/gpu_tests.sh -k "gated" | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
+  GPU_SET=model GPU_TESTS="tests/test_model_parity.py" CAP=$(( $(left) - 8 )) WORKERS=4 \
+    bash experiments/bench/gpu_tests.sh -k "parallel or greedy" | tail -2
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

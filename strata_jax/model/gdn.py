@@ -127,7 +127,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     qkv = sum_partials(qkv).astype(x.dtype)[:, 0]                          # [B, C]
     o, conv_state, ssm = gdn_api.decode_layer(
         qkv, conv_state, p.conv, z.reshape(-1, B, Hv, Dv), ba[:, :, 0], p.a, p.dt_bias,
-        p.norm, ssm, n_new > 0, layer, n_k_heads=Hk, eps=cfg.rms_eps, out_dtype=x.dtype,
+        p.norm, ssm, n_new, layer, n_k_heads=Hk, eps=cfg.rms_eps, out_dtype=x.dtype,
         implementation=cfg.forms.gdn_decode)
     y = out_projection(o.reshape(B, 1, Hv * Dv), p.out, lora_a, lora_b, switch,
                        cfg.forms.lora_impl, row_scale, cfg.forms.gemv_lora,
@@ -190,12 +190,15 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
   v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
+  # The decode kernels take n_new itself as their `valid` (n_new >= 0, a row is valid where it
+  # is not 0): `n_new > 0` was one more XLA kernel a GDN layer, 36 x 1.4 us of a bench-a3b
+  # batch-1 step (H100, results/device/run77 profile: loop_convert_fusion_8).
   if T == 1 and gdn_api.is_fused(cfg.forms.gdn_decode):
     # One launch from the raw inputs: gates, L2 norms, head expansion, the delta rule; the
     # state of a row with no valid token is not stored (it is unchanged). Given the stack and
     # `layer`, the kernel updates that layer of it in place.
     o, ssm = gdn_api.step_fused(q_raw[:, 0], k_raw[:, 0], v[:, 0], a[:, 0], b[:, 0], p.a,
-                                p.dt_bias, ssm, n_new > 0, layer,
+                                p.dt_bias, ssm, n_new, layer,
                                 implementation=cfg.forms.gdn_decode)
     y = _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale)
     return y, conv_state, ssm
@@ -203,7 +206,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     # The Pallas step kernel updates this layer of the stack in place; idle rows not stored.
     o, ssm = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm,
                               implementation=cfg.forms.gdn_decode, layer=layer,
-                              valid=n_new > 0)
+                              valid=n_new)
     y = _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale)
     return y, conv_state, ssm
   s_in = ssm if layer is None else lax.dynamic_index_in_dim(ssm, layer, 0, keepdims=False)
