@@ -839,17 +839,11 @@ if want s20e; then
 fi
 # Session of 2026-12-06 (twenty-second): s20e's forms A/B and tests, then the batch-1 decode
 # program with its profile (the GDN decode kernels now take n_new itself: one XLA kernel a GDN
-# layer fewer, against run 77's 1,156 kernels a step); the prefill with XLA's dynamic-slice fusion.
+# layer fewer, against run 77's 1,156 kernels a step).
 if want s22a; then
   timeout 110 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
     --variants base,convtaps,gnormop,convtaps+gnormop,base --profile convtaps+gnormop \
     --out $OUT/decode_probe_prefill_s22.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
-  # XLA's dynamic-slice fusion (off by default): cuBLAS reads each layer's matrix out of its
-  # stack in place, where run 77's prefill copied them (2.27 ms). Its own process (a flag).
-  XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true timeout 100 python3 \
-    experiments/bench/decode_probe.py --prefill 2500 --reps 5 --variants base,convtaps+gnormop \
-    --profile base --tag dsf --out $OUT/decode_probe_prefill_s22_dsf.json 2>&1 \
-    | grep -e '"variant"' -e Error | cut -c1-330
   timeout 90 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
     --variants base --profile base --out $OUT/decode_probe_b1_s22.json 2>&1 \
     | grep -e '"variant"' -e Error | cut -c1-330
