@@ -43,17 +43,18 @@ CHOICES: dict[str, tuple] = {
     "gdn_pallas_chunk": ("auto", 16, 32, 64, 128),
     # a prefill's GDN causal conv: "concat" slices each tap out of [conv state ; x]; "taps"
     # builds each tap as a select between the two operands shifted (two pads, the same
-    # elements bit for bit), which XLA can fuse into each of the conv's three readers (q, k,
-    # v): in run 77's 2,500-token prefill on the H100 it wrote the concatenation for them,
-    # 36 x 97 us (experiments/results/device/run77). "auto" = "concat" everywhere: "taps" was
-    # built and CPU-tested on 2026-12-06 but not yet timed on the device (pending_run s20e).
+    # elements bit for bit), which XLA fuses into each of the conv's three readers (q, k, v),
+    # where it wrote the concatenation for them (36 x 97 us of run 77's 2,500-token prefill on
+    # the H100). "auto" = "taps" everywhere: on the H100, one process, the prefill took
+    # 67.06 ms against 69.26 / 69.18 with "concat", the last logits equal bit for bit
+    # (experiments/results/device/run78/decode_probe_prefill_s22.json).
     "gdn_conv": ("auto", "concat", "taps"),
     # a prefill's GDN gated norm: "after" the chunked op (XLA reads its fp32 o); "in_op" in the
     # op's output launch under "pallas_split" (`pallas_kernels/gdn/README.md`: the fp32 o is
     # never written; 36 x ~36 us of run 77's prefill read it back), after the op in jnp under
-    # every other chunked form. "auto" = "after" everywhere: "in_op" has passed its CPU
-    # (interpreter and Triton-lowering) tests but has not been compiled on the device yet
-    # (pending_run s20e).
+    # every other chunked form. "auto" = "after" everywhere: on the H100 "in_op" made the
+    # prefill slower, 69.81 against 69.26 / 69.18 ms (67.35 against 67.06 with "taps"): the
+    # output launch took 3.22 ms with the norm against 2.7 without (run78).
     "gdn_gated_norm": ("auto", "after", "in_op"),
     # the decode delta rule step: "auto" = "pallas_fused" on the GPU (one launch from the raw
     # inputs, gates included, the state stack updated in place, inactive rows not stored;
@@ -293,7 +294,7 @@ class Forms:
                        else "xla"),
         gdn_chunked=gdn_chunked,
         gdn_pallas_chunk=pallas_chunk_for(gdn_chunked, self.gdn_pallas_chunk),
-        gdn_conv=auto(self.gdn_conv, "concat", "concat"),
+        gdn_conv=auto(self.gdn_conv, "taps", "taps"),
         gdn_gated_norm=auto(self.gdn_gated_norm, "after", "after"),
         gdn_decode=auto(self.gdn_decode, "pallas_fused", "xla"),
         moe_many=auto(self.moe_many, "pallas", "dense"),

@@ -185,14 +185,14 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     conv_cut = (jnp.stack([conv_window(conv_state, qkv, cuts[:, i])
                            for i in range(len(windows))], axis=1) if many
                 else conv_window(conv_state, qkv, cut)).astype(conv_state.dtype)
-  qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new, cfg.forms.gdn_conv == "taps")
+  qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new, cfg.forms.gdn_conv != "concat")
   conv_state = idle(conv_new, conv_state)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
   v = qkv[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
   # The decode kernels take n_new itself as their `valid` (n_new >= 0, a row is valid where it
-  # is not 0): `n_new > 0` was one more XLA kernel a GDN layer, 36 x 1.4 us of a bench-a3b
-  # batch-1 step (H100, results/device/run77 profile: loop_convert_fusion_8).
+  # is not 0): `n_new > 0` was one more XLA kernel a layer-scan iteration, 12 x 1.4 us of a
+  # bench-a3b batch-1 step (H100: 1,156 -> 1,144 kernels, results/device/run78).
   if T == 1 and gdn_api.is_fused(cfg.forms.gdn_decode):
     # One launch from the raw inputs: gates, L2 norms, head expansion, the delta rule; the
     # state of a row with no valid token is not stored (it is unchanged). Given the stack and
