@@ -50,8 +50,10 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             run 71) / takes them from XLA's gather (before)
   gdnsN     the GDN "separate" state pass at N pipeline stages (3 since run 71, 2 before)
   convcat   the GDN conv state sliced out of the written concatenation (before run 71)
-  convtaps  the GDN conv's taps as pad + select (Forms.gdn_conv="taps"), not sliced out of
-            the concatenation, which XLA writes for the conv's three readers in a prefill
+  convtaps  the GDN conv's taps as pad + select (Forms.gdn_conv="taps", the default since
+            run 78), not sliced out of the concatenation
+  convjoin  the taps sliced out of the concatenation (Forms.gdn_conv="concat"), which XLA
+            writes for the conv's three readers in a prefill (the default before run 78)
   gnormop   a prefill's GDN gated norm in the chunked op's output launch
             (Forms.gdn_gated_norm="in_op"), not after the op in XLA
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
@@ -93,6 +95,7 @@ FORM_VARIANTS = {
     "gdnlayer": {"gdn_decode": "pallas_layer"},   # a GDN layer's decode core in one launch
     "attnpro": {"attn_decode": "pallas_prologue"},   # attention's norms, RoPE, cache write
     "convtaps": {"gdn_conv": "taps"},   # the GDN conv's taps as pad + select (2026-12-06)
+    "convjoin": {"gdn_conv": "concat"},   # the taps sliced from the concatenation (before run 78)
     "gnormop": {"gdn_gated_norm": "in_op"},   # the gated norm in the chunked op's launch
     "pfin": {"proj_finish": "kernel"},   # one kernel after each mixer's output projection
     "xfin": {"proj_finish": "xla"},      # XLA's fusions after it (the default before run 54)
