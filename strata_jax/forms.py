@@ -45,9 +45,11 @@ CHOICES: dict[str, tuple] = {
     # builds each tap as a select between the two operands shifted (two pads, the same
     # elements bit for bit), which XLA fuses into each of the conv's three readers (q, k, v),
     # where it wrote the concatenation for them (36 x 97 us of run 77's 2,500-token prefill on
-    # the H100). "auto" = "taps" everywhere: on the H100, one process, the prefill took
+    # the H100). "auto" = "taps" on the GPU: on the H100, one process, the prefill took
     # 67.06 ms against 69.26 / 69.18 with "concat", the last logits equal bit for bit
-    # (experiments/results/device/run78/decode_probe_prefill_s22.json).
+    # (experiments/results/device/run78/decode_probe_prefill_s22.json); "concat" elsewhere,
+    # where XLA:CPU compiles the pads and selects slower (tests/test_engine.py: 66.7 against
+    # 61.6 s) and nothing was timed.
     "gdn_conv": ("auto", "concat", "taps"),
     # a prefill's GDN gated norm: "after" the chunked op (XLA reads its fp32 o); "in_op" in the
     # op's output launch under "pallas_split" (`pallas_kernels/gdn/README.md`: the fp32 o is
@@ -294,7 +296,7 @@ class Forms:
                        else "xla"),
         gdn_chunked=gdn_chunked,
         gdn_pallas_chunk=pallas_chunk_for(gdn_chunked, self.gdn_pallas_chunk),
-        gdn_conv=auto(self.gdn_conv, "taps", "taps"),
+        gdn_conv=auto(self.gdn_conv, "taps", "concat"),
         gdn_gated_norm=auto(self.gdn_gated_norm, "after", "after"),
         gdn_decode=auto(self.gdn_decode, "pallas_fused", "xla"),
         moe_many=auto(self.moe_many, "pallas", "dense"),

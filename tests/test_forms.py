@@ -57,7 +57,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert (gpu.proj_finish, cpu.proj_finish) == ("gemv", "xla")     # measured: forms.py
   assert (gpu.dense_launch, cpu.dense_launch) == ("fused", "fused")   # the same numbers
   # taps measured faster and the same bits, in_op slower (forms.py); named, they stay
-  assert (gpu.gdn_conv, gpu.gdn_gated_norm, cpu.gdn_conv) == ("taps", "after", "taps")
+  assert (gpu.gdn_conv, gpu.gdn_gated_norm, cpu.gdn_conv) == ("taps", "after", "concat")
   named = parse_forms("gdn_conv=concat,gdn_gated_norm=in_op").resolve("gpu", jnp.bfloat16)
   assert (named.gdn_conv, named.gdn_gated_norm) == ("concat", "in_op")
   assert Forms().resolve("gpu", jnp.float32).attn_decode == "xla"   # forms.py says why
@@ -480,9 +480,9 @@ def test_compiled_kernel_forms_are_refused_off_the_gpu_when_an_engine_is_built(f
 
 
 def test_gdn_prefill_forms_give_the_default_forms_logits(monkeypatch):
-  """The GDN prefill forms against the defaults, the prompt's logits with the adapter off and
-  on: `gdn_conv="concat"` (the taps sliced from the concatenation; the default builds them by
-  pad + select) bit for bit, and
+  """The GDN prefill forms against the CPU defaults, the prompt's logits with the adapter off
+  and on: `gdn_conv="taps"` (the conv's taps by pad + select, the GPU's default) bit for bit,
+  and
   `gdn_gated_norm="in_op"` under the chunk-parallel kernel (the norm in its output launch,
   which is traced only then) to the fp32 rounding of the norm. (Under the jnp chunked forms
   "in_op" runs the norm after the op, bit for bit: tests/test_gdn_parallel_kernel.py.)"""
@@ -495,16 +495,16 @@ def test_gdn_prefill_forms_give_the_default_forms_logits(monkeypatch):
                       lambda *a, **k: traced.append(1) or launch(*a, **k))
   base = dict(gdn_chunked="pallas_split_interpret")
   logits, launches = {}, {}
-  for name, extra in (("default", {}), ("concat", {"gdn_conv": "concat"}),
+  for name, extra in (("default", {}), ("taps", {"gdn_conv": "taps"}),
                       ("in_op", {"gdn_gated_norm": "in_op"})):
     traced.clear()
     eng = sj.Engine(model, slots=1, max_seq=64, forms=Forms(**base, **extra), lora=random_lora())
     logits[name] = [eng.generate(tokens=prompt, max_tokens=1, return_logits=True,
                                  lora=on).prompt_logits for on in (False, True)]
     launches[name] = len(traced)
-  assert launches == {"default": 0, "concat": 0, "in_op": launches["in_op"]}
+  assert launches == {"default": 0, "taps": 0, "in_op": launches["in_op"]}
   assert launches["in_op"] > 0
-  for a, b, c in zip(logits["default"], logits["concat"], logits["in_op"]):
+  for a, b, c in zip(logits["default"], logits["taps"], logits["in_op"]):
     assert np.array_equal(a, b)
     assert_close(c, a, rel=GATED_NORM_REL_FP32, what="in_op prompt logits")
   assert not np.array_equal(logits["default"][0], logits["default"][1])

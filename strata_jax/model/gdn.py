@@ -185,7 +185,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     conv_cut = (jnp.stack([conv_window(conv_state, qkv, cuts[:, i])
                            for i in range(len(windows))], axis=1) if many
                 else conv_window(conv_state, qkv, cut)).astype(conv_state.dtype)
-  qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new, cfg.forms.gdn_conv != "concat")
+  qkv, conv_new = causal_conv(qkv, conv_state, p.conv, n_new, cfg.forms.gdn_conv == "taps")
   conv_state = idle(conv_new, conv_state)
   q_raw = qkv[..., :kd].reshape(B, T, Hk, Dk)
   k_raw = qkv[..., kd:2 * kd].reshape(B, T, Hk, Dk)
