@@ -482,8 +482,7 @@ def test_compiled_kernel_forms_are_refused_off_the_gpu_when_an_engine_is_built(f
 def test_gdn_prefill_forms_give_the_default_forms_logits(monkeypatch):
   """The GDN prefill forms against the CPU defaults, the prompt's logits with the adapter off
   and on: `gdn_conv="taps"` (the conv's taps by pad + select, the GPU's default) bit for bit,
-  and
-  `gdn_gated_norm="in_op"` under the chunk-parallel kernel (the norm in its output launch,
+  and `gdn_gated_norm="in_op"` under the chunk-parallel kernel (the norm in its output launch,
   which is traced only then) to the fp32 rounding of the norm. (Under the jnp chunked forms
   "in_op" runs the norm after the op, bit for bit: tests/test_gdn_parallel_kernel.py.)"""
   from pallas_kernels.gdn import api as gdn_api

@@ -194,7 +194,7 @@ def test_decode_layer_scan_carries_the_state_stacks(form):
 @pytest.mark.parametrize("form", ["fused", "step"])
 def test_decode_gdn_kernels_take_n_new_without_a_per_layer_conversion(form):
   """The GDN decode kernels read the step's n_new as their `valid`: no int32 [B] made from it
-  inside the layer scan, where XLA ran that conversion as one kernel a GDN layer."""
+  inside the layer scan, where XLA ran that conversion as one kernel an iteration."""
   model = _model(form)
   cfg, st = model.cfg, init_state(model.cfg, 3, 64)
   e, _, _ = _layer_scan(cfg, model.params, st)

@@ -822,24 +822,12 @@ if want s20a; then
     --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20.json 2>&1 \
     | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
 fi
-# Session of 2026-12-06 (twenty-first): no machine ran (experiments/bench/README.md). Owed:
-# SECTIONS=s20e (~5 min): the two opt-in GDN prefill forms (Forms.gdn_conv="taps",
-# gdn_gated_norm="in_op") timed against the defaults side by side in one process in the
-# 2,500-token prefill, with the profile of both; the gated launch's compiled tests; the
+# Session of 2026-12-06 (twenty-second; run 78). SECTIONS=s22a (~5 min, in place of the
+# twenty-first's s20e, which never ran): the two GDN prefill forms (Forms.gdn_conv="taps",
+# gdn_gated_norm="in_op") against the then defaults in one process in the 2,500-token prefill,
+# with their profile; the batch-1 decode program with its profile (the GDN decode kernels take
+# n_new itself: against run 77's 1,156 kernels a step); the gated launch's compiled tests; the
 # chunk-parallel forms' transformers parity and greedy decode.
-if want s20e; then
-  timeout 110 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-    --variants base,convtaps,gnormop,convtaps+gnormop,base --profile convtaps+gnormop \
-    --out $OUT/decode_probe_prefill_s20e.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
-  GPU_SET=kernels GPU_TESTS="tests/test_gdn_parallel_kernel.py" CAP=70 WORKERS=2 \
-    bash experiments/bench/gpu_tests.sh -k "gated" | tail -2
-  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_parallel.log 2>/dev/null
-  GPU_SET=model GPU_TESTS="tests/test_model_parity.py" CAP=$(( $(left) - 8 )) WORKERS=4 \
-    bash experiments/bench/gpu_tests.sh -k "parallel or greedy" | tail -2
-fi
-# Session of 2026-12-06 (twenty-second): s20e's forms A/B and tests, then the batch-1 decode
-# program with its profile (the GDN decode kernels now take n_new itself: one XLA kernel a GDN
-# layer fewer, against run 77's 1,156 kernels a step).
 if want s22a; then
   timeout 110 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
     --variants base,convtaps,gnormop,convtaps+gnormop,base --profile convtaps+gnormop \
