@@ -225,6 +225,14 @@ CHOICES: dict[str, tuple] = {
     # at batch 1 and 143.3 at 8, steps level with XLA's tuned head (run 59). "auto" = "kernel"
     # on the GPU, "xla" elsewhere.
     "head": ("auto", "xla", "kernel"),
+    # a decode step's RMSNorm before each mixer: "xla" = XLA makes it (two fusions a layer: the
+    # sum of squares, the scaling; 48 x 2.8 us of bench-a3b's batch-1 step on the H100,
+    # experiments/bench/README.md, twenty-second session); "in_proj" = the launch of the
+    # layer's projections of it makes it, where the one-row in-place GEMV takes them
+    # (`dense_weights="kernel"`, `dense_launch="fused"`): each program reads the whole raw row
+    # and normalises its share of it (`pallas_kernels/quant/gemv.py`, `_row_inv_rms`), with
+    # the reference's roundings but its sum of squares in another order. "auto" = "xla".
+    "input_norm": ("auto", "xla", "in_proj"),
 }
 
 
@@ -269,6 +277,7 @@ class Forms:
   dense_launch: str = "auto"
   proj_finish: str = "auto"
   head: str = "auto"
+  input_norm: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -315,6 +324,7 @@ class Forms:
         dense_launch=auto(self.dense_launch, "fused", "fused"),
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
         head=auto(self.head, "kernel", "xla"),
+        input_norm=auto(self.input_norm, "xla", "xla"),
         matmul_precision=precision)
 
   def check_backend(self, backend: str) -> Forms:

@@ -507,3 +507,44 @@ def test_gdn_prefill_forms_give_the_default_forms_logits(monkeypatch):
     assert np.array_equal(a, b)
     assert_close(c, a, rel=GATED_NORM_REL_FP32, what="in_op prompt logits")
   assert not np.array_equal(logits["default"][0], logits["default"][1])
+
+
+def test_input_norm_in_proj_decodes_the_xla_norms_tokens_with_the_norm_inside_the_launch():
+  """`input_norm="in_proj"` (one-row decode under the in-place GEMV, interpreted here): the
+  norm before each mixer is made by its projections' launch, so the layer scan's body holds
+  one XLA rsqrt a layer fewer (the norm before the MoE stays); the prompt is the "xla" form's
+  bit for bit (several rows: the norm is XLA's), decode steps to fp32 summation order with the
+  same tokens, and the adapter switched off is the no-adapter engine of the same forms bit
+  for bit."""
+  from jaxpr_walk import eqns
+  model = tiny_model()
+  lora = random_lora()
+  prompt = list(range(3, 70))
+  forms = {v: Forms(dense_weights="kernel", quant_impl="pallas_interpret", input_norm=v)
+           for v in ("xla", "in_proj")}
+
+  def rsqrts(form):
+    cfg = dataclasses.replace(TINY, forms=forms[form].resolve(jax.default_backend(),
+                                                              jnp.float32))
+    jaxpr = jax.make_jaxpr(lambda p, s: steps.decode(
+        cfg, p, empty_lora(cfg), s, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+        jnp.ones(1, jnp.int32)))(model.params, init_state(cfg, 1, 64)).jaxpr
+    names = [e.primitive.name for e in eqns(jaxpr, into_kernels=False)]
+    return names.count("rsqrt"), names.count("scan")   # (layer scans: one a LoRA branch)
+
+  from strata_jax.model.forward import pattern_period
+  (xla, scans), (in_proj, scans_in) = rsqrts("xla"), rsqrts("in_proj")
+  assert scans == scans_in >= 1
+  assert xla - in_proj == pattern_period(TINY.layer_types) * scans
+  run = lambda f, lo, on: sj.Engine(model, lora=lo, slots=1, max_seq=128, block_size=32,
+                                    forms=forms[f]).generate(
+      tokens=prompt, max_tokens=4, return_logits=True, return_step_logits=True, lora=on)
+  got = {}
+  for on in (False, True):
+    ref, got[on] = run("xla", lora, on), run("in_proj", lora, on)
+    assert np.array_equal(got[on].prompt_logits, ref.prompt_logits)
+    assert got[on].tokens == ref.tokens
+    assert_close(got[on].step_logits, ref.step_logits, rel=DENSE_GEMV_REL_FP32,
+                 what=f"in_proj norm, adapter {'on' if on else 'off'}")
+  off, bare = got[False], run("in_proj", None, None)
+  assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens

@@ -183,3 +183,100 @@ def test_dense_matmul_multi_partials_sum_to_its_products_bit_for_bit(m, dtype):
   for p, y in zip(got, want):
     assert p.ndim == 3 and p.shape[1:] == y.shape
     assert np.array_equal(_bits(sum_partials(p).astype(dtype)), _bits(y))
+
+
+def _norm_case(m, dtype, seed):
+  """x with a row scale far from 1 (so a missing norm shows) and a norm weight about 1."""
+  x, stacks = _case(m, dtype, seed=seed)
+  rng = np.random.default_rng(seed + 100)
+  x = (x.astype(F32) * 3.5).astype(dtype)
+  w = jnp.asarray(1.0 + 0.2 * rng.standard_normal(IN), dtype)
+  return x, stacks, w
+
+
+def _normed64(x, w, eps):
+  xf = np.asarray(x, np.float64)
+  return xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps) * np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("tiles", [None, [dict(block_out=16, block_in=32, k_split=4)] * 3])
+def test_gemv_multi_with_norm_multiplies_the_whole_rows_rms_norm(dtype, tiles):
+  """norm=(w, eps): the launch's products are of rms_norm(x, w, eps), each program
+  normalising its share of `in` by the whole row's mean square (k_split 4 here: a share's
+  own mean would be off by its fraction). fp32: the reference norm's product to fp32's
+  rounding (the sums of squares run in another order); bf16: a normed element may round the
+  other way, so against the float64 product to bf16's rounding."""
+  from pallas_kernels.attention.reference import rms_norm
+  x, stacks, w = _norm_case(1, dtype, seed=21)
+  eps = 1e-6
+  idx = jnp.full((1,), 1, jnp.int32)
+  got = jax.jit(lambda x, s, w: dense_multi_call(x, s, idx, tiles=tiles, interpret=True,
+                                                 norm=(w, eps)))(x, stacks, w)
+  ref = dense_multi_call(rms_norm(x, w, eps), stacks, idx, tiles=tiles, interpret=True)
+  h64 = _normed64(x, w, eps)
+  for j, (y, r, s) in enumerate(zip(got, ref, stacks)):
+    assert y.shape == r.shape and y.dtype == dtype
+    if dtype == F32:
+      assert_close(y, np.asarray(r, np.float64), rel=KERNEL_REL["float32"], what=f"part {j}")
+    want = h64 @ np.asarray(s[1], np.float64).T
+    assert_close(y, want, rel=KERNEL_REL[jnp.dtype(dtype).name], what=f"part {j} vs f64")
+
+
+@pytest.mark.parametrize("m,dtype", [(1, F32), (4, BF16), (4, F32)])
+def test_dense_matmul_multi_norm_is_made_in_the_gemv_launch_or_by_the_reference(m, dtype):
+  """One row: the GEMV's launch makes the norm (one pallas_call, no XLA rsqrt outside it);
+  more rows: the reference norm first, then the same products as given the normed rows,
+  bit for bit."""
+  from jaxpr_walk import eqns
+
+  from pallas_kernels.attention.reference import rms_norm
+  from pallas_kernels.quant.api import norm_launch_rows
+  x, stacks, w = _norm_case(m, dtype, seed=22 + m)
+  eps = 1e-6
+  kw = dict(implementation="pallas_interpret")
+  f = lambda x, s, w: dense_matmul_multi(x, s, jnp.int32(2), norm=(w, eps), **kw)
+  got = jax.jit(f)(x, stacks, w)
+  ref = jax.jit(lambda x, s, w: dense_matmul_multi(rms_norm(x, w, eps), s, jnp.int32(2),
+                                                   **kw))(x, stacks, w)
+  in_launch = norm_launch_rows(len(stacks), m, IN, "pallas_interpret")
+  assert in_launch == (m == 1)
+  outside = [e.primitive.name for e in eqns(jax.make_jaxpr(f)(x, stacks, w).jaxpr,
+                                            into_kernels=False)]
+  assert ("rsqrt" in outside) != in_launch
+  for j, (y, r) in enumerate(zip(got, ref)):
+    if in_launch:
+      assert_close(y, np.asarray(r, np.float64), rel=KERNEL_REL["float32"], what=f"part {j}")
+    else:
+      assert np.array_equal(_bits(y), _bits(r)), f"part {j}"
+
+
+def test_gemv_multi_refuses_a_norm_weight_of_another_width():
+  x, stacks, w = _norm_case(1, BF16, seed=23)
+  with pytest.raises(ValueError, match="norm weight"):
+    dense_multi_call(x, stacks, jnp.zeros((1,), jnp.int32), interpret=True,
+                     norm=(w[:-32], 1e-6))
+
+
+def test_gemv_multi_with_norm_lowers_to_triton_for_the_gpu():
+  from pallas_kernels.quant.gemv import triton_params
+  x, stacks = _case(1, BF16, outs=(512, 64), d_in=1024)
+  w = jnp.ones((1024,), BF16)
+  low = jax.jit(lambda x, s, w: dense_multi_call(
+      x, s, jnp.zeros((1,), jnp.int32), compiler_params=triton_params(), norm=(w, 1e-6))
+  ).trace(x, stacks, w).lower(lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_multi_with_norm_multiplies_the_rms_norm():
+  """bench-a3b's GDN input projections at one row, compiled: against the float64 product of
+  the float64 norm, to bf16's rounding."""
+  x, stacks = _case(1, BF16, n_mats=2, seed=31, outs=(8192, 4096, 64), d_in=2048)
+  w = jnp.asarray(1.0 + 0.2 * np.random.default_rng(32).standard_normal(2048), BF16)
+  got = dense_matmul_multi(x, stacks, jnp.int32(1), implementation="pallas", norm=(w, 1e-6))
+  h64 = _normed64(x, w, 1e-6)
+  for j, (y, s) in enumerate(zip(got, stacks)):
+    want = h64 @ np.asarray(s[1], np.float64).T
+    assert_close(y, want, rel=KERNEL_REL["bfloat16"], what=f"gpu part {j}")

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import argsort_ids, sum_partials
+from pallas_kernels.attention.reference import rms_norm
 from pallas_kernels.lora.kernel import dot_policy
 from pallas_kernels.quant import dense_dot, finish, gemv
 from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, triton_params
@@ -262,14 +263,18 @@ def dense_matmul_parts(x, stack, index, *, implementation="auto", few="dot", til
                       tiles=tiles)[None]
 
 
-def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", partials=False):
+def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", partials=False,
+                       norm=None):
   """[dense_matmul(x, s, index, ...) for s in stacks], the stacks sharing `in` (a layer's
   projections of one input): where one kernel form takes the rows for every stack (the GEMV's
   one row; dense_dot's 2 to 64 rows of one 16-bit dtype), all the products run in one launch
   (`multi.py`), each result `dense_matmul`'s bit for bit; otherwise one call each.
   partials: each product as its split partial sums [S, N, out] (fp32 when the launch split
   it; else S = 1 in x's dtype): `gemv.sum_partials` of them, cast to x's dtype, is the
-  product above bit for bit."""
+  product above bit for bit.
+  norm: (w [in], eps): the products are of rms_norm(x, w, eps), x the raw residual. The
+  GEMV's launch makes the norm in its programs (`gemv.dense_multi_call`); every other form
+  takes the reference's norm first (`norm_launch_rows` says which)."""
   n, d_in = x.shape
   impl = resolve(implementation)
   stacks = [_stack3(s) for s in stacks]
@@ -278,7 +283,9 @@ def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", pa
   if len(stacks) > 1 and dense_kernel_rows(n, d_in, implementation):
     idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
     return gemv.dense_multi_call(x, stacks, idx, interpret=interpret, compiler_params=params,
-                                 partials=partials)
+                                 partials=partials, norm=norm)
+  if norm is not None:
+    x = rms_norm(x, *norm)
   if len(stacks) > 1 and all(dense_dot_rows(n, x.dtype, s.dtype, implementation, few)
                              for s in stacks):
     return dense_dot.dense_dot_multi_call(x, stacks, index, interpret=interpret,
@@ -286,6 +293,12 @@ def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", pa
   ys = [dense_matmul(xi, s, index, implementation=implementation, few=few)
         for xi, s in zip(apart(x, len(stacks)), stacks)]
   return [y[None] for y in ys] if partials else ys
+
+
+def norm_launch_rows(n_stacks, n, d_in, implementation="auto"):
+  """Whether `dense_matmul_multi(norm=...)` makes the norm inside its launch (the one-row
+  GEMV over several stacks), not in XLA before it."""
+  return n_stacks > 1 and dense_kernel_rows(n, d_in, implementation)
 
 
 def _dense_kernel(x, stack, index, impl, tiles, partials=False):

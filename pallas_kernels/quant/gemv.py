@@ -107,6 +107,8 @@ class Blocks(NamedTuple):
   rank: int = 0
   rank_pad: int = 0
   scale: float = 1.0
+  norm: bool = False  # x is the raw residual: its RMSNorm is made here (`dense_multi_call`)
+  eps: float = 0.0
 
 
 def triton_params(num_warps=None, num_stages=None):
@@ -154,6 +156,8 @@ def _kernel(*refs, t: Blocks):
 def _program(refs, pid, g, t: Blocks):
   names = _PLANES[t.qtype]
   idx_ref, x_ref, *rest = refs
+  if t.norm:
+    nw_ref, *rest = rest
   planes = dict(zip(names, rest[:len(names)]))
   rest = rest[len(names):]
   if t.lora:
@@ -176,9 +180,14 @@ def _program(refs, pid, g, t: Blocks):
     mask = None if o_ok is None else jnp.broadcast_to(_expand(o_ok, len(shape)), shape)
     return masked_load(view, mask)
 
+  inv = _row_inv_rms(x_ref, g, t) if t.norm else None
+
   def xload(r, u0, *lead):
     """[U, *rest] of row r of x, rounded to the compute dtype, as fp32."""
     ix = (g, jnp.int32(r), pl.ds(u0, U), *map(jnp.int32, lead))
+    if t.norm:   # rms_norm's roundings: (x * inv) * w in fp32, rounded once to x's dtype
+      xn = x_ref.at[ix][...].astype(_F32) * inv[r]
+      return (xn * nw_ref.at[pl.ds(u0, U)][...].astype(_F32)).astype(t.cd).astype(_F32)
     return x_ref.at[ix][...].astype(t.cd).astype(_F32)
 
   def body(step, accs):
@@ -230,6 +239,22 @@ def _program(refs, pid, g, t: Blocks):
   out = ks * t.groups + g
   for r in range(t.m):
     masked_store(o_ref.at[out, jnp.int32(r), pl.ds(o0, bo)], accs[r].astype(t.out_dtype), o_ok)
+
+
+def _row_inv_rms(x_ref, g, t: Blocks):
+  """[rsqrt(mean(x[r]^2) + eps) for each row r] (fp32 scalars) of a dense call's x [G, M,
+  units, 32]: every program reads the whole row (a few KB, from L2), U units a step, so that
+  its share of the product can normalise its share of x."""
+  U = t.unroll
+
+  def body(step, sums):
+    return tuple(s + jnp.sum(jnp.square(x_ref.at[g, jnp.int32(r), pl.ds(step * U, U)][...]
+                                        .astype(_F32)), axis=0)
+                 for r, s in enumerate(sums))
+
+  sums = lax.fori_loop(0, t.units // U, body,
+                       tuple(jnp.zeros((DENSE_UNIT,), _F32) for _ in range(t.m)))
+  return [lax.rsqrt(jnp.sum(s) / (t.units * DENSE_UNIT) + t.eps) for s in sums]
 
 
 def _groups_kernel(*refs, ts):
@@ -420,15 +445,20 @@ def _one_group_program(refs, pid, *, t):
 
 
 def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_params=None,
-                     partials=False):
+                     partials=False, norm=None):
   """[dense_call(x[None], s, idx)[0] for s in stacks] in one launch (`multi.launch`): x
   [M, in], every stack [S_m, out_m, in], idx [1] int32. Each part keeps its own call's tiling
   (`dense_defaults`, or tiles[m]: {block_out, block_in, k_split}), so each result is that
   call's bit for bit. partials: each part's split partial sums [k_split, M, out] unsummed
-  (fp32 when split), for a consumer kernel that adds them (`sum_partials`, then x's dtype)."""
+  (fp32 when split), for a consumer kernel that adds them (`sum_partials`, then x's dtype).
+  norm: (w [in], eps): x is the raw residual and the products are of rms_norm(x, w, eps),
+  made in each program (`_row_inv_rms`; the reference's roundings, its sum of squares in
+  another order), so no XLA kernels make it first (`Forms.input_norm` "in_proj")."""
   m, d_in = x.shape
   if d_in % DENSE_UNIT:
     raise ValueError(f"dense gemv: x {x.shape}: `in` must be a multiple of {DENSE_UNIT}")
+  if norm is not None and jnp.shape(norm[0]) != (d_in,):
+    raise ValueError(f"dense gemv: norm weight {jnp.shape(norm[0])} must be [{d_in}]")
   if compiler_params is None and not interpret:
     compiler_params = triton_params()
   dt, cd = jnp.dtype(x.dtype), _dense_cd(x.dtype)
@@ -443,10 +473,12 @@ def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_pa
                                    **(tiles[j] if tiles else {}))
     t = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=d_out, block_out=bo,
                unroll=unroll, k_split=ks, out_tiles=pl.cdiv(d_out, bo), cd=cd,
-               out_dtype=_F32 if ks > 1 else dt)
+               out_dtype=_F32 if ks > 1 else dt, norm=norm is not None,
+               eps=0.0 if norm is None else float(norm[1]))
     i = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0, n_mats - 1)
+    nw = () if norm is None else (jnp.reshape(norm[0], (units, DENSE_UNIT)),)
     parts.append(Part(functools.partial(_one_group_program, t=t), t.out_tiles * ks,
-                      (i, xv, stack.reshape(n_mats, d_out, units, DENSE_UNIT)),
+                      (i, xv, *nw, stack.reshape(n_mats, d_out, units, DENSE_UNIT)),
                       jax.ShapeDtypeStruct((ks, m, d_out), t.out_dtype)))
     splits.append(ks)
   ys = launch(parts, name="qgemv_dense_multi", interpret=interpret,

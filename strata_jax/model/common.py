@@ -124,6 +124,27 @@ def linear_parts(x, w):
   return linear(x, w)[None]
 
 
+@dataclasses.dataclass(frozen=True)
+class NormedInput:
+  """rms_norm(x, w, eps), not yet made: a decode step's input to a mixer, whose norm the
+  launch of the layer's projections makes (`Forms.input_norm` "in_proj", `linears`); any
+  other reader makes it first (`made`). shape and dtype are the normed input's."""
+  x: object
+  w: object
+  eps: float
+
+  @property
+  def shape(self):
+    return self.x.shape
+
+  @property
+  def dtype(self):
+    return self.x.dtype
+
+  def made(self):
+    return rms_norm(self.x, self.w, self.eps)
+
+
 def linears(x, ws, partials=False):
   """[linear(x, w) for w in ws]. When every w is a DRef at one layer index made `fused` (a
   layer's projections of one input: GDN qkv / gate / ba, attention q / k / v, the shared
@@ -132,9 +153,20 @@ def linears(x, ws, partials=False):
   bit for bit either way. Products XLA makes of plain weight arrays stay separate GEMMs
   (`quant_api.apart`; `dense_matmul_multi` does the same). partials: each as [S, *x.shape[:-1], out], the launch's split
   partial sums (S = 1: the product itself), for a kernel that adds them itself
-  (`gemv.sum_partials`, then x's dtype: `linear`'s bits)."""
-  if not (len(ws) > 1 and all(isinstance(w, DRef) and w.fused for w in ws)
-          and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1):
+  (`gemv.sum_partials`, then x's dtype: `linear`'s bits). x may be a `NormedInput`: the
+  one-row GEMV's launch then makes the norm (`quant_api.norm_launch_rows`); else it is made
+  first."""
+  one_launch = (len(ws) > 1 and all(isinstance(w, DRef) and w.fused for w in ws)
+                and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1)
+  norm = None
+  if isinstance(x, NormedInput):
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+    n = x.x.size // x.shape[-1]
+    if one_launch and quant_api.norm_launch_rows(len(ws), n, x.shape[-1], ws[0].implementation):
+      x, norm = x.x, (x.w, x.eps)
+    else:
+      x = x.made()
+  if not one_launch:
     from pallas_kernels.quant.api import apart  # noqa: PLC0415 (kernels load lazily)
     xs = apart(x, len(ws)) if all(isinstance(w, jnp.ndarray) for w in ws) else [x] * len(ws)
     return [linear(xi, w)[None] if partials else linear(xi, w) for xi, w in zip(xs, ws)]
@@ -142,7 +174,7 @@ def linears(x, ws, partials=False):
   x2 = x.reshape(-1, x.shape[-1])
   ys = quant_api.dense_matmul_multi(x2, [w.w for w in ws], ws[0].index,
                                     implementation=ws[0].implementation, few=ws[0].few,
-                                    partials=partials)
+                                    partials=partials, norm=norm)
   if partials:
     return [y.reshape(y.shape[0], *x.shape[:-1], y.shape[-1]) for y in ys]
   return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]

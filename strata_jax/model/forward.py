@@ -11,8 +11,8 @@ from pallas_kernels.gdn.api import in_place as gdn_in_place
 from pallas_kernels.quant.layout import QTensor
 from strata_jax.config import ATTN, GDN, ModelConfig
 from strata_jax.model.attention import attn_mixer
-from strata_jax.model.common import (DRef, QRef, dense_lora_in_kernel, linear, residual_norm,
-                                     rms_norm)
+from strata_jax.model.common import (DRef, NormedInput, QRef, dense_lora_in_kernel, linear,
+                                     residual_norm, rms_norm)
 from strata_jax.model.gdn import gdn_mixer
 from strata_jax.model.moe import moe
 from strata_jax.params import QGroups
@@ -235,6 +235,7 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   # The expert stacks whole, for the few-token MoE kernel (reads layer `blk * period + li`).
   stacks = (layers.moe.gate_exps, layers.moe.up_exps, layers.moe.down_exps)
   real = (jnp.arange(T, dtype=jnp.int32)[None, :] < n_new[:, None]).reshape(B * T)
+  in_proj_norm = T == 1 and cfg.forms.input_norm == "in_proj"
 
   def body(carry, xs):
     x, (kc, vc), ssm_all = carry   # ssm_all: the whole ssm stack, or None (then ssm_in)
@@ -242,7 +243,9 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
     conv_out, ssm_out, cut_out = [], [], []
     gi = ai = 0
     for li, kind in enumerate(block_types):
-      h = rms_norm(x, attn_norm[li], cfg.rms_eps)
+      # `Forms.input_norm` "in_proj": a decode step's norm made by the projections' launch
+      h = (NormedInput(x, attn_norm[li], cfg.rms_eps) if in_proj_norm
+           else rms_norm(x, attn_norm[li], cfg.rms_eps))
       if kind == ATTN:
         p = _layer(cfg, ap, attn_q, ai, blk * n_a + ai, attn_w)
         la_i = (la[0][ai], la[1][ai]) if la is not None else (None, None)
