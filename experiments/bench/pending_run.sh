@@ -844,16 +844,19 @@ fi
 # Session of 2026-12-07 (twenty-third). SECTIONS=s23a (~7 min): the input norm made by the
 # projections' one-row launch (Forms.input_norm="in_proj"): its compiled kernel tests, then
 # the batch-1 decode A/B in one process (no adapter and adapter on, base again last) with its
-# profile; on an H200 the prefill program and the transformers peer (owed since run 77: one
+# profile, at the Engine's batch-1 capacity (2,560 keys), beside the Engine's own program
+# (`sample`) with and without the attention prologue (owed14: the prologue won in
+# decode_greedy at 512 keys and lost through the Engine; its profile names what grows); on an H200 the prefill program and the transformers peer (owed since run 77: one
 # card's prefill_vs_transformers); then the Engine at batch 1 on this commit's defaults (owed:
 # the gdn_conv "taps" default through the Engine), and with input_norm=in_proj if time is left.
 if want s23a; then
   JAX_PLATFORMS=cuda timeout 80 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
     tests/test_multi_launch_kernel.py -k "norm or gpu_multi" 2>&1 \
     | tee $OUT/gpu_tests_norm_launch.log | tail -3
-  timeout 170 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
-    --variants base,normproj,base@on,normproj@on,base --profile normproj \
-    --out $OUT/decode_probe_b1_s23.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-330
+  timeout 220 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+    --max_seq 2560 --variants base,normproj,base@on,normproj@on,sample,sample+attnpro,base \
+    --profile normproj,sample+attnpro --out $OUT/decode_probe_b1_s23.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-330
   echo "s23a probe done $(( $(date +%s) - t0 )) s"
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     timeout 60 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
