@@ -187,7 +187,8 @@ def _program(refs, pid, g, t: Blocks):
     ix = (g, jnp.int32(r), pl.ds(u0, U), *map(jnp.int32, lead))
     if t.norm:   # rms_norm's roundings: (x * inv) * w in fp32, rounded once to x's dtype
       xn = x_ref.at[ix][...].astype(_F32) * inv[r]
-      return (xn * nw_ref.at[pl.ds(u0, U)][...].astype(_F32)).astype(t.cd).astype(_F32)
+      xn = (xn * nw_ref.at[pl.ds(u0, U)][...].astype(_F32)).astype(x_ref.dtype)
+      return xn.astype(t.cd).astype(_F32)
     return x_ref.at[ix][...].astype(t.cd).astype(_F32)
 
   def body(step, accs):
