@@ -233,6 +233,14 @@ CHOICES: dict[str, tuple] = {
     # and normalises its share of it (`pallas_kernels/quant/gemv.py`, `_row_inv_rms`), with
     # the reference's roundings but its sum of squares in another order. "auto" = "xla".
     "input_norm": ("auto", "xla", "in_proj"),
+    # a decode step's RMSNorm before the MoE: "xla" = XLA makes it after the residual add (two
+    # fusions a layer, the shared expert's sigmoid-gate dot riding in the second: 48 x
+    # (1.2 + 2.55) us on the H100, run 77), and the router's GEMV is a launch of its own;
+    # "in_launch" = one launch of the one-row GEMV makes the norm and runs the router's fp32
+    # product, the shared expert's gate and up, and writes the normed row for the experts'
+    # kernel and the sigmoid gate (`moe._inputs_in_launch`), where the in-place GEMV takes
+    # them (`dense_weights="kernel"`, `dense_launch="fused"`). "auto" = "xla".
+    "moe_norm": ("auto", "xla", "in_launch"),
 }
 
 
@@ -278,6 +286,7 @@ class Forms:
   proj_finish: str = "auto"
   head: str = "auto"
   input_norm: str = "auto"
+  moe_norm: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -325,6 +334,7 @@ class Forms:
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
         head=auto(self.head, "kernel", "xla"),
         input_norm=auto(self.input_norm, "xla", "xla"),
+        moe_norm=auto(self.moe_norm, "xla", "xla"),
         matmul_precision=precision)
 
   def check_backend(self, backend: str) -> Forms:

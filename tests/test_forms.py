@@ -509,19 +509,23 @@ def test_gdn_prefill_forms_give_the_default_forms_logits(monkeypatch):
   assert not np.array_equal(logits["default"][0], logits["default"][1])
 
 
-def test_input_norm_in_proj_decodes_the_xla_norms_tokens_with_the_norm_inside_the_launch():
-  """`input_norm="in_proj"` (one-row decode under the in-place GEMV, interpreted here): the
-  norm before each mixer is made by its projections' launch, so the layer scan's body holds
-  one XLA rsqrt a layer fewer (the norm before the MoE stays); the prompt is the "xla" form's
-  bit for bit (several rows: the norm is XLA's), decode steps to fp32 summation order with the
-  same tokens, and the adapter switched off is the no-adapter engine of the same forms bit
-  for bit."""
+@pytest.mark.parametrize("changes,norms", [
+    ({"input_norm": "in_proj"}, 1), ({"moe_norm": "in_launch"}, 1),
+    ({"input_norm": "in_proj", "moe_norm": "in_launch"}, 2)])
+def test_norms_in_the_launches_decode_the_xla_norms_tokens(changes, norms):
+  """`input_norm="in_proj"` (the norm before each mixer, made by its projections' launch) and
+  `moe_norm="in_launch"` (the norm before the MoE, made by one launch with the router's and
+  the shared expert's products; one-row decode under the in-place GEMV, interpreted here):
+  the layer scan's body holds `norms` XLA rsqrts a layer fewer; the prompt is the "xla"
+  forms' bit for bit (several rows: the norms are XLA's), decode steps to fp32 summation
+  order with the same tokens, and the adapter switched off is the no-adapter engine of the
+  same forms bit for bit."""
   from jaxpr_walk import eqns
   model = tiny_model()
   lora = random_lora()
   prompt = list(range(3, 70))
-  forms = {v: Forms(dense_weights="kernel", quant_impl="pallas_interpret", input_norm=v)
-           for v in ("xla", "in_proj")}
+  base = Forms(dense_weights="kernel", quant_impl="pallas_interpret")
+  forms = {"xla": base, "in": dataclasses.replace(base, **changes)}
 
   def rsqrts(form):
     cfg = dataclasses.replace(TINY, forms=forms[form].resolve(jax.default_backend(),
@@ -533,18 +537,18 @@ def test_input_norm_in_proj_decodes_the_xla_norms_tokens_with_the_norm_inside_th
     return names.count("rsqrt"), names.count("scan")   # (layer scans: one a LoRA branch)
 
   from strata_jax.model.forward import pattern_period
-  (xla, scans), (in_proj, scans_in) = rsqrts("xla"), rsqrts("in_proj")
+  (xla, scans), (inside, scans_in) = rsqrts("xla"), rsqrts("in")
   assert scans == scans_in >= 1
-  assert xla - in_proj == pattern_period(TINY.layer_types) * scans
+  assert xla - inside == norms * pattern_period(TINY.layer_types) * scans
   run = lambda f, lo, on: sj.Engine(model, lora=lo, slots=1, max_seq=128, block_size=32,
                                     forms=forms[f]).generate(
       tokens=prompt, max_tokens=4, return_logits=True, return_step_logits=True, lora=on)
   got = {}
   for on in (False, True):
-    ref, got[on] = run("xla", lora, on), run("in_proj", lora, on)
+    ref, got[on] = run("xla", lora, on), run("in", lora, on)
     assert np.array_equal(got[on].prompt_logits, ref.prompt_logits)
     assert got[on].tokens == ref.tokens
     assert_close(got[on].step_logits, ref.step_logits, rel=DENSE_GEMV_REL_FP32,
-                 what=f"in_proj norm, adapter {'on' if on else 'off'}")
-  off, bare = got[False], run("in_proj", None, None)
+                 what=f"{changes}, adapter {'on' if on else 'off'}")
+  off, bare = got[False], run("in", None, None)
   assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens

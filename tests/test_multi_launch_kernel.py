@@ -280,3 +280,45 @@ def test_gpu_multi_with_norm_multiplies_the_rms_norm():
   for j, (y, s) in enumerate(zip(got, stacks)):
     want = h64 @ np.asarray(s[1], np.float64).T
     assert_close(y, want, rel=KERNEL_REL["bfloat16"], what=f"gpu part {j}")
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_multi_with_norm_gives_fp32_parts_and_the_normed_rows(m):
+  """The MoE's launch (`Forms.moe_norm`): a router part whose x is the normed row converted
+  to fp32 (its fp32 product of rms_norm's bf16 values), bf16 parts, and the normed rows
+  themselves as one more output. One row, the GEMV's launch: each to its sum-of-squares
+  order against the reference (the rows themselves to one bf16 rounding); more rows: the
+  reference norm and each call, bit for bit."""
+  from pallas_kernels.attention.reference import rms_norm
+  from pallas_kernels.quant.api import dense_matmul
+  x, stacks, w = _norm_case(m, BF16, seed=41)
+  eps = 1e-6
+  stacks = [stacks[0].astype(F32), *stacks[1:]]   # the router: an fp32 stack
+  kw = dict(implementation="pallas_interpret")
+  f = lambda x, s, w: dense_matmul_multi(x, s, jnp.int32(1), partials=True, norm=(w, eps),
+                                         x_dtypes=(F32, BF16, BF16), normed_out=True, **kw)
+  *parts, h = jax.jit(f)(x, stacks, w)
+  h_ref = jax.jit(lambda x, w: rms_norm(x, w, eps))(x, w)
+  assert h.shape == x.shape and h.dtype == BF16
+  assert [p.dtype for p in parts][0] == F32
+  for j, (p, s, dt) in enumerate(zip(parts, stacks, (F32, BF16, BF16))):
+    y = gemv.sum_partials(p.astype(F32)).astype(dt)
+    ref = jax.jit(lambda h, s: dense_matmul(h.astype(dt), s, jnp.int32(1), **kw))(h_ref, s)
+    if m == 1:
+      assert_close(y, np.asarray(ref, np.float64), rel=KERNEL_REL[jnp.dtype(dt).name],
+                   what=f"part {j}")
+    else:
+      assert np.array_equal(_bits(y), _bits(ref)), f"part {j}"
+  if m == 1:
+    assert_close(h, np.asarray(h_ref, np.float64), rel=KERNEL_REL["bfloat16"], what="rows")
+  else:
+    assert np.array_equal(_bits(h), _bits(h_ref))
+
+
+def test_multi_refuses_x_dtypes_or_normed_rows_without_a_norm():
+  x, stacks, _ = _norm_case(1, BF16, seed=42)
+  with pytest.raises(ValueError, match="need a norm|make the norm|makes the norm"):
+    dense_multi_call(x, stacks, jnp.zeros((1,), jnp.int32), interpret=True, normed_out=True)
+  with pytest.raises(ValueError, match="need a norm"):
+    dense_matmul_multi(jnp.zeros((4, IN), BF16), stacks, jnp.int32(0),
+                       implementation="pallas_interpret", x_dtypes=(F32, BF16, BF16))

@@ -58,6 +58,8 @@ the model code at a time (each traced and compiled afresh), timed side by side i
             (Forms.gdn_gated_norm="in_op"), not after the op in XLA
   normproj  a decode step's RMSNorm before each mixer made by its projections' one-row launch
             (Forms.input_norm="in_proj"), not by two XLA fusions before it
+  normmoe   the RMSNorm before the MoE made by one launch with the router's product and the
+            shared expert's gate / up, which writes the normed row (Forms.moe_norm)
   With --prefill T the variants time `steps.prefill` of a T-token chunk instead (--profile:
   one traced call each).
   Variants combine with '+': "bf16dot+unroll". Each is timed with no adapter, or, when the
@@ -100,6 +102,7 @@ FORM_VARIANTS = {
     "convjoin": {"gdn_conv": "concat"},   # the taps sliced from the concatenation (before run 78)
     "gnormop": {"gdn_gated_norm": "in_op"},   # the gated norm in the chunked op's launch
     "normproj": {"input_norm": "in_proj"},   # the input norm in the projections' launch
+    "normmoe": {"moe_norm": "in_launch"},    # the MoE's norm in the router's launch
     "pfin": {"proj_finish": "kernel"},   # one kernel after each mixer's output projection
     "xfin": {"proj_finish": "xla"},      # XLA's fusions after it (the default before run 54)
     "headgemv": {"head": "kernel"},   # the head by the in-place kernels (the GPU's default)

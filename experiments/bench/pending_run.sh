@@ -841,21 +841,23 @@ if want s22a; then
   GPU_SET=model GPU_TESTS="tests/test_model_parity.py" CAP=$(( $(left) - 8 )) WORKERS=4 \
     bash experiments/bench/gpu_tests.sh -k "parallel or greedy" | tail -2
 fi
-# Session of 2026-12-07 (twenty-third). SECTIONS=s23a (~7 min): the input norm made by the
-# projections' one-row launch (Forms.input_norm="in_proj"): its compiled kernel tests, then
+# Session of 2026-12-07 (twenty-third). SECTIONS=s23a (~8 min): the input norm made by the
+# projections' one-row launch (Forms.input_norm="in_proj") and the MoE's norm by the router's
+# launch (Forms.moe_norm="in_launch"): their compiled kernel tests, then
 # the batch-1 decode A/B in one process (no adapter and adapter on, base again last) with its
 # profile, at the Engine's batch-1 capacity (2,560 keys), beside the Engine's own program
 # (`sample`) with and without the attention prologue (owed14: the prologue won in
 # decode_greedy at 512 keys and lost through the Engine; its profile names what grows); on an H200 the prefill program and the transformers peer (owed since run 77: one
 # card's prefill_vs_transformers); then the Engine at batch 1 on this commit's defaults (owed:
-# the gdn_conv "taps" default through the Engine), and with input_norm=in_proj if time is left.
+# the gdn_conv "taps" default through the Engine), and with both norms in launches if time is left.
 if want s23a; then
   JAX_PLATFORMS=cuda timeout 80 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
     tests/test_multi_launch_kernel.py -k "norm or gpu_multi" 2>&1 \
     | tee $OUT/gpu_tests_norm_launch.log | tail -3
-  timeout 220 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
-    --max_seq 2560 --variants base,normproj,base@on,normproj@on,sample,sample+attnpro,base \
-    --profile normproj,sample+attnpro --out $OUT/decode_probe_b1_s23.json 2>&1 \
+  timeout 250 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+    --max_seq 2560 --variants \
+    base,normproj,normmoe,normproj+normmoe,base@on,normproj+normmoe@on,sample,sample+attnpro,base \
+    --profile normproj+normmoe,sample+attnpro --out $OUT/decode_probe_b1_s23.json 2>&1 \
     | grep -e '"variant"' -e Error | cut -c1-330
   echo "s23a probe done $(( $(date +%s) - t0 )) s"
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
@@ -871,7 +873,8 @@ if want s23a; then
     --reps 2 --batches 1 --out $OUT/bench_engine_b1_s23.json 2>&1 \
     | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
   [ $(left) -gt 100 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
-    --reps 2 --batches 1 --forms input_norm=in_proj --out $OUT/bench_engine_b1_s23_normproj.json \
+    --reps 2 --batches 1 --forms input_norm=in_proj,moe_norm=in_launch \
+    --out $OUT/bench_engine_b1_s23_norms.json \
     2>&1 | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
 fi
 rm -rf $OUT/tmp

@@ -264,7 +264,7 @@ def dense_matmul_parts(x, stack, index, *, implementation="auto", few="dot", til
 
 
 def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", partials=False,
-                       norm=None):
+                       norm=None, x_dtypes=None, normed_out=False):
   """[dense_matmul(x, s, index, ...) for s in stacks], the stacks sharing `in` (a layer's
   projections of one input): where one kernel form takes the rows for every stack (the GEMV's
   one row; dense_dot's 2 to 64 rows of one 16-bit dtype), all the products run in one launch
@@ -274,7 +274,9 @@ def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", pa
   product above bit for bit.
   norm: (w [in], eps): the products are of rms_norm(x, w, eps), x the raw residual. The
   GEMV's launch makes the norm in its programs (`gemv.dense_multi_call`); every other form
-  takes the reference's norm first (`norm_launch_rows` says which)."""
+  takes the reference's norm first (`norm_launch_rows` says which). With norm: x_dtypes, per
+  stack the dtype its product's x has (the normed rows converted, as the router's fp32), and
+  normed_out, the normed rows [N, in] returned after the products."""
   n, d_in = x.shape
   impl = resolve(implementation)
   stacks = [_stack3(s) for s in stacks]
@@ -283,9 +285,19 @@ def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", pa
   if len(stacks) > 1 and dense_kernel_rows(n, d_in, implementation):
     idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
     return gemv.dense_multi_call(x, stacks, idx, interpret=interpret, compiler_params=params,
-                                 partials=partials, norm=norm)
+                                 partials=partials, norm=norm, x_dtypes=x_dtypes,
+                                 normed_out=normed_out)
+  if norm is None and (x_dtypes is not None or normed_out):
+    raise ValueError("dense matmul multi: x_dtypes and normed_out need a norm")
   if norm is not None:
     x = rms_norm(x, *norm)
+    extra = [x] if normed_out else []
+    if x_dtypes is not None and any(jnp.dtype(d) != x.dtype for d in x_dtypes):
+      ys = [dense_matmul(x.astype(d), s, index, implementation=implementation, few=few)
+            for d, s in zip(x_dtypes, stacks)]
+      return [y[None] for y in ys] + extra if partials else ys + extra
+    return dense_matmul_multi(x, stacks, index, implementation=implementation, few=few,
+                              partials=partials) + extra
   if len(stacks) > 1 and all(dense_dot_rows(n, x.dtype, s.dtype, implementation, few)
                              for s in stacks):
     return dense_dot.dense_dot_multi_call(x, stacks, index, interpret=interpret,

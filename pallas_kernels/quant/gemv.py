@@ -446,7 +446,7 @@ def _one_group_program(refs, pid, *, t):
 
 
 def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_params=None,
-                     partials=False, norm=None):
+                     partials=False, norm=None, x_dtypes=None, normed_out=False):
   """[dense_call(x[None], s, idx)[0] for s in stacks] in one launch (`multi.launch`): x
   [M, in], every stack [S_m, out_m, in], idx [1] int32. Each part keeps its own call's tiling
   (`dense_defaults`, or tiles[m]: {block_out, block_in, k_split}), so each result is that
@@ -454,39 +454,73 @@ def dense_multi_call(x, stacks, idx, *, tiles=None, interpret=False, compiler_pa
   (fp32 when split), for a consumer kernel that adds them (`sum_partials`, then x's dtype).
   norm: (w [in], eps): x is the raw residual and the products are of rms_norm(x, w, eps),
   made in each program (`_row_inv_rms`; the reference's roundings, its sum of squares in
-  another order), so no XLA kernels make it first (`Forms.input_norm` "in_proj")."""
+  another order), so no XLA kernels make it first (`Forms.input_norm` "in_proj").
+  x_dtypes (with norm): per part, the dtype its call's x has: the normed row (x's dtype)
+  converted to it, exactly, as `dense_call(h.astype(x_dtype))` (the router's fp32 product,
+  `Forms.moe_norm`). normed_out (with norm): one program more writes the normed rows
+  h [M, in] in x's dtype, returned after the products, for the readers outside the launch."""
   m, d_in = x.shape
   if d_in % DENSE_UNIT:
     raise ValueError(f"dense gemv: x {x.shape}: `in` must be a multiple of {DENSE_UNIT}")
   if norm is not None and jnp.shape(norm[0]) != (d_in,):
     raise ValueError(f"dense gemv: norm weight {jnp.shape(norm[0])} must be [{d_in}]")
+  if norm is None and (x_dtypes is not None or normed_out):
+    raise ValueError("dense gemv: x_dtypes and normed_out are for a launch that makes the norm")
   if compiler_params is None and not interpret:
     compiler_params = triton_params()
-  dt, cd = jnp.dtype(x.dtype), _dense_cd(x.dtype)
   units = d_in // DENSE_UNIT
   xv = x.reshape(1, m, units, DENSE_UNIT)
-  parts, splits = [], []
+  nw = () if norm is None else (jnp.reshape(norm[0], (units, DENSE_UNIT)),)
+  eps = 0.0 if norm is None else float(norm[1])
+  parts, splits, dts = [], [], []
   for j, stack in enumerate(stacks):
     n_mats, d_out, w_in = stack.shape
     if w_in != d_in:
       raise ValueError(f"dense gemv: x {x.shape} and stack {stack.shape} need a shared `in`")
+    dt = jnp.dtype(x.dtype if x_dtypes is None else x_dtypes[j])
     bo, unroll, ks = _dense_tiling(d_out, d_in, interpret=interpret,
                                    **(tiles[j] if tiles else {}))
     t = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=d_out, block_out=bo,
-               unroll=unroll, k_split=ks, out_tiles=pl.cdiv(d_out, bo), cd=cd,
-               out_dtype=_F32 if ks > 1 else dt, norm=norm is not None,
-               eps=0.0 if norm is None else float(norm[1]))
+               unroll=unroll, k_split=ks, out_tiles=pl.cdiv(d_out, bo), cd=_dense_cd(dt),
+               out_dtype=_F32 if ks > 1 else dt, norm=norm is not None, eps=eps)
     i = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0, n_mats - 1)
-    nw = () if norm is None else (jnp.reshape(norm[0], (units, DENSE_UNIT)),)
     parts.append(Part(functools.partial(_one_group_program, t=t), t.out_tiles * ks,
                       (i, xv, *nw, stack.reshape(n_mats, d_out, units, DENSE_UNIT)),
                       jax.ShapeDtypeStruct((ks, m, d_out), t.out_dtype)))
     splits.append(ks)
-  ys = launch(parts, name="qgemv_dense_multi", interpret=interpret,
-              compiler_params=compiler_params)
+    dts.append(dt)
+  if normed_out:
+    t = Blocks(qtype=DENSE, groups=1, m=m, units=units, d_out=0, block_out=0,
+               unroll=_dense_unroll(units, 512), k_split=1, out_tiles=1, cd=x.dtype,
+               out_dtype=x.dtype, norm=True, eps=eps)
+    parts.append(Part(functools.partial(_normed_rows_program, t=t), 1, (xv, *nw),
+                      jax.ShapeDtypeStruct((m, units, DENSE_UNIT), x.dtype)))
+  ys = list(launch(parts, name="qgemv_dense_multi", interpret=interpret,
+                   compiler_params=compiler_params))
+  extra = [ys.pop().reshape(m, d_in)] if normed_out else []
   if partials:
-    return ys
-  return [sum_partials(y).astype(dt) if ks > 1 else y[0] for y, ks in zip(ys, splits)]
+    return ys + extra
+  return [sum_partials(y).astype(dt) if ks > 1 else y[0]
+          for y, ks, dt in zip(ys, splits, dts)] + extra
+
+
+def _normed_rows_program(refs, pid, *, t):
+  """h = rms_norm(x, w, eps) [M, units, 32] in x's dtype: the rows the products of the launch
+  read, for readers outside it (one program)."""
+  del pid
+  x_ref, nw_ref, h_ref = refs
+  inv = _row_inv_rms(x_ref, jnp.int32(0), t)
+  U = t.unroll
+
+  def body(step, carry):
+    cols = pl.ds(step * U, U)
+    w = nw_ref.at[cols][...].astype(_F32)
+    for r in range(t.m):
+      xn = x_ref.at[0, jnp.int32(r), cols][...].astype(_F32) * inv[r]
+      h_ref.at[jnp.int32(r), cols][...] = (xn * w).astype(h_ref.dtype)
+    return carry
+
+  lax.fori_loop(0, t.units // U, body, 0)
 
 
 # The LoRA rows in the GEMV's launch: the adapter's down projection h = A x is R more output

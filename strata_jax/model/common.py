@@ -144,6 +144,13 @@ class NormedInput:
   def made(self):
     return rms_norm(self.x, self.w, self.eps)
 
+  def reshape(self, *shape):
+    """The same norm of x reshaped (the last axis, the norm's, kept)."""
+    x = self.x.reshape(*shape)
+    if x.shape[-1] != self.x.shape[-1]:
+      raise ValueError(f"NormedInput: a reshape to {x.shape} changes the normed axis")
+    return NormedInput(x, self.w, self.eps)
+
 
 def linears(x, ws, partials=False):
   """[linear(x, w) for w in ws]. When every w is a DRef at one layer index made `fused` (a
@@ -206,17 +213,18 @@ class Pending:
   implementation: str
 
 
-def residual_norm(x, y, norm_w, eps):
+def residual_norm(x, y, norm_w, eps, defer: bool = False):
   """(x + y, rms_norm(x + y, norm_w)): the residual add after a mixer and the norm before the
   MoE. A `Pending` y is finished by one kernel launch (`quant_api.finish_residual`), and the
-  norm is this module's in either case."""
+  norm is this module's in either case; defer: the norm as a `NormedInput`, for the MoE's
+  launch to make (`Forms.moe_norm` "in_launch")."""
   if not isinstance(y, Pending):
     x = x + y
-    return x, rms_norm(x, norm_w, eps)
-  from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
-  x = quant_api.finish_residual(y.parts, x.reshape(-1, x.shape[-1]), lora=y.lora,
-                                implementation=y.implementation).reshape(x.shape)
-  return x, rms_norm(x, norm_w, eps)
+  else:
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+    x = quant_api.finish_residual(y.parts, x.reshape(-1, x.shape[-1]), lora=y.lora,
+                                  implementation=y.implementation).reshape(x.shape)
+  return x, NormedInput(x, norm_w, eps) if defer else rms_norm(x, norm_w, eps)
 
 
 def _pending(x2, w, lora_a, lora_b, on, rank_scale, gemv_lora):

@@ -236,6 +236,7 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   stacks = (layers.moe.gate_exps, layers.moe.up_exps, layers.moe.down_exps)
   real = (jnp.arange(T, dtype=jnp.int32)[None, :] < n_new[:, None]).reshape(B * T)
   in_proj_norm = T == 1 and cfg.forms.input_norm == "in_proj"
+  in_launch_moe_norm = T == 1 and cfg.forms.moe_norm == "in_launch"
 
   def body(carry, xs):
     x, (kc, vc), ssm_all = carry   # ssm_all: the whole ssm stack, or None (then ssm_in)
@@ -270,7 +271,8 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
           cut_out += at_cut
         conv_out.append(conv)
         gi += 1
-      x, h = residual_norm(x, y, post_norm[li], cfg.rms_eps)   # y may be `Pending`
+      x, h = residual_norm(x, y, post_norm[li], cfg.rms_eps,   # y may be `Pending`
+                           defer=in_launch_moe_norm)
       h = h.reshape(B * T, D)
       x = x + moe(cfg, _layer(cfg, moe_p, moe_q, li, blk * period + li, moe_w), h, stacks,
                   blk * period + li, real=real,

@@ -7,13 +7,38 @@ import jax.numpy as jnp
 from pallas_kernels._common import argsort_ids
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import group_call, is_quant, linear, linear_parts, linears
+from pallas_kernels._common import sum_partials
+from strata_jax.model.common import (DRef, NormedInput, group_call, is_quant, linear,
+                                     linear_parts, linears)
 from strata_jax.params import QGroups
 
 
-def _glu(x, wg, wu, wd):
-  g, u = linears(x, [wg, wu])
+def _glu(x, wg, wu, wd, gu=None):
+  """The shared expert; gu: its gate and up products of x, made already (`_inputs_in_launch`)."""
+  g, u = linears(x, [wg, wu]) if gu is None else gu
   return linear(jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u, wd)
+
+
+def _inputs_in_launch(p, x: NormedInput):
+  """(router partials [S, N, E] fp32, (shared gate, shared up) [N, F], h [N, D]) from one
+  launch that makes the norm before the MoE, `Forms.moe_norm` "in_launch": the router's
+  fp32 product, the shared expert's gate and up and the normed rows themselves (for the
+  experts and the shared expert's sigmoid gate), where the one-row GEMV takes them (each
+  product `linear_parts` / `linears` of rms_norm(x) to its sum of squares' order); else
+  None."""
+  from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+  ws = (p.router, p.shared_gate, p.shared_up)
+  n, d = x.x.size // x.shape[-1], x.shape[-1]
+  if not (all(isinstance(w, DRef) and w.fused for w in ws)
+          and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1
+          and quant_api.norm_launch_rows(len(ws), n, d, ws[0].implementation)):
+    return None
+  router, g, u, h = quant_api.dense_matmul_multi(
+      x.x.reshape(n, d), [w.w for w in ws], ws[0].index, implementation=ws[0].implementation,
+      few=ws[0].few, partials=True, norm=(x.w, x.eps),
+      x_dtypes=(jnp.float32, x.dtype, x.dtype), normed_out=True)
+  whole = lambda y: sum_partials(y).astype(x.dtype)
+  return router, (whole(g), whole(u)), h
 
 
 def _grouped_dot(xs, w, group_sizes):
@@ -55,7 +80,8 @@ def many_tokens_form(form: str) -> str:
 
 def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
         form_tokens: int | None = None):
-  """x [N, D] -> [N, D]; p one layer's MoEParams. `stacks` (the whole [L, ...] expert weight
+  """x [N, D] -> [N, D]; p one layer's MoEParams. x may be a `NormedInput` (the norm before
+  the MoE not yet made: `_inputs_in_launch` makes it with the router's product). `stacks` (the whole [L, ...] expert weight
   stacks) and `layer` (this layer's index in them, may be traced) let the few-token kernel read
   the experts where they lie: a layer slice made by the scan would be copied for it first.
   `real` [N] bool marks the rows whose output is used (not padding, not an inactive slot).
@@ -64,8 +90,14 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
   rounding) the decode step of that batch takes."""
   N, D = x.shape
   k = cfg.n_experts_used
-  # [S, N, E] f32: the router GEMV's split partials (S = 1 where it does not split)
-  logits = linear_parts(x.astype(jnp.float32), p.router)
+  made = _inputs_in_launch(p, x) if isinstance(x, NormedInput) else None
+  shared_gu = None
+  if made is not None:
+    logits, shared_gu, x = made
+  else:
+    x = x.made() if isinstance(x, NormedInput) else x
+    # [S, N, E] f32: the router GEMV's split partials (S = 1 where it does not split)
+    logits = linear_parts(x.astype(jnp.float32), p.router)
   # their sum, softmax, top-k, renormalised: w [N, k] f32 (one launch under the Pallas form)
   w, idx = moe_api.route(logits, k, implementation=cfg.forms.moe_topk)
   if real is not None:
@@ -110,6 +142,6 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
     h = jax.nn.silu(h_g).astype(x.dtype) * h_u.astype(x.dtype)
     y = jnp.einsum("nef,edf->ned", h, p.down_exps.astype(x.dtype), preferred_element_type=f32)
     routed = jnp.einsum("ned,ne->nd", y, dense_w)
-  shared = _glu(x, p.shared_gate, p.shared_up, p.shared_down).astype(jnp.float32)
+  shared = _glu(x, p.shared_gate, p.shared_up, p.shared_down, shared_gu).astype(jnp.float32)
   gate = jax.nn.sigmoid(linear(x.astype(jnp.float32), p.shared_gate_inp))  # [N, 1]
   return (routed + gate * shared).astype(x.dtype)
