@@ -515,7 +515,8 @@ def test_gdn_prefill_forms_give_the_default_forms_logits(monkeypatch):
 def test_norms_in_the_launches_decode_the_xla_norms_tokens(changes, norms):
   """`input_norm="in_proj"` (the norm before each mixer, made by its projections' launch) and
   `moe_norm="in_launch"` (the norm before the MoE, made by one launch with the router's and
-  the shared expert's products; one-row decode under the in-place GEMV, interpreted here):
+  the shared expert's products; one-row decode under the in-place GEMV, interpreted here,
+  compiled on a GPU):
   the layer scan's body holds `norms` XLA rsqrts a layer fewer; the prompt is the "xla"
   forms' bit for bit (several rows: the norms are XLA's), decode steps to fp32 summation
   order with the same tokens, and the adapter switched off is the no-adapter engine of the
@@ -524,7 +525,8 @@ def test_norms_in_the_launches_decode_the_xla_norms_tokens(changes, norms):
   model = tiny_model()
   lora = random_lora()
   prompt = list(range(3, 70))
-  base = Forms(dense_weights="kernel", quant_impl="pallas_interpret")
+  kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+  base = Forms(dense_weights="kernel", quant_impl=kernels)
   forms = {"xla": base, "in": dataclasses.replace(base, **changes)}
 
   def rsqrts(form):

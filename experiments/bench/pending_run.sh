@@ -860,6 +860,8 @@ if want s23a; then
     --profile normproj+normmoe,sample+attnpro --out $OUT/decode_probe_b1_s23.json 2>&1 \
     | grep -e '"variant"' -e Error | cut -c1-330
   echo "s23a probe done $(( $(date +%s) - t0 )) s"
+  JAX_PLATFORMS=cuda timeout 100 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_forms.py -k "norms_in_the_launches" 2>&1 | tee $OUT/gpu_tests_norm_forms.log | tail -3
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     timeout 60 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
       --variants base --out $OUT/decode_probe_prefill_s23.json 2>&1 \
