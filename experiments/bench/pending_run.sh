@@ -23,6 +23,20 @@ prefill_kernel_tests() {
     bash experiments/bench/gpu_tests.sh | tail -2
   mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_attn_prefill.log 2>/dev/null
 }
+# The transformers peer (HF eager `generate`, fla's kernels bound) within $1 s, to $OUT/$2.
+peer() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
+    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
+  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout $1 python3 experiments/bench/peer_transformers.py \
+    --out $OUT/$2 2>&1 | grep -i -e prefill -e decode -e error | cut -c1-300
+}
+# The Engine at batch 1, two reps, in what is left of CAP (if 100 s are), to $OUT/$1; $2: forms.
+engine_b1() {
+  [ $(left) -gt 100 ] || return 0
+  timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py --reps 2 --batches 1 \
+    ${2:+--forms $2} --out $OUT/$1 2>&1 | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error \
+    | cut -c1-300
+}
 # Session of 2026-12-03 (fifth), after the MoE decode kernels changed (moe_down one program
 # per (row, expert, D block); grouped row tiles from the pairs):
 #  call A, SECTIONS=s5tests,s5model: the GPU model set (transformers parity, greedy decode,
@@ -814,13 +828,8 @@ if want s20a; then
   timeout 120 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
     --variants base --profile base --dump-hlo $OUT/hlo --out $OUT/decode_probe_b1_s20.json 2>&1 \
     | grep -e '"variant"' -e Error | cut -c1-330
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
-    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
-  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 200 python3 experiments/bench/peer_transformers.py \
-    --out $OUT/peer_transformers_s20.json 2>&1 | grep -i -e prefill -e decode -e error | cut -c1-300
-  [ $(left) -gt 120 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
-    --reps 2 --batches 1 --out $OUT/bench_engine_b1_s20.json 2>&1 \
-    | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
+  peer 200 peer_transformers_s20.json
+  engine_b1 bench_engine_b1_s20.json
 fi
 # Session of 2026-12-06 (twenty-second; run 78). SECTIONS=s22a (~5 min, in place of the
 # twenty-first's s20e, which never ran): the two GDN prefill forms (Forms.gdn_conv="taps",
@@ -866,18 +875,10 @@ if want s23a; then
     timeout 60 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
       --variants base --out $OUT/decode_probe_prefill_s23.json 2>&1 \
       | grep -e '"variant"' -e Error | cut -c1-330
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
-      .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
-    PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 150 python3 experiments/bench/peer_transformers.py \
-      --out $OUT/peer_transformers_s23.json 2>&1 | grep -i -e prefill -e decode -e error | cut -c1-300
+    peer 150 peer_transformers_s23.json
   fi
-  [ $(left) -gt 100 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
-    --reps 2 --batches 1 --out $OUT/bench_engine_b1_s23.json 2>&1 \
-    | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
-  [ $(left) -gt 100 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/bench_engine.py \
-    --reps 2 --batches 1 --forms input_norm=in_proj,moe_norm=in_launch \
-    --out $OUT/bench_engine_b1_s23_norms.json \
-    2>&1 | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error | cut -c1-300
+  engine_b1 bench_engine_b1_s23.json
+  engine_b1 bench_engine_b1_s23_norms.json input_norm=in_proj,moe_norm=in_launch
 fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
