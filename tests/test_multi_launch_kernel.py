@@ -258,25 +258,40 @@ def test_gemv_multi_refuses_a_norm_weight_of_another_width():
                      norm=(w[:-32], 1e-6))
 
 
-def test_gemv_multi_with_norm_lowers_to_triton_for_the_gpu():
+@pytest.mark.parametrize("moe", [False, True])
+def test_gemv_multi_with_norm_lowers_to_triton_for_the_gpu(moe):
+  """The norm in the launch (and, for the MoE's launch, an fp32 part and the normed rows'
+  program) lowers for CUDA from this CPU machine."""
   from pallas_kernels.quant.gemv import triton_params
   x, stacks = _case(1, BF16, outs=(512, 64), d_in=1024)
   w = jnp.ones((1024,), BF16)
+  kw = dict(x_dtypes=(F32, BF16), normed_out=True) if moe else {}
   low = jax.jit(lambda x, s, w: dense_multi_call(
-      x, s, jnp.zeros((1,), jnp.int32), compiler_params=triton_params(), norm=(w, 1e-6))
+      x, s, jnp.zeros((1,), jnp.int32), compiler_params=triton_params(), norm=(w, 1e-6), **kw)
   ).trace(x, stacks, w).lower(lowering_platforms=("cuda",))
   assert "xla.gpu.triton" in low.as_text()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_gpu_multi_with_norm_multiplies_the_rms_norm():
-  """bench-a3b's GDN input projections at one row, compiled: against the float64 product of
-  the float64 norm, to bf16's rounding."""
-  x, stacks = _case(1, BF16, n_mats=2, seed=31, outs=(8192, 4096, 64), d_in=2048)
+@pytest.mark.parametrize("moe", [False, True])
+def test_gpu_multi_with_norm_multiplies_the_rms_norm(moe):
+  """Compiled, one row: bench-a3b's GDN input projections, or the MoE's launch (an fp32
+  router of 64 experts, the shared expert's gate / up of 512, the normed row): against the
+  float64 product of the float64 norm, to bf16's rounding."""
+  outs = (64, 512, 512) if moe else (8192, 4096, 64)
+  x, stacks = _case(1, BF16, n_mats=2, seed=31, outs=outs, d_in=2048)
   w = jnp.asarray(1.0 + 0.2 * np.random.default_rng(32).standard_normal(2048), BF16)
-  got = dense_matmul_multi(x, stacks, jnp.int32(1), implementation="pallas", norm=(w, 1e-6))
+  kw = {}
+  if moe:
+    stacks = [stacks[0].astype(F32), *stacks[1:]]
+    kw = dict(x_dtypes=(F32, BF16, BF16), normed_out=True)
+  got = dense_matmul_multi(x, stacks, jnp.int32(1), implementation="pallas", norm=(w, 1e-6),
+                           **kw)
   h64 = _normed64(x, w, 1e-6)
+  if moe:
+    *got, h = got
+    assert_close(h, h64, rel=KERNEL_REL["bfloat16"], what="gpu normed rows")
   for j, (y, s) in enumerate(zip(got, stacks)):
     want = h64 @ np.asarray(s[1], np.float64).T
     assert_close(y, want, rel=KERNEL_REL["bfloat16"], what=f"gpu part {j}")
