@@ -126,9 +126,10 @@ def linear_parts(x, w):
 
 @dataclasses.dataclass(frozen=True)
 class NormedInput:
-  """rms_norm(x, w, eps), not yet made: a decode step's input to a mixer, whose norm the
-  launch of the layer's projections makes (`Forms.input_norm` "in_proj", `linears`); any
-  other reader makes it first (`made`). shape and dtype are the normed input's."""
+  """rms_norm(x, w, eps), not yet made: a decode step's input to a mixer or to the MoE, whose
+  norm the launch of the layer's projections of it makes (`Forms.input_norm` "in_proj",
+  `linears`; `Forms.moe_norm` "in_launch", `moe._inputs_in_launch`); any other reader makes
+  it first (`made`). shape and dtype are the normed input's."""
   x: object
   w: object
   eps: float

@@ -4,10 +4,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import argsort_ids
+from pallas_kernels._common import argsort_ids, sum_partials
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from pallas_kernels._common import sum_partials
 from strata_jax.model.common import (DRef, NormedInput, group_call, is_quant, linear,
                                      linear_parts, linears)
 from strata_jax.params import QGroups
@@ -81,9 +80,10 @@ def many_tokens_form(form: str) -> str:
 def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
         form_tokens: int | None = None):
   """x [N, D] -> [N, D]; p one layer's MoEParams. x may be a `NormedInput` (the norm before
-  the MoE not yet made: `_inputs_in_launch` makes it with the router's product). `stacks` (the whole [L, ...] expert weight
-  stacks) and `layer` (this layer's index in them, may be traced) let the few-token kernel read
-  the experts where they lie: a layer slice made by the scan would be copied for it first.
+  the MoE not yet made: `_inputs_in_launch` makes it with the router's product). `stacks`
+  (the whole [L, ...] expert weight stacks) and `layer` (this layer's index in them, may be
+  traced) let the few-token kernel read the experts where they lie: a layer slice made by the
+  scan would be copied for it first.
   `real` [N] bool marks the rows whose output is used (not padding, not an inactive slot).
   `form_tokens` (static): the token count the few/many form is chosen for (default N); a
   speculative verification passes its row count, so each position takes the form (and the
