@@ -852,17 +852,15 @@ if want s22a; then
 fi
 # Session of 2026-12-07 (twenty-third). SECTIONS=s23a (~8 min): the input norm made by the
 # projections' one-row launch (Forms.input_norm="in_proj") and the MoE's norm by the router's
-# launch (Forms.moe_norm="in_launch"): their compiled kernel tests, then
-# the batch-1 decode A/B in one process (no adapter and adapter on, base again last) with its
-# profile, at the Engine's batch-1 capacity (2,560 keys), beside the Engine's own program
-# (`sample`) with and without the attention prologue (owed14: the prologue won in
-# decode_greedy at 512 keys and lost through the Engine; its profile names what grows); on an H200 the prefill program and the transformers peer (owed since run 77: one
-# card's prefill_vs_transformers); then the Engine at batch 1 on this commit's defaults (owed:
-# the gdn_conv "taps" default through the Engine), and with both norms in launches if time is left.
+# launch (Forms.moe_norm="in_launch"). First the batch-1 decode A/B in one process (no
+# adapter and adapter on, base again last) with its profile, at the Engine's batch-1 capacity
+# (2,560 keys), beside the Engine's own program (`sample`) with and without the attention
+# prologue (owed14: the prologue won in decode_greedy at 512 keys and lost through the
+# Engine; its profile names what grows); then the two forms' compiled tests; on an H200 the
+# prefill program and the transformers peer (owed since run 77: one card's
+# prefill_vs_transformers); then the Engine at batch 1 on this commit's defaults (owed: the
+# gdn_conv "taps" default through the Engine), and with both norms in launches if time is left.
 if want s23a; then
-  JAX_PLATFORMS=cuda timeout 80 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
-    tests/test_multi_launch_kernel.py -k "norm or gpu_multi" 2>&1 \
-    | tee $OUT/gpu_tests_norm_launch.log | tail -3
   timeout 250 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
     --max_seq 2560 --variants \
     base,normproj,normmoe,normproj+normmoe,base@on,normproj+normmoe@on,sample,sample+attnpro,base \
@@ -871,6 +869,9 @@ if want s23a; then
   echo "s23a probe done $(( $(date +%s) - t0 )) s"
   JAX_PLATFORMS=cuda timeout 100 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
     tests/test_forms.py -k "norms_in_the_launches" 2>&1 | tee $OUT/gpu_tests_norm_forms.log | tail -3
+  JAX_PLATFORMS=cuda timeout 80 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_multi_launch_kernel.py -k "norm or gpu_multi" 2>&1 \
+    | tee $OUT/gpu_tests_norm_launch.log | tail -3
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     timeout 60 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
       --variants base --out $OUT/decode_probe_prefill_s23.json 2>&1 \
