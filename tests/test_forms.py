@@ -510,8 +510,7 @@ def test_gdn_prefill_forms_give_the_default_forms_logits(monkeypatch):
 
 
 @pytest.mark.parametrize("changes,norms", [
-    ({"input_norm": "in_proj"}, 1), ({"moe_norm": "in_launch"}, 1),
-    ({"input_norm": "in_proj", "moe_norm": "in_launch"}, 2)])
+    ({"moe_norm": "in_launch"}, 1), ({"input_norm": "in_proj", "moe_norm": "in_launch"}, 2)])
 def test_norms_in_the_launches_decode_the_xla_norms_tokens(changes, norms):
   """`input_norm="in_proj"` (the norm before each mixer, made by its projections' launch) and
   `moe_norm="in_launch"` (the norm before the MoE, made by one launch with the router's and
