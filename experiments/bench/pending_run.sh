@@ -881,15 +881,5 @@ if want s23a; then
   engine_b1 bench_engine_b1_s23.json
   engine_b1 bench_engine_b1_s23_norms.json input_norm=in_proj,moe_norm=in_launch
 fi
-# SECTIONS=s23b (~4 min), for a call with little device time left: s23a's A/B of the two norm
-# forms together (no adapter, adapter on), with its profile, then their compiled forms tests.
-if want s23b; then
-  timeout 170 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
-    --max_seq 2560 --variants base,normproj+normmoe,base@on,normproj+normmoe@on,base \
-    --profile normproj+normmoe --out $OUT/decode_probe_b1_s23.json 2>&1 \
-    | grep -e '"variant"' -e Error | cut -c1-330
-  JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
-    tests/test_forms.py -k "norms_in_the_launches" 2>&1 | tee $OUT/gpu_tests_norm_forms.log | tail -3
-fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

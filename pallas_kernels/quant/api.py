@@ -282,7 +282,7 @@ def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", pa
   stacks = [_stack3(s) for s in stacks]
   interpret = impl == "pallas_interpret"
   params = triton_params() if impl == "pallas" else None
-  if len(stacks) > 1 and dense_kernel_rows(n, d_in, implementation):
+  if norm_launch_rows(len(stacks), n, d_in, implementation):
     idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
     return gemv.dense_multi_call(x, stacks, idx, interpret=interpret, compiler_params=params,
                                  partials=partials, norm=norm, x_dtypes=x_dtypes,
@@ -308,8 +308,8 @@ def dense_matmul_multi(x, stacks, index, *, implementation="auto", few="dot", pa
 
 
 def norm_launch_rows(n_stacks, n, d_in, implementation="auto"):
-  """Whether `dense_matmul_multi(norm=...)` makes the norm inside its launch (the one-row
-  GEMV over several stacks), not in XLA before it."""
+  """Whether `dense_matmul_multi` runs the GEMV's one launch over the stacks (one row, several
+  stacks), and so makes a `norm=` inside it, not in XLA before it."""
   return n_stacks > 1 and dense_kernel_rows(n, d_in, implementation)
 
 

@@ -185,9 +185,8 @@ def _program(refs, pid, g, t: Blocks):
   def xload(r, u0, *lead):
     """[U, *rest] of row r of x, rounded to the compute dtype, as fp32."""
     ix = (g, jnp.int32(r), pl.ds(u0, U), *map(jnp.int32, lead))
-    if t.norm:   # rms_norm's roundings: (x * inv) * w in fp32, rounded once to x's dtype
-      xn = x_ref.at[ix][...].astype(_F32) * inv[r]
-      xn = (xn * nw_ref.at[pl.ds(u0, U)][...].astype(_F32)).astype(x_ref.dtype)
+    if t.norm:
+      xn = _normed(x_ref.at[ix][...], inv[r], nw_ref.at[pl.ds(u0, U)][...])
       return xn.astype(t.cd).astype(_F32)
     return x_ref.at[ix][...].astype(t.cd).astype(_F32)
 
@@ -240,6 +239,12 @@ def _program(refs, pid, g, t: Blocks):
   out = ks * t.groups + g
   for r in range(t.m):
     masked_store(o_ref.at[out, jnp.int32(r), pl.ds(o0, bo)], accs[r].astype(t.out_dtype), o_ok)
+
+
+def _normed(x, inv, w):
+  """rms_norm's roundings on a tile of x (any float dtype): (x * inv) * w in fp32, rounded
+  once to x's dtype."""
+  return (x.astype(_F32) * inv * w.astype(_F32)).astype(x.dtype)
 
 
 def _row_inv_rms(x_ref, g, t: Blocks):
@@ -514,10 +519,10 @@ def _normed_rows_program(refs, pid, *, t):
 
   def body(step, carry):
     cols = pl.ds(step * U, U)
-    w = nw_ref.at[cols][...].astype(_F32)
+    w = nw_ref.at[cols][...]
     for r in range(t.m):
-      xn = x_ref.at[0, jnp.int32(r), cols][...].astype(_F32) * inv[r]
-      h_ref.at[jnp.int32(r), cols][...] = (xn * w).astype(h_ref.dtype)
+      h_ref.at[jnp.int32(r), cols][...] = _normed(x_ref.at[0, jnp.int32(r), cols][...],
+                                                  inv[r], w)
     return carry
 
   lax.fori_loop(0, t.units // U, body, 0)

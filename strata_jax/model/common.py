@@ -142,6 +142,11 @@ class NormedInput:
   def dtype(self):
     return self.x.dtype
 
+  @property
+  def rows(self):
+    """How many rows the norm is of (x's leading axes flattened)."""
+    return self.x.size // self.x.shape[-1]
+
   def made(self):
     return rms_norm(self.x, self.w, self.eps)
 
@@ -151,6 +156,13 @@ class NormedInput:
     if x.shape[-1] != self.x.shape[-1]:
       raise ValueError(f"NormedInput: a reshape to {x.shape} changes the normed axis")
     return NormedInput(x, self.w, self.eps)
+
+
+def one_launch(ws) -> bool:
+  """Whether the products of one input by `ws` can share one launch of the in-place kernels
+  (`Forms.dense_launch`): several DRefs made `fused`, at one layer index, of one kernel form."""
+  return (len(ws) > 1 and all(isinstance(w, DRef) and w.fused for w in ws)
+          and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1)
 
 
 def linears(x, ws, partials=False):
@@ -164,17 +176,15 @@ def linears(x, ws, partials=False):
   (`gemv.sum_partials`, then x's dtype: `linear`'s bits). x may be a `NormedInput`: the
   one-row GEMV's launch then makes the norm (`quant_api.norm_launch_rows`); else it is made
   first."""
-  one_launch = (len(ws) > 1 and all(isinstance(w, DRef) and w.fused for w in ws)
-                and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1)
+  fused = one_launch(ws)
   norm = None
   if isinstance(x, NormedInput):
     from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
-    n = x.x.size // x.shape[-1]
-    if one_launch and quant_api.norm_launch_rows(len(ws), n, x.shape[-1], ws[0].implementation):
+    if fused and quant_api.norm_launch_rows(len(ws), x.rows, x.shape[-1], ws[0].implementation):
       x, norm = x.x, (x.w, x.eps)
     else:
       x = x.made()
-  if not one_launch:
+  if not fused:
     from pallas_kernels.quant.api import apart  # noqa: PLC0415 (kernels load lazily)
     xs = apart(x, len(ws)) if all(isinstance(w, jnp.ndarray) for w in ws) else [x] * len(ws)
     return [linear(xi, w)[None] if partials else linear(xi, w) for xi, w in zip(xs, ws)]

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 from pallas_kernels._common import argsort_ids, sum_partials
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import (DRef, NormedInput, group_call, is_quant, linear,
-                                     linear_parts, linears)
+from strata_jax.model.common import (NormedInput, group_call, is_quant, linear, linear_parts,
+                                     linears, one_launch)
 from strata_jax.params import QGroups
 
 
@@ -27,10 +27,8 @@ def _inputs_in_launch(p, x: NormedInput):
   None."""
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
   ws = (p.router, p.shared_gate, p.shared_up)
-  n, d = x.x.size // x.shape[-1], x.shape[-1]
-  if not (all(isinstance(w, DRef) and w.fused for w in ws)
-          and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1
-          and quant_api.norm_launch_rows(len(ws), n, d, ws[0].implementation)):
+  n, d = x.rows, x.shape[-1]
+  if not (one_launch(ws) and quant_api.norm_launch_rows(len(ws), n, d, ws[0].implementation)):
     return None
   router, g, u, h = quant_api.dense_matmul_multi(
       x.x.reshape(n, d), [w.w for w in ws], ws[0].index, implementation=ws[0].implementation,
