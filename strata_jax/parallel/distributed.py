@@ -34,6 +34,11 @@ def initialize(coordinator: str, num_processes: int, process_id: int,
   jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU hosts only
   jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
   jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+  # Make the collectives' context now, while the processes are in step. Made lazily at the
+  # first broadcast, it waits at most 30 s (gloo's key-value wait, no knob) for a peer that
+  # may still be compiling: a loaded 2-core CI machine once failed there.
+  from jax.experimental import multihost_utils  # noqa: PLC0415 (multi-process only)
+  multihost_utils.broadcast_one_to_all(np.zeros((), np.int32))
 
 
 def multi_process() -> bool:
