@@ -881,5 +881,24 @@ if want s23a; then
   engine_b1 bench_engine_b1_s23.json
   engine_b1 bench_engine_b1_s23_norms.json input_norm=in_proj,moe_norm=in_launch
 fi
+# Session of 2026-12-07 (twenty-fourth). SECTIONS=s24a (~6 min): run 79 (H100) had the
+# Engine's sampling program 1.0 % faster with the attention prologue (sample+attnpro 4.442 ms
+# against sample 4.487, base run twice 4.439 / 4.444); the Engine itself decides. The Engine
+# at batch 1 with the prologue, then on the defaults again in the same call (the A/B), then
+# the norm-launch kernel tests (run 79 failed two interpreted cases on the GPU, now held to
+# bf16 there as INTERP_BITS rules); on an H200 the prefill program and the transformers peer.
+if want s24a; then
+  engine_b1 bench_engine_b1_s24_attnpro.json attn_decode=pallas_prologue
+  engine_b1 bench_engine_b1_s24.json
+  JAX_PLATFORMS=cuda timeout 80 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_multi_launch_kernel.py -k "norm or gpu_multi" 2>&1 \
+    | tee $OUT/gpu_tests_norm_launch.log | tail -3
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    timeout 60 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+      --variants base --out $OUT/decode_probe_prefill_s24.json 2>&1 \
+      | grep -e '"variant"' -e Error | cut -c1-330
+    peer 150 peer_transformers_s24.json
+  fi
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
