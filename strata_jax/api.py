@@ -92,7 +92,8 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
     dtype: compute dtype, "float32" or "bfloat16".
     layer_split: None (one device), "auto" (ranges from the file's tensor sizes and the
       devices' free memory), or per-stage layer counts ("24,24" or [24, 24]).
-    split_devices: device indices for the stages (default: the first N devices).
+    split_devices: device indices for the stages (default: the first N devices); given
+      without `layer_split`, the split is "auto" over these devices.
     forms: how each op is computed (`strata_jax.forms.Forms`; default `Forms()`), resolved
       for this backend and dtype: float32 runs full-fp32 matmuls unless it names "tf32".
     weights: "keep" (Q8_0 / Q4_K / Q5_K / Q6_K projections stay quantised on the device) or
@@ -108,6 +109,8 @@ def load_model(path: str | None = None, dtype="float32", layer_split=None,
   if weights not in WEIGHTS_MODES:
     raise GGUFError(f"{path}: weights={weights!r}: expected one of {', '.join(WEIGHTS_MODES)}")
   dt = _dtype(dtype)
+  if split_devices is not None and layer_split is None:
+    layer_split = "auto"   # devices named alone: a layer split over them, as llama.cpp's --device
   devs = select_devices(split_devices) if layer_split is not None else None
   mf = read_model_gguf(path, dtype=dt, progress=progress, weights=weights,
                        layer_split=layer_split, devices=devs)

@@ -53,12 +53,21 @@ def _model_args(p):
                       "ngram (prompt lookup)")
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse with the contract's error line: a usage mistake prints `error: <message>` on
+  stderr (argparse's own form is the usage block and `prog: error: ...`) and exits 2."""
+
+  def error(self, message):
+    sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+    sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="strata-jax", description=__doc__)
+  ap = _Parser(prog="strata-jax", description=__doc__)
   sub = ap.add_subparsers(dest="cmd", required=True)
   g = sub.add_parser("generate", help="generate text or tokens from a prompt")
   _model_args(g)
-  src = g.add_mutually_exclusive_group()
+  src = g.add_mutually_exclusive_group(required=True)
   src.add_argument("--prompt", default=None)
   src.add_argument("--prompt-tokens", default=None, help="comma-separated token ids")
   g.add_argument("-n", type=int, default=32, help="tokens to generate")
@@ -128,7 +137,7 @@ def cmd_generate(args) -> int:
       raise RequestError(
           f"--prompt-tokens {args.prompt_tokens!r}: expected ids like 1,2,3") from None
   else:
-    ids = model.encode(args.prompt if args.prompt is not None else "Hello")
+    ids = model.encode(args.prompt)
   if args.n < 1:
     raise RequestError(f"-n must be >= 1, got {args.n}")
   use_lora = bool(lora) and not args.lora_off
@@ -147,9 +156,10 @@ def cmd_generate(args) -> int:
   if not _is_output_process():
     return 0
   if args.dump_logits:
-    np.savez(args.dump_logits, prompt=res.prompt_logits.astype(np.float32),
-             prompt_last=res.prompt_logits[-1].astype(np.float32),
-             steps=res.step_logits.astype(np.float32))
+    with open(args.dump_logits, "wb") as f:   # the path as given (savez would add ".npz")
+      np.savez(f, prompt=res.prompt_logits.astype(np.float32),
+               prompt_last=res.prompt_logits[-1].astype(np.float32),
+               steps=res.step_logits.astype(np.float32))
   text = res.text or ""
   if args.json:
     out = {"prompt_tokens": ids, "tokens": res.tokens, "text": text, "lora": bool(use_lora)}

@@ -61,9 +61,10 @@ def ngram_draft(tokens: Sequence[int], n: int, max_ngram: int = NGRAM_MAX,
 
 
 def target_probs(logits: np.ndarray, temperature: float, top_k: int = 0,
-                 top_p: float = 1.0) -> np.ndarray:
-  """The distribution a plain decode step samples from (`engine.sampling.sample`'s): softmax
-  of logits / temperature over the top-k, then the top-p nucleus; float64 [V]."""
+                 top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+  """The distribution a plain decode step samples from (`strata_jax.sampling.pick`'s): softmax
+  of logits / temperature over the top-k, then the top-p nucleus, then min-p (keep
+  p >= min_p * p_max); float64 [V]."""
   z = np.asarray(logits, np.float64) / temperature
   if 0 < top_k < z.size:
     kth = np.partition(z, -top_k)[-top_k]
@@ -78,11 +79,15 @@ def target_probs(logits: np.ndarray, temperature: float, top_k: int = 0,
     mask = np.zeros_like(p)
     mask[keep] = p[keep]
     p = mask / mask.sum()
+  if min_p > 0.0:
+    p = np.where(p >= min_p * p.max(), p, 0.0)
+    p /= p.sum()
   return p
 
 
 def accept(logits: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
-           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> tuple[list[int], int]:
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           min_p: float = 0.0) -> tuple[list[int], int]:
   """Verify one row's drafts. logits [T, V]: the target's logits after the row's last token
   (position 0) and after each draft. Returns (emitted tokens, accepted drafts k): the k kept
   drafts, then one token of the target's own (a correction on rejection, a bonus when all
@@ -95,7 +100,7 @@ def accept(logits: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
         out.append(d)
         continue
       return out + [tok], i
-    p = target_probs(logits[i], temperature, top_k, top_p)
+    p = target_probs(logits[i], temperature, top_k, top_p, min_p)
     if rng.random() < p[d]:
       out.append(int(d))
       continue
@@ -104,7 +109,7 @@ def accept(logits: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
   last = logits[len(drafts)]
   if temperature < GREEDY_BELOW or not temperature == temperature:
     return out + [int(np.argmax(last))], len(drafts)
-  p = target_probs(last, temperature, top_k, top_p)
+  p = target_probs(last, temperature, top_k, top_p, min_p)
   return out + [int(rng.choice(p.size, p=p))], len(drafts)
 
 
@@ -118,8 +123,9 @@ class Row:
     context: every token of the row so far, `last` included (the n-gram drafter reads it).
     cap: tokens the row may still emit (>= 1).
     stop: token ids that end the row (emitted, then nothing more).
-    temperature, top_k, top_p, rng: its sampling (temperature below 1e-5: greedy).
+    temperature, top_k, top_p, min_p, rng: its sampling (temperature below 1e-5: greedy).
     n: drafts the row takes per round (at most the decoder's n; None: the decoder's n).
+    want_logits: return the logits each emitted token was chosen from (`Out.logits`).
   """
   last: int
   switch: int
@@ -131,16 +137,21 @@ class Row:
   top_p: float = 1.0
   rng: np.random.Generator | None = None
   n: int | None = None
+  min_p: float = 0.0
+  want_logits: bool = False
 
 
 @dataclasses.dataclass
 class Out:
   """What a row got from a round: `emitted` tokens (in order), `consumed` tokens (now in the
-  model state: the old `last` and the kept drafts), drafts proposed and accepted."""
+  model state: the old `last` and the kept drafts), drafts proposed and accepted; with
+  `Row.want_logits`, `logits` [len(emitted), V] float32: the verification's logits each
+  emitted token was chosen from (position i of the round chose token i)."""
   emitted: list[int]
   consumed: list[int]
   proposed: int
   accepted: int
+  logits: np.ndarray | None = None
 
 
 class SpecDecoder:
@@ -181,18 +192,23 @@ class SpecDecoder:
     stop = jnp.asarray(np.asarray(stops, np.int32))
     greedy = all(r.temperature < GREEDY_BELOW or not r.temperature == r.temperature
                  for r in rows.values())
+    # rows that want their logits take the host's rule (greedy: the same argmax), which reads
+    # the verification's logits anyway
+    host_rule = not greedy or any(r.want_logits for r in rows.values())
     pos = state.pos + 0      # a copy: the steps donate the state
     args = (self.cfg, self.params, self.lora, state)
     arrs = (jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(nv))
-    if greedy and self.draft == "mtp":
+    logits = None
+    if not host_rule and self.draft == "mtp":
       choice, k, n_emit, drafts, state, self.mstate = steps.spec_step_greedy(
           *args, self.mstate, *arrs, jnp.asarray(cap), stop, n_draft=self.n, cvec=self.cvec)
     else:
-      if greedy:
+      if not host_rule:
         choice, k, n_emit, hidden, state = steps.verify_greedy(
             *args, *arrs, jnp.asarray(cap), stop, cvec=self.cvec)
       else:
-        choice, k, n_emit, hidden, state = self._verify_sampled(state, rows, toks, nv, cap)
+        choice, k, n_emit, hidden, state, logits = self._verify_sampled(state, rows, toks, nv,
+                                                                        cap)
       drafts = None
       if self.draft == "mtp":
         drafts, self.mstate = steps.mtp_draft(
@@ -207,7 +223,9 @@ class SpecDecoder:
       consumed = [int(t) for t in toks[slot, :e]]
       proposed = int(nv[slot]) - 1
       out[slot] = Out(emitted=emitted, consumed=consumed, proposed=proposed,
-                      accepted=min(int(k[slot]), e))
+                      accepted=min(int(k[slot]), e),
+                      logits=(np.asarray(logits[slot, :e], np.float32) if r.want_logits
+                              else None))
       if drafts is not None:
         self.drafts[slot] = [int(t) for t in drafts[slot]]
       else:
@@ -215,7 +233,8 @@ class SpecDecoder:
     return state, out
 
   def _verify_sampled(self, state, rows, toks, nv, cap):
-    """`steps.verify`, the rejection rule per row on the host, `steps.commit`."""
+    """`steps.verify`, the rejection rule per row on the host, `steps.commit`; the logits
+    [B, T, V] come back too."""
     B, T = toks.shape
     logits, hidden, state, pending = steps.verify(
         self.cfg, self.params, self.lora, state, jnp.asarray(toks),
@@ -227,10 +246,10 @@ class SpecDecoder:
     for slot, r in rows.items():
       n_d = int(nv[slot]) - 1
       emitted, acc = accept(logits[slot, :n_d + 1], list(toks[slot, 1:1 + n_d]), r.rng,
-                            r.temperature, r.top_k, r.top_p)
+                            r.temperature, r.top_k, r.top_p, r.min_p)
       stop_at = next((i for i, t in enumerate(emitted) if t in set(r.stop)), len(emitted) - 1)
       e = min(len(emitted), stop_at + 1, max(int(cap[slot]), 1))
       choice[slot, :len(emitted)] = emitted
       k[slot], n_emit[slot], sw[slot] = acc, e, r.switch
     state = steps.commit(state, pending, jnp.asarray(n_emit), jnp.asarray(sw))
-    return choice, k, n_emit, hidden, state
+    return choice, k, n_emit, hidden, state, logits

@@ -163,6 +163,12 @@ def test_serve_lora_flags_list_numbered_and_stacked_adapters(files, tmp_path):
     (["--temperature", "nan", "--prompt-tokens", "1"], "--temperature"),
     (["--top-p", "1.5", "--prompt-tokens", "1"], "--top-p"),
     (["--logprobs", "21", "--prompt-tokens", "1"], "--logprobs"),
+    # usage mistakes argparse finds: the contract's `error: ...` line too, exit 2
+    (["--bogus", "1", "--prompt-tokens", "1"], "unrecognized arguments: --bogus"),
+    (["-n", "x", "--prompt-tokens", "1"], "-n"),
+    (["--dtype", "float16", "--prompt-tokens", "1"], "--dtype"),
+    (["-n", "3"], "--prompt"),   # no prompt: the contract's grammar requires one
+    (["--split-devices", "5", "--prompt-tokens", "1"], "--split-devices"),
 ])
 def test_errors_exit_2_without_traceback(files, args, needle):
   _, model, _, _ = files
@@ -187,6 +193,19 @@ def test_serve_without_server_extra_names_it(module):
   assert last.startswith("error: ") and module in last, p.stderr[-2000:]
   assert "pip install 'strata-jax[serve]'" in last
   assert "Traceback" not in p.stderr
+
+
+def test_split_devices_alone_split_over_those_devices():
+  """`--split-devices` without `--layer-split` is an "auto" split over the devices named (as
+  llama.cpp's --device), not ignored: here one stage on device 0, decoding as the unsplit
+  model does."""
+  import strata_jax as sj  # noqa: PLC0415
+  split, plain = sj.load_model(split_devices="0"), sj.load_model()
+  assert split.devices is not None and len(split.devices) == 1 and split.params is None
+  assert plain.devices is None
+  toks = [sj.Engine(m, max_seq=64).generate(tokens=[1, 2, 3], max_tokens=4).tokens
+          for m in (split, plain)]
+  assert toks[0] == toks[1]
 
 
 def test_not_a_gguf_exits_2(tmp_path):

@@ -60,3 +60,20 @@ def test_load_80b_smoke(tmp_path):
                       "a80b_q4km_decode_b1_roofline_fraction"}
   assert all(set(e) == {"name", "measured", "target", "unit", "met", "command"}
              for e in res["entries"])
+
+
+def test_summary_holds_only_targets_and_measured_json_the_rest(tmp_path):
+  """The contract's summary.json is one entry per target with `met` a bool: benches' entries
+  with no target go to measured.json beside it, and an entry that loses its target moves."""
+  import common  # noqa: PLC0415 (experiments/bench, on the path above)
+  row = lambda name, target, met: dict(name=name, measured=1.0, target=target, unit="x",
+                                       met=met, command="c")
+  common.merge_summary([row("a", 2.0, False), row("b", None, None)], str(tmp_path))
+  common.merge_summary([row("c", 1.0, True)], str(tmp_path))
+  read = lambda f: {e["name"]: e for e in json.loads((tmp_path / f).read_text())}
+  assert set(read("summary.json")) == {"a", "c"} and set(read("measured.json")) == {"b"}
+  common.merge_summary([row("a", None, None)], str(tmp_path))
+  assert set(read("summary.json")) == {"c"} and set(read("measured.json")) == {"a", "b"}
+  assert all(isinstance(e["met"], bool) for e in read("summary.json").values())
+  real = json.loads((ROOT / "experiments/results/summary.json").read_text())
+  assert real and all(e["target"] is not None and isinstance(e["met"], bool) for e in real)

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from model_fixtures import random_lora
 from server_fixtures import start_server
+from tolerances import SPEC_STATE_REL_FP32, assert_close
 
 import strata_jax as sj
 from strata_jax.cli import main as cli_main
@@ -211,6 +212,22 @@ def test_stop_strings(srv):
   assert msg.stop_reason in ("stop_sequence", "end_turn", "max_tokens")
   if msg.stop_reason == "stop_sequence":
     assert msg.stop_sequence == stop
+
+
+def test_speculative_body_gives_plain_greedy_tokens_and_logprobs(srv):
+  """`"speculative": {"n": 3}` in the body (the demo model's MTP head drafts): the tokens of
+  plain greedy decoding, with its logprobs entries (the same top ids; values to the
+  verification's rounding), adapter on and off."""
+  for lora in (True, False):
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "logprobs": 2, "lora": lora}
+    plain = _complete(srv, **body).json()["choices"][0]
+    spec = _complete(srv, speculative={"n": 3}, **body).json()["choices"][0]
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]
+    got, want = spec["logprobs"], plain["logprobs"]
+    assert got["tokens"] == want["tokens"]
+    assert [list(t) for t in got["top_logprobs"]] == [list(t) for t in want["top_logprobs"]]
+    assert_close(got["token_logprobs"], want["token_logprobs"], rel=SPEC_STATE_REL_FP32,
+                 what=f"logprobs, lora={lora}")
 
 
 def test_openai_logprobs_shapes_complete_and_stream(srv):

@@ -326,6 +326,45 @@ def test_sampled_path_with_top_k_1_equals_greedy(model, lora):
   assert [r.tokens for r in res] == plain
 
 
+def test_sampled_path_with_min_p_1_equals_greedy(model, lora):
+  """min_p = 1 keeps only the most likely token, so the sampled path's target (top-k, top-p,
+  then min-p, as the device sampler) is a point mass and must equal greedy decoding."""
+  sw = [True, False, True]
+  plain = [r.tokens for r in _run(model, lora, sw, 0)]
+  eng = Engine(model, lora=lora, slots=3, max_seq=64, spec=3)
+  res = eng.run([Request(tokens=t, max_tokens=14, lora=s, temperature=0.8, min_p=1.0, seed=11)
+                 for t, s in zip(PROMPTS, sw)])
+  assert [r.tokens for r in res] == plain
+
+
+def test_speculative_step_logits_and_logprobs_are_plain_decodings(model, lora):
+  """Speculative rows that ask for their step logits and logprobs (what `--dump-logits` and
+  `--logprobs` read): the same tokens as plain greedy, each step's logits those plain decoding
+  chose the token from (the verification's rounding: SPEC_STATE_REL_FP32), and each logprobs
+  entry the log_softmax of those logits with the same top ids, switch mixed in one batch."""
+  sw = [True, False, True]
+
+  def run(spec):
+    eng = Engine(model, lora=lora, slots=3, max_seq=64, spec=spec)
+    return eng.run([Request(tokens=t, max_tokens=12, lora=s, return_step_logits=True,
+                            logprobs=3) for t, s in zip(PROMPTS, sw)])
+  plain, res = run(0), run(3)
+  assert sum(r.draft["accepted"] for r in res) > 0
+  for r0, r in zip(plain, res):
+    assert r.tokens == r0.tokens
+    assert r.step_logits.shape == r0.step_logits.shape and r.step_logits.dtype == np.float32
+    assert_close(r.step_logits, r0.step_logits, rel=SPEC_STATE_REL_FP32, what="step logits")
+    assert [int(np.argmax(z)) for z in r.step_logits] == r.tokens
+    z = r.step_logits.astype(np.float64)
+    lsm = z - z.max(-1, keepdims=True)
+    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
+    for i, (e, e0) in enumerate(zip(r.logprobs, r0.logprobs)):
+      assert e["token"] == e0["token"] == r.tokens[i]
+      assert list(e["top"]) == list(e0["top"])
+      assert_close(e["logprob"], lsm[i, e["token"]], rel=1e-6, what="logprob")
+      assert_close(list(e["top"].values()), lsm[i, list(e["top"])], rel=1e-6, what="top")
+
+
 # ----- the rejection rule ---------------------------------------------------------------------
 
 def test_rejection_sampling_gives_the_target_distribution():
@@ -385,6 +424,19 @@ def test_cli_spec_json_and_errors(tmp_path):
   got = json.loads(cli(*base, "--spec", "3").stdout)
   assert got["tokens"] == ref["tokens"] and "draft" not in ref
   assert set(got["draft"]) == {"proposed", "accepted"} and got["draft"]["proposed"] > 0
+  # with --dump-logits and --logprobs too: the plain run's arrays and entries
+  dumps = [tmp_path / "plain.logits", tmp_path / "spec.logits"]   # the paths as given
+  lp = [json.loads(cli(*base, "--logprobs", "2", "--dump-logits", str(d), *extra).stdout)
+        for d, extra in zip(dumps, ([], ["--spec", "3"]))]
+  assert lp[1]["tokens"] == lp[0]["tokens"] == ref["tokens"] and "draft" in lp[1]
+  assert [e["token"] for e in lp[1]["logprobs"]] == ref["tokens"]
+  for e, e0 in zip(lp[1]["logprobs"], lp[0]["logprobs"]):
+    assert list(e["top"]) == list(e0["top"])
+    assert_close(e["logprob"], e0["logprob"], rel=SPEC_STATE_REL_FP32, what="logprob")
+  z0, z1 = (np.load(d) for d in dumps)
+  assert z1["steps"].shape == (8, CFG.vocab_size)
+  for k in ("prompt", "prompt_last", "steps"):
+    assert_close(z1[k], z0[k], rel=SPEC_STATE_REL_FP32, what=k)
   for args, msg in ((["--spec", "17"], "error: --spec 17: expected an integer from 0 (off) to 16"),
                     (["--spec", "-1"], "error: --spec -1: expected an integer"),
                     (["--model", p, "--spec", "2", "--draft", "mtp"],

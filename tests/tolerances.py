@@ -33,7 +33,8 @@ def assert_close(got, want, *, rel=None, abs_=None, what=""):
 # Quantised weights kept on the device (dequantised in the matmul) against the same file
 # dequantised at load, fp32 logits (max abs error; issue 15).
 QUANT_KEEP_LOGITS_ABS_FP32 = 1e-5
-# Speculative verification against one-by-one decoding, fp32 state (max abs over max |want|):
+# Speculative verification against one-by-one decoding, fp32 state and the logits each token
+# was chosen from (max abs over max |want|):
 # the verification runs T positions per row, and XLA's CPU kernels for another row count round
 # some sums differently (the tokens stay bit-identical; tests/test_speculative.py).
 SPEC_STATE_REL_FP32 = 1e-5

@@ -451,11 +451,9 @@ def entries(details, command):
 
 
 def merge_summary(path, new):
-  from common import read_json, write_json
-  old = read_json(path)
-  old = old if isinstance(old, list) else []
-  names = {e["name"] for e in new}
-  write_json(path, [e for e in old if e.get("name") not in names] + new)
+  """`new` into the summary.json at `path` (entries without a target: measured.json beside it)."""
+  import common
+  common.merge_summary(new, os.path.dirname(path))
 
 
 def plot(details, path):

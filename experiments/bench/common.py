@@ -301,12 +301,20 @@ def write_json(path: str, obj) -> None:
 
 def merge_summary(entries: list[dict], results: str | None = None) -> str:
   """Put `entries` into summary.json (replacing entries of the same name, keeping the rest):
-  each benchmark owns its names, and report.py's rows and later benches live side by side."""
-  path = os.path.join(results or RESULTS, "summary.json")
-  rows = read_json(path) or []
+  each benchmark owns its names, and report.py's rows and later benches live side by side.
+  summary.json is the contract's, one entry per target with `met` a bool; an entry with no
+  target (a tok/s measured beside a ratio, one change's speed-up) goes to measured.json
+  beside it, in the same fields. Returns summary.json's path."""
+  d = results or RESULTS
   names = {e["name"] for e in entries}
-  write_json(path, [r for r in rows if r.get("name") not in names] + list(entries))
-  return path
+  for name, keep in (("summary.json", lambda e: e.get("target") is not None),
+                     ("measured.json", lambda e: e.get("target") is None)):
+    path = os.path.join(d, name)
+    rows = [r for r in (read_json(path) or []) if r.get("name") not in names]
+    new = [e for e in entries if keep(e)]
+    if new or rows or os.path.exists(path):
+      write_json(path, rows + new)
+  return os.path.join(d, "summary.json")
 
 
 def ceilings(kernels_json: dict | None) -> dict:

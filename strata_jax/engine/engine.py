@@ -650,10 +650,10 @@ class Engine:
     if self._spec_n(r):
       if len(self.stages) > 1:
         raise RequestError("speculative decoding runs on a one-stage model (no layer split)")
-      if (r.return_logits or r.return_step_logits or r.logprobs is not None or r.min_p
-          or r.presence_penalty or r.frequency_penalty or r.repeat_penalty != 1.0):
-        raise RequestError("speculative decoding samples with temperature, top_k and top_p "
-                           "only (no penalties, min_p, logprobs or logits); use spec 0")
+      if r.presence_penalty or r.frequency_penalty or r.repeat_penalty != 1.0:
+        # (a penalty's logits depend on the tokens before each position: the drafts')
+        raise RequestError("speculative decoding samples with temperature, top_k, top_p and "
+                           "min_p (no presence, frequency or repeat penalty); use spec 0")
     bad = [t for t in r.stop if not 0 <= int(t) < v]
     if bad:
       raise RequestError(f"stop token {bad[0]} is outside the vocabulary [0, {v})")
@@ -1182,22 +1182,43 @@ class Engine:
       rows[slot] = speculative.Row(
           last=run.tokens[-1], switch=run.switch, context=list(r.tokens) + run.tokens,
           cap=max(cap, 1), stop=tuple(r.stop), temperature=r.temperature, top_k=r.top_k,
-          top_p=r.top_p, rng=run.rng, n=run.spec)
+          top_p=r.top_p, min_p=r.min_p, rng=run.rng, n=run.spec,
+          want_logits=r.return_logits or r.return_step_logits or r.logprobs is not None)
     self.states[0], out = sd.round(self.states[0], rows)
     for slot, o in out.items():
       h, run = running[slot]
       self.slot_tokens[slot].extend(o.consumed)
       run.proposed += o.proposed
       run.accepted += o.accepted
-      for tok in o.emitted:
+      for i, tok in enumerate(o.emitted):
         run.tokens.append(tok)
         run.remaining -= 1
+        if o.logits is not None:
+          self._spec_token_logits(run, tok, o.logits[i])
         if run.req.on_token is not None:
           run.req.on_token(tok)
       if self._finished(slot, run):
         h.result = self._finish(slot, run)
         del self._running[slot]
         self._row_dev = None
+
+  @staticmethod
+  def _spec_token_logits(run: _Running, tok: int, logits: np.ndarray):
+    """A speculative token's step logits and logprobs entry, from the verification's logits
+    it was chosen from: as `_emit_chunk` records a plain step's (log_softmax of the raw
+    logits in fp32, the top ids as `lax.top_k` orders them: ties to the lower id)."""
+    r = run.req
+    if r.return_logits or r.return_step_logits:
+      run.step_logits.append(logits)
+    if r.logprobs is not None:
+      z = logits.astype(np.float32)
+      z = z - z.max()
+      lsm = z - np.log(np.exp(z).sum(dtype=np.float32))
+      top = np.argsort(-lsm, kind="stable")[:r.logprobs]
+      run.logprobs.append({"token": int(tok), "logprob": float(lsm[tok]),
+                           "top": {int(i): float(lsm[i]) for i in top}})
+      if r.on_logprobs is not None:
+        r.on_logprobs(run.logprobs[-1])
 
   def _finished(self, slot: int, run: _Running) -> bool:
     r = run.req

@@ -32,7 +32,7 @@ def select_devices(split_devices=None) -> list:
     raise StrataError(f"--split-devices {split_devices!r}: expected indices like 0,1") from None
   bad = [i for i in idx if not 0 <= i < len(devs)]
   if bad:
-    raise StrataError(f"--split-devices names device {bad[0]}, but only {len(devs)} exist")
+    raise StrataError(f"--split-devices names device {bad[0]}; the devices are 0..{len(devs) - 1}")
   return [devs[i] for i in idx]
 
 
