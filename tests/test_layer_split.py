@@ -80,8 +80,11 @@ def test_split_across_two_processes():
   for out in outs:
     assert out["processes"] == 2 and out["stage_processes"] == [0, 1], out
     assert out["ranges"] == [[0, 4], [4, 8]]
-    assert out["same_tokens"]
-    assert out["max_logit_err"] <= 1e-6 and out["max_prompt_logit_err"] <= 1e-6, out
     assert out["off_bit_identical"] and out["mixed_rows_match"] and out["programs_stable"]
     assert out["stage_params_on_device"]
-    assert out["one_pass_same"], out["one_pass_schedule"]
+  # each process ran one unsplit reference; its comparison holds for both (same split results)
+  ref, pass_ref = outs
+  assert ref["same_tokens"] and "same_tokens" not in pass_ref
+  assert ref["max_logit_err"] <= 1e-6 and ref["max_prompt_logit_err"] <= 1e-6, ref
+  assert pass_ref["one_pass_same"] and "one_pass_same" not in ref, pass_ref["one_pass_schedule"]
+  assert pass_ref["one_pass_schedule"] == ref["one_pass_schedule"]
