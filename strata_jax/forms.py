@@ -231,7 +231,10 @@ CHOICES: dict[str, tuple] = {
     # layer's projections of it makes it, where the one-row in-place GEMV takes them
     # (`dense_weights="kernel"`, `dense_launch="fused"`): each program reads the whole raw row
     # and normalises its share of it (`pallas_kernels/quant/gemv.py`, `_row_inv_rms`), with
-    # the reference's roundings but its sum of squares in another order. "auto" = "xla".
+    # the reference's roundings but its sum of squares in another order. "auto" = "xla": on
+    # the H100 (run 79, batch 1, 2,560 keys) "in_proj" took 4.547 ms a step against 4.439 /
+    # 4.444: 174 launches fewer, but the projections' launch grew 738 -> 902 us (each program
+    # reduces the whole row before its first product), more than the norms it replaced.
     "input_norm": ("auto", "xla", "in_proj"),
     # a decode step's RMSNorm before the MoE: "xla" = XLA makes it after the residual add (two
     # fusions a layer, the shared expert's sigmoid-gate dot riding in the second: 48 x
@@ -239,7 +242,9 @@ CHOICES: dict[str, tuple] = {
     # "in_launch" = one launch of the one-row GEMV makes the norm and runs the router's fp32
     # product, the shared expert's gate and up, and writes the normed row for the experts'
     # kernel and the sigmoid gate (`moe._inputs_in_launch`), where the in-place GEMV takes
-    # them (`dense_weights="kernel"`, `dense_launch="fused"`). "auto" = "xla".
+    # them (`dense_weights="kernel"`, `dense_launch="fused"`). "auto" = "xla": run 79 gave
+    # 4.497 ms a step (both norms in launches 4.569, adapter on 4.669 against 4.540), the
+    # launch 166 -> 378 us a step for what the router's launch and the norm took before.
     "moe_norm": ("auto", "xla", "in_launch"),
 }
 
