@@ -257,6 +257,23 @@ def patch(variant: str):
   return lambda: [u() for u in reversed(undo)]
 
 
+def prompted_state(cfg, params, lora, state, B, n, switch):
+  """`state` with row b prefilled from a random prompt of n tokens (seed b), and each row's
+  first token (the argmax after its prompt): rows at distinct contexts route to different
+  experts from step to step, as the Engine's do (`bench_engine.prefilled_state`)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from strata_jax import steps
+  first = []
+  for b in range(B):
+    p = np.random.default_rng(b).integers(0, cfg.vocab_size, n).astype(np.int32)
+    logits, state = steps.prefill(cfg, params, lora, state, jnp.int32(b), jnp.asarray(p),
+                                  jnp.int32(n), jnp.int32(switch))
+    first.append(int(jnp.argmax(logits)))
+  return state, jnp.asarray(np.asarray(first, np.int32))
+
+
 def main():
   import argparse
   ap = argparse.ArgumentParser()
@@ -268,6 +285,11 @@ def main():
   ap.add_argument("--tiny", action="store_true")
   ap.add_argument("--max_seq", type=int, default=512, help="K/V capacity of the decode state")
   ap.add_argument("--prefill", type=int, default=0)
+  ap.add_argument("--prompt", type=int, default=0,
+                  help="decode from B distinct random prompts of this many tokens, prefilled "
+                       "first, each call's last tokens feeding the next, as the Engine decodes "
+                       "(bench_engine.py's program_rate); 0: from token 0 in an empty state, "
+                       "every call restarting from it")
   ap.add_argument("--profile", default="",
                   help="comma list of variants whose decode (or --prefill) calls are traced")
   ap.add_argument("--gdn_op", type=int, default=0, help="also time the chunked ops at this T")
@@ -323,6 +345,8 @@ def main():
         sw = jnp.full((B,), 1 if on else 0, jnp.int32)
         act = jnp.ones((B,), jnp.int32)
         lp = loras[lstate]
+        if args.prompt:
+          state, toks = prompted_state(vcfg, params, lp, state, B, args.prompt, 1 if on else 0)
         t = time.perf_counter()
         if "sample" in name.split("+"):   # the Engine's program: sampler rows in the carry
           rows, sp, _, stop, plan = common.sample_inputs(B, {}, [0] * B)
@@ -346,14 +370,17 @@ def main():
           with gzip.open(os.path.join(args.dump_hlo, f"decode_{safe}_b{B}.hlo.txt.gz"),
                          "wt") as f:
             f.write(text)
+        feed = args.prompt and "sample" not in name.split("+")   # tokens carried on
         out, state = compiled(params, lp, state, toks, sw, act)
         out.block_until_ready()
         times = []
         for _ in range(args.reps):
+          toks = out[-1] if feed else toks
           t = time.perf_counter()
           out, state = compiled(params, lp, state, toks, sw, act)
           out.block_until_ready()
           times.append(time.perf_counter() - t)
+        toks = out[-1] if feed else toks
         med = statistics.median(times)
         if variant in args.profile.split(","):
           res[f"profile_{variant}_b{B}"] = common.profile_call(

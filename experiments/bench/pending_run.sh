@@ -900,5 +900,17 @@ if want s24a; then
     peer 150 peer_transformers_s24.json
   fi
 fi
+# SECTIONS=s24b (~4 min): why the Engine's own decode_greedy (run 80: 199 tok/s at batch 1,
+# adapter on, from the engine's prompts) is slower than decode_probe's (run 79: base@on 4.540
+# ms, 220 tok/s): the probe decodes from token 0 in an empty state and restarts every call;
+# --prompt 128 starts from prefilled distinct prompts and carries the tokens on, as the
+# Engine's program. Both with the kernel profile of base@on, to name what differs.
+if want s24b; then
+  for p in 0 128; do
+    timeout 130 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+      --max_seq 2560 --prompt $p --variants base,base@on,base --profile base@on \
+      --out $OUT/decode_probe_b1_prompt$p.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-200
+  done
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
