@@ -30,6 +30,16 @@ peer() {
   PYTHONPATH=/tmp/fla:$PYTHONPATH timeout $1 python3 experiments/bench/peer_transformers.py \
     --out $OUT/$2 2>&1 | grep -i -e prefill -e decode -e error | cut -c1-300
 }
+# On an H200 only (the card of summary.json's prefill figures): the 2,500-token prefill
+# program and the transformers peer, to $OUT/decode_probe_prefill_$1.json and
+# peer_transformers_$1.json.
+h200_prefill_and_peer() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || return 0
+  timeout 60 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
+    --variants base --out $OUT/decode_probe_prefill_$1.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-330
+  peer 150 peer_transformers_$1.json
+}
 # The Engine at batch 1, two reps, in what is left of CAP (if 100 s are), to $OUT/$1; $2: forms.
 engine_b1() {
   [ $(left) -gt 100 ] || return 0
@@ -872,12 +882,7 @@ if want s23a; then
   JAX_PLATFORMS=cuda timeout 80 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
     tests/test_multi_launch_kernel.py -k "norm or gpu_multi" 2>&1 \
     | tee $OUT/gpu_tests_norm_launch.log | tail -3
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    timeout 60 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-      --variants base --out $OUT/decode_probe_prefill_s23.json 2>&1 \
-      | grep -e '"variant"' -e Error | cut -c1-330
-    peer 150 peer_transformers_s23.json
-  fi
+  h200_prefill_and_peer s23
   engine_b1 bench_engine_b1_s23.json
   engine_b1 bench_engine_b1_s23_norms.json input_norm=in_proj,moe_norm=in_launch
 fi
@@ -893,12 +898,7 @@ if want s24a; then
   JAX_PLATFORMS=cuda timeout 80 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
     tests/test_multi_launch_kernel.py -k "norm or gpu_multi" 2>&1 \
     | tee $OUT/gpu_tests_norm_launch.log | tail -3
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    timeout 60 python3 experiments/bench/decode_probe.py --prefill 2500 --reps 5 \
-      --variants base --out $OUT/decode_probe_prefill_s24.json 2>&1 \
-      | grep -e '"variant"' -e Error | cut -c1-330
-    peer 150 peer_transformers_s24.json
-  fi
+  h200_prefill_and_peer s24
 fi
 # SECTIONS=s24b (~4 min): why the Engine's own decode_greedy (run 80: 199 tok/s at batch 1,
 # adapter on, from the engine's prompts) is slower than decode_probe's (run 79: base@on 4.540
