@@ -21,6 +21,7 @@ import numpy as np
 
 from strata_jax import steps
 from strata_jax.errors import SpecError
+from strata_jax import sampling
 from strata_jax.state import init_mtp_state
 
 DRAFTS = ("mtp", "ngram")
@@ -85,6 +86,25 @@ def target_probs(logits: np.ndarray, temperature: float, top_k: int = 0,
   return p
 
 
+@jax.jit
+def penalized(logits, recent, presence, frequency, repeat):
+  """The sampler's own penalties (`strata_jax.sampling.penalize`, the same XLA ops, so a
+  plain decode step's bits) at every verified position: logits [B, T, V] float32; recent
+  [B, T, RECENT] each position's window (oldest first, -1 empty); presence, frequency,
+  repeat [B]. Returns [B, T, V]."""
+  B, T, V = logits.shape
+  per = lambda a: jnp.repeat(a.astype(jnp.float32), T)
+  zero = jnp.zeros((B * T,), jnp.float32)
+  sp = sampling.SamplingParams(temperature=zero, top_k=jnp.zeros((B * T,), jnp.int32),
+                               top_p=zero + 1.0, min_p=zero, presence=per(presence),
+                               frequency=per(frequency), repeat=per(repeat),
+                               seed_lo=jnp.zeros((B * T,), jnp.uint32),
+                               seed_hi=jnp.zeros((B * T,), jnp.uint32))
+  z = sampling.penalize(logits.reshape(B * T, V).astype(jnp.float32),
+                        recent.reshape(B * T, -1), sp)
+  return z.reshape(B, T, V)
+
+
 def accept(logits: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            min_p: float = 0.0) -> tuple[list[int], int]:
@@ -124,6 +144,8 @@ class Row:
     cap: tokens the row may still emit (>= 1).
     stop: token ids that end the row (emitted, then nothing more).
     temperature, top_k, top_p, min_p, rng: its sampling (temperature below 1e-5: greedy).
+    presence, frequency, repeat: its penalties (0, 0, 1: off), over the last RECENT tokens of
+      `context` and the drafts before each position, as a plain decode step's window.
     n: drafts the row takes per round (at most the decoder's n; None: the decoder's n).
     want_logits: return the logits each emitted token was chosen from (`Out.logits`).
   """
@@ -139,6 +161,13 @@ class Row:
   n: int | None = None
   min_p: float = 0.0
   want_logits: bool = False
+  presence: float = 0.0
+  frequency: float = 0.0
+  repeat: float = 1.0
+
+  @property
+  def penalised(self) -> bool:
+    return self.presence != 0.0 or self.frequency != 0.0 or self.repeat != 1.0
 
 
 @dataclasses.dataclass
@@ -194,7 +223,7 @@ class SpecDecoder:
                  for r in rows.values())
     # rows that want their logits take the host's rule (greedy: the same argmax), which reads
     # the verification's logits anyway
-    host_rule = not greedy or any(r.want_logits for r in rows.values())
+    host_rule = not greedy or any(r.want_logits or r.penalised for r in rows.values())
     pos = state.pos + 0      # a copy: the steps donate the state
     args = (self.cfg, self.params, self.lora, state)
     arrs = (jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(nv))
@@ -240,13 +269,29 @@ class SpecDecoder:
         self.cfg, self.params, self.lora, state, jnp.asarray(toks),
         jnp.asarray(np.array([rows[s].switch if s in rows else 0 for s in range(B)], np.int32)),
         jnp.asarray(nv), cvec=self.cvec)
+    pen = [s for s, r in rows.items() if r.penalised]
+    decide = None
+    if pen:   # each position's window: the row's tokens, then the drafts before it
+      recent = np.full((B, T, sampling.RECENT), -1, np.int32)
+      knobs = np.zeros((3, B), np.float32)
+      knobs[2] = 1.0
+      for slot in pen:
+        r = rows[slot]
+        seq = list(r.context) + [int(t) for t in toks[slot, 1:]]
+        for i in range(T):
+          w = seq[:len(r.context) + i][-sampling.RECENT:]
+          recent[slot, i, sampling.RECENT - len(w):] = w
+        knobs[:, slot] = r.presence, r.frequency, r.repeat
+      decide = np.asarray(jax.device_get(penalized(logits, jnp.asarray(recent),
+                                                   *map(jnp.asarray, knobs))))
     logits = np.asarray(jax.device_get(logits))
     choice = np.zeros((B, T), np.int32)
     k, n_emit, sw = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
     for slot, r in rows.items():
       n_d = int(nv[slot]) - 1
-      emitted, acc = accept(logits[slot, :n_d + 1], list(toks[slot, 1:1 + n_d]), r.rng,
-                            r.temperature, r.top_k, r.top_p, r.min_p)
+      drafts = [int(t) for t in toks[slot, 1:1 + n_d]]
+      z = (decide if r.penalised else logits)[slot, :n_d + 1]
+      emitted, acc = accept(z, drafts, r.rng, r.temperature, r.top_k, r.top_p, r.min_p)
       stop_at = next((i for i, t in enumerate(emitted) if t in set(r.stop)), len(emitted) - 1)
       e = min(len(emitted), stop_at + 1, max(int(cap[slot]), 1))
       choice[slot, :len(emitted)] = emitted

@@ -337,6 +337,26 @@ def test_sampled_path_with_min_p_1_equals_greedy(model, lora):
   assert [r.tokens for r in res] == plain
 
 
+PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.3, repeat_penalty=1.5)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (0.8, 1)])
+def test_penalised_speculative_rows_equal_plain_decoding(model, lora, temperature, top_k):
+  """Repeat / frequency / presence penalties under speculative decoding: each position's
+  window is the row's tokens and the drafts before it, so greedy rows (and sampled rows whose
+  top-k of 1 makes the target a point mass) give plain penalised decoding's tokens, the switch
+  mixed in one batch; and the penalties change those tokens here, so they are applied."""
+  sw = [True, False, True]
+
+  def run(spec, **kw):
+    eng = Engine(model, lora=lora, slots=3, max_seq=64, spec=spec)
+    return [r.tokens for r in eng.run([Request(tokens=t, max_tokens=14, lora=s, seed=11, **kw)
+                                       for t, s in zip(PROMPTS, sw)])]
+  plain = run(0, **PENALTIES)
+  assert plain != run(0)
+  assert run(3, temperature=temperature, top_k=top_k, **PENALTIES) == plain
+
+
 def test_speculative_step_logits_and_logprobs_are_plain_decodings(model, lora):
   """Speculative rows that ask for their step logits and logprobs (what `--dump-logits` and
   `--logprobs` read): the same tokens as plain greedy, each step's logits those plain decoding

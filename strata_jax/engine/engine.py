@@ -650,10 +650,6 @@ class Engine:
     if self._spec_n(r):
       if len(self.stages) > 1:
         raise RequestError("speculative decoding runs on a one-stage model (no layer split)")
-      if r.presence_penalty or r.frequency_penalty or r.repeat_penalty != 1.0:
-        # (a penalty's logits depend on the tokens before each position: the drafts')
-        raise RequestError("speculative decoding samples with temperature, top_k, top_p and "
-                           "min_p (no presence, frequency or repeat penalty); use spec 0")
     bad = [t for t in r.stop if not 0 <= int(t) < v]
     if bad:
       raise RequestError(f"stop token {bad[0]} is outside the vocabulary [0, {v})")
@@ -1183,7 +1179,8 @@ class Engine:
           last=run.tokens[-1], switch=run.switch, context=list(r.tokens) + run.tokens,
           cap=max(cap, 1), stop=tuple(r.stop), temperature=r.temperature, top_k=r.top_k,
           top_p=r.top_p, min_p=r.min_p, rng=run.rng, n=run.spec,
-          want_logits=r.return_logits or r.return_step_logits or r.logprobs is not None)
+          want_logits=r.return_logits or r.return_step_logits or r.logprobs is not None,
+          presence=r.presence_penalty, frequency=r.frequency_penalty, repeat=r.repeat_penalty)
     self.states[0], out = sd.round(self.states[0], rows)
     for slot, o in out.items():
       h, run = running[slot]
