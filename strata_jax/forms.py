@@ -246,6 +246,13 @@ CHOICES: dict[str, tuple] = {
     # 4.497 ms a step (both norms in launches 4.569, adapter on 4.669 against 4.540), the
     # launch 166 -> 378 us a step for what the router's launch and the norm took before.
     "moe_norm": ("auto", "xla", "in_launch"),
+    # the shared expert's hidden row silu(g) * u at a decode step: "xla" = one XLA fusion a
+    # layer makes it before its down projection (likely run 79's `loop_multiply_fusion_3`,
+    # 48 x ~1.25 us of bench-a3b's batch-1 step on the H100; the HLO was not dumped);
+    # "in_down" = the down projection's one-row in-place GEMV makes it as each program loads
+    # its share of x (`gemv.glu_product`: the same roundings, no reduction over the row),
+    # where that kernel takes the rows (`dense_weights="kernel"`). "auto" = "xla" until timed.
+    "shared_glu": ("auto", "xla", "in_down"),
 }
 
 
@@ -292,6 +299,7 @@ class Forms:
   head: str = "auto"
   input_norm: str = "auto"
   moe_norm: str = "auto"
+  shared_glu: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -340,6 +348,7 @@ class Forms:
         head=auto(self.head, "kernel", "xla"),
         input_norm=auto(self.input_norm, "xla", "xla"),
         moe_norm=auto(self.moe_norm, "xla", "xla"),
+        shared_glu=auto(self.shared_glu, "xla", "xla"),
         matmul_precision=precision)
 
   def check_backend(self, backend: str) -> Forms:

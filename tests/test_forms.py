@@ -509,6 +509,65 @@ def test_gdn_prefill_forms_give_the_default_forms_logits(monkeypatch):
   assert not np.array_equal(logits["default"][0], logits["default"][1])
 
 
+def _outside_kernels(cfg, forms, params, primitive):
+  """(how many `primitive` eqns the one-row decode step holds outside kernels, its layer
+  scans: one a LoRA branch) under `forms`."""
+  cfg = dataclasses.replace(cfg, forms=forms.resolve(jax.default_backend(), jnp.float32))
+  jaxpr = jax.make_jaxpr(lambda p, s: steps.decode(
+      cfg, p, empty_lora(cfg), s, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+      jnp.ones(1, jnp.int32)))(params, init_state(cfg, 1, 64)).jaxpr
+  names = [e.primitive.name for e in eqns(jaxpr, into_kernels=False)]
+  return names.count(primitive), names.count("scan")
+
+
+def _decodes_as_xla(model, lora, forms, what, cpu_bits):
+  """Engines under forms["xla"] and forms["in"]: the prompt logits bit for bit, the same
+  tokens, decode logits bit for bit on CPU where `cpu_bits` (else to fp32 summation order),
+  adapter on and off; and off is the no-adapter engine of the same forms bit for bit."""
+  run = lambda f, lo, on: sj.Engine(model, lora=lo, slots=1, max_seq=128, block_size=32,
+                                    forms=forms[f]).generate(
+      tokens=list(range(3, 70)), max_tokens=4, return_logits=True, return_step_logits=True,
+      lora=on)
+  got = {}
+  for on in (False, True):
+    ref, got[on] = run("xla", lora, on), run("in", lora, on)
+    assert np.array_equal(got[on].prompt_logits, ref.prompt_logits)
+    assert got[on].tokens == ref.tokens
+    if cpu_bits and jax.default_backend() == "cpu":
+      assert np.array_equal(got[on].step_logits, ref.step_logits), (what, on)
+    else:
+      assert_close(got[on].step_logits, ref.step_logits, rel=DENSE_GEMV_REL_FP32,
+                   what=f"{what}, adapter {'on' if on else 'off'}")
+  off, bare = got[False], run("in", None, None)
+  assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
+
+
+def _in_launch_forms(**changes):
+  """{"xla": the in-place GEMV's forms, "in": the same with `changes`}."""
+  kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+  base = Forms(dense_weights="kernel", quant_impl=kernels)
+  return {"xla": base, "in": dataclasses.replace(base, **changes)}
+
+
+def test_shared_glu_in_the_down_gemv_decodes_the_xla_forms_bits():
+  """`shared_glu="in_down"` (the shared expert's silu(g) * u made by its down projection's
+  one-row GEMV as it loads x; interpreted here, compiled on a GPU): the layer scan's body
+  holds one XLA logistic a layer fewer; prompt logits are the "xla" forms' bit for bit
+  (several rows: XLA makes the row), and so are decode steps on CPU (the same roundings,
+  `gemv.glu_product`; on a GPU Triton's silu rounds its own way: fp32 summation order), with
+  the same tokens; the adapter switched off is the no-adapter engine of the same forms.
+  (The shared expert 64 wide: the GEMV takes widths in multiples of 32, TINY's is 48.)"""
+  from strata_jax.model.forward import pattern_period
+  wide = dataclasses.replace(TINY, d_ff_shared=64)
+  model = tiny_model(wide)
+  forms = _in_launch_forms(shared_glu="in_down")
+  (xla, scans), (inside, scans_in) = (_outside_kernels(wide, forms[f], model.params, "logistic")
+                                      for f in ("xla", "in"))
+  assert scans == scans_in >= 1
+  assert xla - inside == pattern_period(wide.layer_types) * scans
+  _decodes_as_xla(model, random_lora(wide), forms, "shared_glu in_down", cpu_bits=True)
+
+
 @pytest.mark.parametrize("changes,norms", [
     ({"moe_norm": "in_launch"}, 1), ({"input_norm": "in_proj", "moe_norm": "in_launch"}, 2)])
 def test_norms_in_the_launches_decode_the_xla_norms_tokens(changes, norms):
@@ -520,36 +579,11 @@ def test_norms_in_the_launches_decode_the_xla_norms_tokens(changes, norms):
   forms' bit for bit (several rows: the norms are XLA's), decode steps to fp32 summation
   order with the same tokens, and the adapter switched off is the no-adapter engine of the
   same forms bit for bit."""
-  from jaxpr_walk import eqns
-  model = tiny_model()
-  lora = random_lora()
-  prompt = list(range(3, 70))
-  kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
-  base = Forms(dense_weights="kernel", quant_impl=kernels)
-  forms = {"xla": base, "in": dataclasses.replace(base, **changes)}
-
-  def rsqrts(form):
-    cfg = dataclasses.replace(TINY, forms=forms[form].resolve(jax.default_backend(),
-                                                              jnp.float32))
-    jaxpr = jax.make_jaxpr(lambda p, s: steps.decode(
-        cfg, p, empty_lora(cfg), s, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
-        jnp.ones(1, jnp.int32)))(model.params, init_state(cfg, 1, 64)).jaxpr
-    names = [e.primitive.name for e in eqns(jaxpr, into_kernels=False)]
-    return names.count("rsqrt"), names.count("scan")   # (layer scans: one a LoRA branch)
-
   from strata_jax.model.forward import pattern_period
-  (xla, scans), (inside, scans_in) = rsqrts("xla"), rsqrts("in")
+  model = tiny_model()
+  forms = _in_launch_forms(**changes)
+  (xla, scans), (inside, scans_in) = (_outside_kernels(TINY, forms[f], model.params, "rsqrt")
+                                      for f in ("xla", "in"))
   assert scans == scans_in >= 1
   assert xla - inside == norms * pattern_period(TINY.layer_types) * scans
-  run = lambda f, lo, on: sj.Engine(model, lora=lo, slots=1, max_seq=128, block_size=32,
-                                    forms=forms[f]).generate(
-      tokens=prompt, max_tokens=4, return_logits=True, return_step_logits=True, lora=on)
-  got = {}
-  for on in (False, True):
-    ref, got[on] = run("xla", lora, on), run("in", lora, on)
-    assert np.array_equal(got[on].prompt_logits, ref.prompt_logits)
-    assert got[on].tokens == ref.tokens
-    assert_close(got[on].step_logits, ref.step_logits, rel=DENSE_GEMV_REL_FP32,
-                 what=f"{changes}, adapter {'on' if on else 'off'}")
-  off, bare = got[False], run("in", None, None)
-  assert np.array_equal(off.step_logits, bare.step_logits) and off.tokens == bare.tokens
+  _decodes_as_xla(model, random_lora(), forms, str(changes), cpu_bits=False)

@@ -339,3 +339,63 @@ def test_multi_refuses_x_dtypes_or_normed_rows_without_a_norm():
   with pytest.raises(ValueError, match="need a norm"):
     dense_matmul_multi(jnp.zeros((4, IN), BF16), stacks, jnp.int32(0),
                        implementation="pallas_interpret", x_dtypes=(F32, BF16, BF16))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("tiles", [{}, dict(block_out=16, block_in=32, k_split=2)])
+def test_gemv_makes_the_glu_row_as_it_loads_x(dtype, tiles):
+  """`dense_call(g, up=u)` (`Forms.shared_glu` "in_down"): the product of the GLU's hidden
+  row silu(g) * u, made in each program as it loads its share of x, is the product of that
+  row made first (`gemv.glu_product`) bit for bit (on CPU; on a GPU the interpreter's silu
+  rounds its own way: x's dtype), and meets float64 math on that row."""
+  rng = np.random.default_rng(7)
+  g, u = (jnp.asarray(rng.standard_normal((1, 1, IN)) * 2, dtype) for _ in range(2))
+  stack = jnp.asarray(rng.standard_normal((3, 96, IN)), dtype)
+  idx = jnp.full((1,), 1, jnp.int32)
+  got = jax.jit(lambda g, u, s: dense_call(g, s, idx, up=u, interpret=True, **tiles))(
+      g, u, stack)
+  h = gemv.glu_product(g, u)
+  ref = dense_call(h, stack, idx, interpret=True, **tiles)
+  assert got.shape == ref.shape and got.dtype == dtype
+  if INTERP_BITS:
+    assert np.array_equal(_bits(got), _bits(ref))
+  else:
+    assert_close(got, ref, rel=KERNEL_REL[jnp.dtype(dtype).name], what="glu vs made first")
+  assert_close(got[0], _want(h[0], stack, 1), rel=KERNEL_REL[jnp.dtype(dtype).name],
+               what="glu vs float64")
+  with pytest.raises(ValueError, match="GLU's up"):
+    dense_call(g, stack, idx, up=u.astype(F32 if dtype == BF16 else BF16), interpret=True)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_dense_matmul_glu_routes_rows_and_keeps_the_bits(n):
+  """`dense_matmul_glu`: one row through the GEMV that makes the row, more rows through the
+  row made in XLA and `dense_matmul`; either way `dense_matmul(glu_product(g, u))`'s bits."""
+  from pallas_kernels.quant.api import dense_matmul_glu
+  rng = np.random.default_rng(n)
+  g, u = (jnp.asarray(rng.standard_normal((n, IN)), BF16) for _ in range(2))
+  stack = jnp.asarray(rng.standard_normal((2, 40, IN)), BF16)
+  kw = dict(implementation="pallas_interpret")
+  got = jax.jit(lambda g, u: dense_matmul_glu(g, u, stack, jnp.int32(1), **kw))(g, u)
+  want = jax.jit(lambda g, u: dense_matmul(gemv.glu_product(g, u), stack, jnp.int32(1),
+                                           **kw))(g, u)
+  if INTERP_BITS or n > 1:
+    assert np.array_equal(_bits(got), _bits(want))
+  else:
+    assert_close(got, want, rel=KERNEL_REL["bfloat16"], what="glu gemv")
+  with pytest.raises(ValueError, match="must match"):
+    dense_matmul_glu(g, u[:, :32], stack, jnp.int32(0), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_glu_gemv_compiled():
+  """The compiled GLU prologue (Triton's silu) against float64 math on the XLA-made row."""
+  rng = np.random.default_rng(3)
+  g, u = (jnp.asarray(rng.standard_normal((1, 512)), BF16) for _ in range(2))
+  stack = jnp.asarray(rng.standard_normal((2, 2048, 512)), BF16)
+  from pallas_kernels.quant.api import dense_matmul_glu
+  y = dense_matmul_glu(g, u, stack, jnp.int32(1), implementation="pallas")
+  h = np.asarray(gemv.glu_product(g, u), np.float64)
+  assert_close(y, h @ np.asarray(stack[1], np.float64).T, rel=KERNEL_REL["bfloat16"],
+               what="compiled glu gemv")

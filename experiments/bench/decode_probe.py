@@ -103,6 +103,7 @@ FORM_VARIANTS = {
     "gnormop": {"gdn_gated_norm": "in_op"},   # the gated norm in the chunked op's launch
     "normproj": {"input_norm": "in_proj"},   # the input norm in the projections' launch
     "normmoe": {"moe_norm": "in_launch"},    # the MoE's norm in the router's launch
+    "gludown": {"shared_glu": "in_down"},    # the shared expert's silu(g) * u in its down GEMV
     "pfin": {"proj_finish": "kernel"},   # one kernel after each mixer's output projection
     "xfin": {"proj_finish": "xla"},      # XLA's fusions after it (the default before run 54)
     "headgemv": {"head": "kernel"},   # the head by the in-place kernels (the GPU's default)

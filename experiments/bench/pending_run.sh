@@ -900,17 +900,21 @@ if want s24a; then
     | tee $OUT/gpu_tests_norm_launch.log | tail -3
   h200_prefill_and_peer s24
 fi
-# SECTIONS=s24b (~4 min): why the Engine's own decode_greedy (run 80: 199 tok/s at batch 1,
+# SECTIONS=s24b (~5 min): why the Engine's own decode_greedy (run 80: 199 tok/s at batch 1,
 # adapter on, from the engine's prompts) is slower than decode_probe's (run 79: base@on 4.540
 # ms, 220 tok/s): the probe decodes from token 0 in an empty state and restarts every call;
 # --prompt 128 starts from prefilled distinct prompts and carries the tokens on, as the
-# Engine's program. Both with the kernel profile of base@on, to name what differs.
+# Engine's program. Both with the kernel profile of base@on, to name what differs; and the
+# shared expert's GLU row in its down GEMV (Forms.shared_glu="in_down", "gludown") beside base.
 if want s24b; then
   for p in 0 128; do
     timeout 130 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
-      --max_seq 2560 --prompt $p --variants base,base@on,base --profile base@on \
+      --max_seq 2560 --prompt $p --variants base,base@on,gludown,base --profile base@on \
       --out $OUT/decode_probe_b1_prompt$p.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-200
   done
+  JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_multi_launch_kernel.py tests/test_forms.py -k "glu" 2>&1 \
+    | tee $OUT/gpu_tests_glu.log | tail -3
 fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"

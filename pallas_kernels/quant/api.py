@@ -225,6 +225,23 @@ def _kernel_params(impl, tiles):
   return tk, triton_params(warps, stages) if impl == "pallas" else None
 
 
+def dense_matmul_glu(g, u, stack, index, *, implementation="auto", few="dot"):
+  """`dense_matmul(gemv.glu_product(g, u), stack, index)`, a SiLU-GLU's down projection of
+  its gate g and up u [N, in] (`Forms.shared_glu` "in_down"): where the in-place GEMV takes
+  the rows, its programs make silu(g) * u as they load x (no XLA kernel makes the hidden row
+  first); otherwise the hidden row is made in XLA and multiplied as `dense_matmul` does. The
+  same numbers either way, bit for bit where the kernel's silu rounds as XLA's."""
+  if g.shape != u.shape:
+    raise ValueError(f"dense matmul glu: gate {g.shape} and up {u.shape} must match")
+  if dense_kernel_rows(*g.shape, implementation):
+    tk, params = _kernel_params(resolve(implementation), None)
+    idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
+    return dense_call(g[None], _stack3(stack), idx, up=u[None], compiler_params=params,
+                      interpret=resolve(implementation) == "pallas_interpret", **tk)[0]
+  return dense_matmul(gemv.glu_product(g, u), stack, index, implementation=implementation,
+                      few=few)
+
+
 def dense_matmul(x, stack, index, *, implementation="auto", tiles=None, rows_max=None,
                  few="dot"):
   """y = x @ stack[index]^T for a plain float weight stack [..., out, in] (leading dims

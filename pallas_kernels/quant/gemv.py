@@ -109,6 +109,7 @@ class Blocks(NamedTuple):
   scale: float = 1.0
   norm: bool = False  # x is the raw residual: its RMSNorm is made here (`dense_multi_call`)
   eps: float = 0.0
+  glu: bool = False  # x is a GLU's gate g, with its up u beside it: x = silu(g) * u, made here
 
 
 def triton_params(num_warps=None, num_stages=None):
@@ -156,6 +157,8 @@ def _kernel(*refs, t: Blocks):
 def _program(refs, pid, g, t: Blocks):
   names = _PLANES[t.qtype]
   idx_ref, x_ref, *rest = refs
+  if t.glu:
+    u_ref, *rest = rest
   if t.norm:
     nw_ref, *rest = rest
   planes = dict(zip(names, rest[:len(names)]))
@@ -188,6 +191,8 @@ def _program(refs, pid, g, t: Blocks):
     if t.norm:
       xn = _normed(x_ref.at[ix][...], inv[r], nw_ref.at[pl.ds(u0, U)][...])
       return xn.astype(t.cd).astype(_F32)
+    if t.glu:
+      return glu_product(x_ref.at[ix][...], u_ref.at[ix][...]).astype(t.cd).astype(_F32)
     return x_ref.at[ix][...].astype(t.cd).astype(_F32)
 
   def body(step, accs):
@@ -239,6 +244,15 @@ def _program(refs, pid, g, t: Blocks):
   out = ks * t.groups + g
   for r in range(t.m):
     masked_store(o_ref.at[out, jnp.int32(r), pl.ds(o0, bo)], accs[r].astype(t.out_dtype), o_ok)
+
+
+def glu_product(g, u):
+  """A SiLU-GLU's hidden row in the model's roundings: silu(g) in fp32, rounded to g's dtype,
+  times u (one rounding of the exact product of two values of that dtype). The shared
+  expert's XLA form (`strata_jax.model.moe._glu`) and the GEMV that makes it as it loads its
+  x (`Forms.shared_glu` "in_down") both call this."""
+  h = jax.nn.silu(g.astype(_F32)).astype(g.dtype)
+  return (h.astype(_F32) * u.astype(_F32)).astype(g.dtype)
 
 
 def _normed(x, inv, w):
@@ -308,10 +322,11 @@ def _lora_epilogue(accs, on_ref, h_ref, b_ref, ks, o0, o_ok, t: Blocks):
 
 def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd, out_dtype,
                 active=None, interpret=False, compiler_params=None, on=None, h=None, b=None,
-                scale=1.0):
+                scale=1.0, up=None):
   """[k_split * G, M, out] (fp32 partials when k_split > 1) of the "blocks" form; the caller
   (kernel.qmatmul_pallas) validates the arguments and sums the partials. With `on` [M], `h`
-  [M, R] fp32 and `b` [out, R]: the LoRA epilogue (G must be 1)."""
+  [M, R] fp32 and `b` [out, R]: the LoRA epilogue (G must be 1). With `up` (x's shape and
+  dtype): the product is of `glu_product(x, up)`, made as each program loads its x."""
   groups, m, d_in = x.shape
   units = d_in // _BLOCK[qtype]
   n_out = pl.cdiv(d_out, block_out)
@@ -323,7 +338,14 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
     t = t._replace(lora=True, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
                    scale=float(scale))
   views = plane_views(planes, qtype, units)
-  args = [idx, x.reshape(groups, m, units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype])]
+  xs = [x.reshape(groups, m, units, *X_VIEW[qtype])]
+  if up is not None:
+    if up.shape != x.shape or up.dtype != x.dtype:
+      raise ValueError(f"gemv: the GLU's up {up.shape} {up.dtype} must be x's "
+                       f"{x.shape} {x.dtype}")
+    t = t._replace(glu=True)
+    xs.append(up.reshape(xs[0].shape))
+  args = [idx, *xs, *(views[n] for n in _PLANES[qtype])]
   if on is not None:
     args += [on.astype(jnp.int32), h.astype(_F32), b]
   if active is not None:
@@ -417,14 +439,15 @@ def _dense_cd(dtype):
 
 
 def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
-               interpret=False, compiler_params=None, partials=False):
+               interpret=False, compiler_params=None, partials=False, up=None):
   """y[g] = x[g] @ stack[idx[g]]^T for x [G, M, in] and a float stack [S, out, in] (in a
   multiple of 32), in x's dtype, fp32 sums (split partials added in index order); the matrix
   is read in place. The weight and x are rounded to the compute dtype (x's if 16-bit, else
   fp32: exact IEEE products) first. (`dense_lora_call`: with the LoRA delta.)
   partials: return the split partial sums [k_split, G, M, out] unsummed (fp32 when split;
   `sum_partials` of them, cast to x's dtype, is the plain result), for a consumer kernel that
-  adds them itself."""
+  adds them itself. up (x's shape): the product is of `glu_product(x, up)` (a SiLU-GLU's
+  gate and up), made in the kernel as it loads x."""
   groups, m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or d_in % DENSE_UNIT:
@@ -438,7 +461,7 @@ def dense_call(x, stack, idx, *, block_out=None, block_in=None, k_split=None,
   idx = jnp.clip(idx.astype(jnp.int32), 0, n_mats - 1)
   y = blocks_call(x, {"w": stack}, idx, qtype=DENSE, d_out=d_out, block_out=bo,
                   unroll=unroll, k_split=ks, cd=cd, out_dtype=dt, interpret=interpret,
-                  compiler_params=compiler_params)
+                  compiler_params=compiler_params, up=up)
   if partials:
     return y.reshape(ks, groups, m, d_out)
   if ks > 1:

@@ -110,6 +110,21 @@ def linear(x, w):
                          preferred_element_type=x.dtype)
 
 
+def linear_glu(g, u, w):
+  """linear(silu(g) * u, w) in the model's GLU roundings (`gemv.glu_product`) for a gate g
+  and up u [..., in]. Under `Forms.shared_glu` "in_down" (the caller asks): with a DRef the
+  in-place GEMV makes the hidden row as it loads it, where it takes the rows
+  (`quant_api.dense_matmul_glu`); else XLA makes it first."""
+  from pallas_kernels.quant import gemv  # noqa: PLC0415 (kernels load lazily)
+  if isinstance(w, DRef):
+    from pallas_kernels.quant import api as quant_api  # noqa: PLC0415
+    g2, u2 = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])
+    y = quant_api.dense_matmul_glu(g2, u2, w.w, w.index, implementation=w.implementation,
+                                   few=w.few)
+    return y.reshape(*g.shape[:-1], y.shape[-1])
+  return linear(gemv.glu_product(g, u), w)
+
+
 def linear_parts(x, w):
   """linear(x, w) of an fp32 x as split partial sums [S, *x.shape[:-1], out] fp32: the
   in-place GEMV's own partials when a DRef's kernel takes the rows (the router's: the routing

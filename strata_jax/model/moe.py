@@ -7,15 +7,20 @@ import jax.numpy as jnp
 from pallas_kernels._common import argsort_ids, sum_partials
 from pallas_kernels.moe import api as moe_api
 from strata_jax.config import ModelConfig
-from strata_jax.model.common import (NormedInput, group_call, is_quant, linear, linear_parts,
-                                     linears, one_launch)
+from pallas_kernels.quant.gemv import glu_product
+from strata_jax.model.common import (NormedInput, group_call, is_quant, linear, linear_glu,
+                                     linear_parts, linears, one_launch)
 from strata_jax.params import QGroups
 
 
-def _glu(x, wg, wu, wd, gu=None):
-  """The shared expert; gu: its gate and up products of x, made already (`_inputs_in_launch`)."""
+def _glu(x, wg, wu, wd, gu=None, in_down=False):
+  """The shared expert; gu: its gate and up products of x, made already (`_inputs_in_launch`).
+  in_down (`Forms.shared_glu` "in_down"): the down projection's kernel makes silu(g) * u as
+  it loads it, where the in-place GEMV takes the rows (`linear_glu`)."""
   g, u = linears(x, [wg, wu]) if gu is None else gu
-  return linear(jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u, wd)
+  if in_down:
+    return linear_glu(g, u, wd)
+  return linear(glu_product(g, u), wd)
 
 
 def _inputs_in_launch(p, x: NormedInput):
@@ -140,6 +145,7 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
     h = jax.nn.silu(h_g).astype(x.dtype) * h_u.astype(x.dtype)
     y = jnp.einsum("nef,edf->ned", h, p.down_exps.astype(x.dtype), preferred_element_type=f32)
     routed = jnp.einsum("ned,ne->nd", y, dense_w)
-  shared = _glu(x, p.shared_gate, p.shared_up, p.shared_down, shared_gu).astype(jnp.float32)
+  shared = _glu(x, p.shared_gate, p.shared_up, p.shared_down, shared_gu,
+                cfg.forms.shared_glu == "in_down").astype(jnp.float32)
   gate = jax.nn.sigmoid(linear(x.astype(jnp.float32), p.shared_gate_inp))  # [N, 1]
   return (routed + gate * shared).astype(x.dtype)
