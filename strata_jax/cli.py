@@ -121,6 +121,10 @@ def cmd_generate(args) -> int:
   from strata_jax.loading import control_vector_from_args, load_from_args  # noqa: PLC0415
   from strata_jax.speculative import check_spec  # noqa: PLC0415
   check_spec(args.spec, None, True)          # the range, before the model loads
+  if args.dump_logits:   # where it goes, before any work
+    where = os.path.dirname(os.path.abspath(args.dump_logits))
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):
+      raise RequestError(f"--dump-logits {args.dump_logits}: cannot write in {where}")
   check(Request(tokens=[0], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, repeat_penalty=args.repeat_penalty,
@@ -156,10 +160,18 @@ def cmd_generate(args) -> int:
   if not _is_output_process():
     return 0
   if args.dump_logits:
-    with open(args.dump_logits, "wb") as f:   # the path as given (savez would add ".npz")
-      np.savez(f, prompt=res.prompt_logits.astype(np.float32),
-               prompt_last=res.prompt_logits[-1].astype(np.float32),
-               steps=res.step_logits.astype(np.float32))
+    # the path as given (savez would add ".npz"), written whole or not at all: a file already
+    # there is replaced only once the new one is complete
+    part = args.dump_logits + ".part"
+    try:
+      with open(part, "wb") as f:
+        np.savez(f, prompt=res.prompt_logits.astype(np.float32),
+                 prompt_last=res.prompt_logits[-1].astype(np.float32),
+                 steps=res.step_logits.astype(np.float32))
+      os.replace(part, args.dump_logits)
+    finally:
+      if os.path.exists(part):
+        os.remove(part)
   text = res.text or ""
   if args.json:
     out = {"prompt_tokens": ids, "tokens": res.tokens, "text": text, "lora": bool(use_lora)}

@@ -50,6 +50,7 @@ def test_generate_json_and_dump_logits(files):
   assert set(res) == {"prompt_tokens", "tokens", "text", "lora", "logprobs"}
   assert res["prompt_tokens"] == [5, 6, 7, 8, 9] and len(res["tokens"]) == 4 and res["lora"] is True
   z = np.load(out)
+  assert not (d / "on.npz.part").exists()
   assert z["prompt"].shape == (5, TINY.vocab_size) and z["prompt"].dtype == np.float32
   assert np.array_equal(z["prompt_last"], z["prompt"][-1])
   assert z["steps"].shape == (4, TINY.vocab_size)
@@ -169,6 +170,7 @@ def test_serve_lora_flags_list_numbered_and_stacked_adapters(files, tmp_path):
     (["--dtype", "float16", "--prompt-tokens", "1"], "--dtype"),
     (["-n", "3"], "--prompt"),   # no prompt: the contract's grammar requires one
     (["--split-devices", "5", "--prompt-tokens", "1"], "--split-devices"),
+    (["--prompt-tokens", "1", "--dump-logits", "/nonexistent-dir/z.npz"], "nonexistent-dir"),
 ])
 def test_errors_exit_2_without_traceback(files, args, needle):
   _, model, _, _ = files
