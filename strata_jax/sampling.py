@@ -257,14 +257,25 @@ def choose(logits, recent, sp: SamplingParams, step, plan: Plan):
     s = sample(z, sp, step, plan)
     tok = jnp.where(s >= 0, s, tok)
   B = logits.shape[0]
-  lp = jnp.zeros((B,), jnp.float32)
-  top_lp, top_ids = jnp.zeros((B, plan.n_top), jnp.float32), jnp.zeros((B, plan.n_top), jnp.int32)
   if plan.logprobs or plan.n_top:
-    lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    lp = jnp.take_along_axis(lsm, tok[:, None], 1)[:, 0]
-    if plan.n_top:
-      top_lp, top_ids = lax.top_k(lsm, plan.n_top)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, plan.n_top)
+  else:
+    lp = jnp.zeros((B,), jnp.float32)
+    top_lp, top_ids = (jnp.zeros((B, plan.n_top), jnp.float32),
+                       jnp.zeros((B, plan.n_top), jnp.int32))
   return tok, lp, top_ids, top_lp
+
+
+def token_logprobs(logits, tok, n_top: int):
+  """(logprob of tok [B], the n_top most likely ids [B, n_top], their logprobs): log_softmax
+  of the raw logits [B, V] in fp32, the top ids in `lax.top_k`'s order (ties: lower id)."""
+  lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  lp = jnp.take_along_axis(lsm, tok[:, None], 1)[:, 0]
+  if not n_top:
+    B = logits.shape[0]
+    return lp, jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.float32)
+  top_lp, top_ids = lax.top_k(lsm, n_top)
+  return lp, top_ids, top_lp
 
 
 def advance(rows: Rows, tok, stop_ids):

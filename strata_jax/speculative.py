@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import steps
-from strata_jax.errors import SpecError
 from strata_jax import sampling
+from strata_jax.errors import SpecError
 from strata_jax.state import init_mtp_state
 
 DRAFTS = ("mtp", "ngram")
@@ -84,25 +84,6 @@ def target_probs(logits: np.ndarray, temperature: float, top_k: int = 0,
     p = np.where(p >= min_p * p.max(), p, 0.0)
     p /= p.sum()
   return p
-
-
-@jax.jit
-def penalized(logits, recent, presence, frequency, repeat):
-  """The sampler's own penalties (`strata_jax.sampling.penalize`, the same XLA ops, so a
-  plain decode step's bits) at every verified position: logits [B, T, V] float32; recent
-  [B, T, RECENT] each position's window (oldest first, -1 empty); presence, frequency,
-  repeat [B]. Returns [B, T, V]."""
-  B, T, V = logits.shape
-  per = lambda a: jnp.repeat(a.astype(jnp.float32), T)
-  zero = jnp.zeros((B * T,), jnp.float32)
-  sp = sampling.SamplingParams(temperature=zero, top_k=jnp.zeros((B * T,), jnp.int32),
-                               top_p=zero + 1.0, min_p=zero, presence=per(presence),
-                               frequency=per(frequency), repeat=per(repeat),
-                               seed_lo=jnp.zeros((B * T,), jnp.uint32),
-                               seed_hi=jnp.zeros((B * T,), jnp.uint32))
-  z = sampling.penalize(logits.reshape(B * T, V).astype(jnp.float32),
-                        recent.reshape(B * T, -1), sp)
-  return z.reshape(B, T, V)
 
 
 def accept(logits: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
@@ -282,8 +263,8 @@ class SpecDecoder:
           w = seq[:len(r.context) + i][-sampling.RECENT:]
           recent[slot, i, sampling.RECENT - len(w):] = w
         knobs[:, slot] = r.presence, r.frequency, r.repeat
-      decide = np.asarray(jax.device_get(penalized(logits, jnp.asarray(recent),
-                                                   *map(jnp.asarray, knobs))))
+      decide = np.asarray(jax.device_get(steps.penalize_positions(
+          logits, jnp.asarray(recent), *map(jnp.asarray, knobs))))
     logits = np.asarray(jax.device_get(logits))
     choice = np.zeros((B, T), np.int32)
     k, n_emit, sw = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)

@@ -125,6 +125,32 @@ def decode(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, ac
   return logits, state
 
 
+@jax.jit
+def penalize_positions(logits, recent, presence, frequency, repeat):
+  """The sampler's own penalties (`strata_jax.sampling.penalize`, the same XLA ops, so a
+  plain decode step's bits) at every verified position: logits [B, T, V] float32; recent
+  [B, T, RECENT] each position's window (oldest first, -1 empty); presence, frequency,
+  repeat [B]. Returns [B, T, V]."""
+  B, T, V = logits.shape
+  per = lambda a: jnp.repeat(a.astype(jnp.float32), T)
+  zero = jnp.zeros((B * T,), jnp.float32)
+  sp = sampling.SamplingParams(temperature=zero, top_k=jnp.zeros((B * T,), jnp.int32),
+                               top_p=zero + 1.0, min_p=zero, presence=per(presence),
+                               frequency=per(frequency), repeat=per(repeat),
+                               seed_lo=jnp.zeros((B * T,), jnp.uint32),
+                               seed_hi=jnp.zeros((B * T,), jnp.uint32))
+  z = sampling.penalize(logits.reshape(B * T, V).astype(jnp.float32),
+                        recent.reshape(B * T, -1), sp)
+  return z.reshape(B, T, V)
+
+
+@functools.partial(jax.jit, static_argnames=("n_top",))
+def token_logprobs(logits, tok, *, n_top: int):
+  """`sampling.token_logprobs` of tokens chosen outside the sampler (speculative rows: the
+  verification's logits [N, V] and the tokens emitted from them), as a plain step's."""
+  return sampling.token_logprobs(logits, tok, n_top)
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def reset_rows(state: ModelState, rows):
   """Clear the recurrent state and length of the rows where rows [B] is true."""

@@ -234,10 +234,7 @@ def dense_matmul_glu(g, u, stack, index, *, implementation="auto", few="dot"):
   if g.shape != u.shape:
     raise ValueError(f"dense matmul glu: gate {g.shape} and up {u.shape} must match")
   if dense_kernel_rows(*g.shape, implementation):
-    tk, params = _kernel_params(resolve(implementation), None)
-    idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
-    return dense_call(g[None], _stack3(stack), idx, up=u[None], compiler_params=params,
-                      interpret=resolve(implementation) == "pallas_interpret", **tk)[0]
+    return _dense_kernel(g, stack, index, resolve(implementation), None, up=u)
   return dense_matmul(gemv.glu_product(g, u), stack, index, implementation=implementation,
                       few=few)
 
@@ -330,12 +327,14 @@ def norm_launch_rows(n_stacks, n, d_in, implementation="auto"):
   return n_stacks > 1 and dense_kernel_rows(n, d_in, implementation)
 
 
-def _dense_kernel(x, stack, index, impl, tiles, partials=False):
-  """The in-place GEMV of one group: y [N, out], or its split partials [S, N, out]."""
+def _dense_kernel(x, stack, index, impl, tiles, partials=False, up=None):
+  """The in-place GEMV of one group: y [N, out], or its split partial sums [S, N, out]; with
+  `up`, of the GLU row `gemv.glu_product(x, up)`, made in the kernel."""
   tk, params = _kernel_params(impl, tiles)
   idx = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
   y = dense_call(x[None], _stack3(stack), idx, interpret=impl == "pallas_interpret",
-                 compiler_params=params, partials=partials, **tk)
+                 compiler_params=params, partials=partials,
+                 up=None if up is None else up[None], **tk)
   return y[:, 0] if partials else y[0]
 
 

@@ -171,6 +171,21 @@ class _Chunk:
 SNAPSHOT_COPY_BYTES = 64 << 20
 
 
+def _record_step(run: _Running, tok: int, logits, entry):
+  """What a delivered token brings besides itself: its step logits (the raw logits it was
+  chosen from, when the request asks) and its logprobs entry (`entry` = (logprob, top ids,
+  their logprobs), when it asks for logprobs; the top ids cut to its k)."""
+  r = run.req
+  if logits is not None:
+    run.step_logits.append(np.asarray(logits, np.float32))
+  if entry is not None:
+    lp, ids, lps = entry
+    top = {int(a): float(b) for a, b in zip(ids[:r.logprobs], lps[:r.logprobs])}
+    run.logprobs.append({"token": int(tok), "logprob": float(lp), "top": top})
+    if r.on_logprobs is not None:
+      r.on_logprobs(run.logprobs[-1])
+
+
 def _snap_bytes(item: _Snap) -> int:
   return sum(a.nbytes for entry in item.payload for a in entry.values())
 
@@ -1140,14 +1155,10 @@ class Engine:
       run.remaining -= 1
       if run.cancel_at is not None:
         continue   # read after a cancel: fed to the state, not delivered
-      if r.return_logits or r.return_step_logits:
-        run.step_logits.append(np.asarray(logits[i] if logits.ndim == 2 else logits, np.float32))
-      if r.logprobs is not None:
-        top = ({int(a): float(b) for a, b in zip(ti[i, :r.logprobs], tl[i, :r.logprobs])}
-               if r.logprobs else {})
-        run.logprobs.append({"token": t, "logprob": float(lp[i]), "top": top})
-        if r.on_logprobs is not None:
-          r.on_logprobs(run.logprobs[-1])
+      wanted = r.return_logits or r.return_step_logits
+      _record_step(run, t, (logits[i] if logits.ndim == 2 else logits) if wanted else None,
+                   None if r.logprobs is None else
+                   (lp[i], ti[i] if r.logprobs else (), tl[i] if r.logprobs else ()))
       if len(run.tokens) == 1:
         run.t_first = time.perf_counter()
       if r.on_token is not None:
@@ -1187,35 +1198,24 @@ class Engine:
       self.slot_tokens[slot].extend(o.consumed)
       run.proposed += o.proposed
       run.accepted += o.accepted
+      r = run.req
+      # the logprobs of the round's tokens by the sampler's own math, as a plain step's
+      lps = None if r.logprobs is None else jax.device_get(steps.token_logprobs(
+          o.logits, jnp.asarray(o.emitted, jnp.int32),
+          n_top=smp.MAX_LOGPROBS if r.logprobs else 0))
+      wanted = r.return_logits or r.return_step_logits
       for i, tok in enumerate(o.emitted):
         run.tokens.append(tok)
         run.remaining -= 1
         if o.logits is not None:
-          self._spec_token_logits(run, tok, o.logits[i])
-        if run.req.on_token is not None:
-          run.req.on_token(tok)
+          _record_step(run, tok, o.logits[i] if wanted else None,
+                       None if lps is None else (lps[0][i], lps[1][i], lps[2][i]))
+        if r.on_token is not None:
+          r.on_token(tok)
       if self._finished(slot, run):
         h.result = self._finish(slot, run)
         del self._running[slot]
         self._row_dev = None
-
-  @staticmethod
-  def _spec_token_logits(run: _Running, tok: int, logits: np.ndarray):
-    """A speculative token's step logits and logprobs entry, from the verification's logits
-    it was chosen from: as `_emit_chunk` records a plain step's (log_softmax of the raw
-    logits in fp32, the top ids as `lax.top_k` orders them: ties to the lower id)."""
-    r = run.req
-    if r.return_logits or r.return_step_logits:
-      run.step_logits.append(logits)
-    if r.logprobs is not None:
-      z = logits.astype(np.float32)
-      z = z - z.max()
-      lsm = z - np.log(np.exp(z).sum(dtype=np.float32))
-      top = np.argsort(-lsm, kind="stable")[:r.logprobs]
-      run.logprobs.append({"token": int(tok), "logprob": float(lsm[tok]),
-                           "top": {int(i): float(lsm[i]) for i in top}})
-      if r.on_logprobs is not None:
-        r.on_logprobs(run.logprobs[-1])
 
   def _finished(self, slot: int, run: _Running) -> bool:
     r = run.req
