@@ -916,5 +916,9 @@ if want s24b; then
     tests/test_multi_launch_kernel.py tests/test_forms.py -k "glu" 2>&1 \
     | tee $OUT/gpu_tests_glu.log | tail -3
 fi
+# SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
+if want h200peer; then
+  h200_prefill_and_peer s25
+fi
 rm -rf $OUT/tmp
 echo "all done $(( $(date +%s) - t0 )) s"
