@@ -73,8 +73,14 @@ CHOICES: dict[str, tuple] = {
     # fused form's 3.842 at batch 1 (Dv tiles of 64, run 45) and 7.836 against 7.680 at batch
     # 32 (tiles of 32, run 43): its (row, v-head) programs, 32 at batch 1, each run the head's
     # Dv tiles one after another, where the fused kernel runs a program per tile.
+    # "pallas_conv": the layer kernel's launch without the gated norm, on the fused kernel's
+    # program per Dv tile: the qkv / ba split sums, the conv, the gates and the delta rule,
+    # the conv state stack (in the layer scan's carry) and the conv weights, A and dt_bias
+    # read at the layer index in place (`pallas_kernels/gdn/decode_conv_kernel.py`;
+    # "pallas_fused" wherever a step runs alone). Bits: the fused form's from bf16 q / k / v.
     "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
-                   "pallas_fused_interpret", "pallas_layer", "pallas_layer_interpret"),
+                   "pallas_fused_interpret", "pallas_layer", "pallas_layer_interpret",
+                   "pallas_conv", "pallas_conv_interpret"),
     # MoE with more (token, expert) pairs than experts: "auto" = the grouped Pallas kernel on the
     # GPU, every expert on every token ("dense") elsewhere; "grouped" = XLA's ragged dot.
     "moe_many": ("auto", "dense", "grouped", "pallas", "pallas_interpret"),
@@ -263,7 +269,7 @@ GPU_ONLY = {
     "lora_impl": ("pallas", "mosaic"),
     "gdn_chunked": ("pallas", *(c for c in CHOICES["gdn_chunked"] if c.startswith("pallas_")
                                 and not c.endswith("_interpret"))),
-    "gdn_decode": ("pallas", "pallas_fused", "pallas_layer"),
+    "gdn_decode": ("pallas", "pallas_fused", "pallas_layer", "pallas_conv"),
     "moe_many": ("pallas",),
     "moe_few": ("pallas",),
     "quant_impl": ("pallas",),

@@ -9,6 +9,10 @@ the model code at a time (each traced and compiled afresh), timed side by side i
   gdnfused  the fused GDN decode kernel (gates inside), whose recurrent state stack rides in
             the layer scan's carry and is updated in place (Forms.gdn_decode="pallas_fused", the
             GPU default since run 1 of decode_probe_state_in_place)
+  gdnconv   the GDN decode from the qkv / ba projections' split partials in one launch: the
+            sums, the conv, the gates and the delta rule, on the fused kernel's grid, the conv
+            state stack in the scan's carry and the conv weights, A and dt_bias read in place
+            (Forms.gdn_decode="pallas_conv")
   gdnstep   the GDN decode before that: jnp below batch 24, the step kernel from 24
             (`step_raw`'s "auto")
   qpred     a mixed-type quantised stack (--gguf Q4_K_M) by one gated launch per type and a
@@ -97,6 +101,7 @@ FORM_VARIANTS = {
     "gdn": {"gdn_decode": "pallas"},
     "gdnfused": {"gdn_decode": "pallas_fused"},
     "gdnlayer": {"gdn_decode": "pallas_layer"},   # a GDN layer's decode core in one launch
+    "gdnconv": {"gdn_decode": "pallas_conv"},   # its split sums, conv and delta rule in one launch
     "attnpro": {"attn_decode": "pallas_prologue"},   # attention's norms, RoPE, cache write
     "convtaps": {"gdn_conv": "taps"},   # the GDN conv's taps as pad + select (2026-12-06)
     "convjoin": {"gdn_conv": "concat"},   # the taps sliced from the concatenation (before run 78)

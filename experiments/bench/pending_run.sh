@@ -916,6 +916,26 @@ if want s24b; then
     tests/test_multi_launch_kernel.py tests/test_forms.py -k "glu" 2>&1 \
     | tee $OUT/gpu_tests_glu.log | tail -3
 fi
+# Session of 2026-12-07 (twenty-fifth). SECTIONS=s25a (~8 min): Forms.gdn_decode="pallas_conv"
+# (the GDN layer's qkv / ba split sums, conv, gates and delta rule in one launch on the fused
+# kernel's grid, the conv state stack in the scan's carry, weights read in place) against the
+# default fused form, at batch 1 from 128-token prompts at the Engine's 2,560-key capacity, no
+# adapter and adapter on, base again last, with its kernel profile; batch 8 beside it; the
+# compiled kernel tests; then the Engine at batch 1 with it and on the defaults (the A/B).
+if want s25a; then
+  timeout 200 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+    --max_seq 2560 --prompt 128 --variants base,gdnconv,base@on,gdnconv@on,base \
+    --profile gdnconv --out $OUT/decode_probe_b1_s25.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-200
+  JAX_PLATFORMS=cuda timeout 100 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_gdn_decode_conv_kernel.py 2>&1 | tee $OUT/gpu_tests_gdn_conv.log | tail -3
+  engine_b1 bench_engine_b1_s25_gdnconv.json gdn_decode=pallas_conv
+  engine_b1 bench_engine_b1_s25.json
+  [ $(left) -gt 90 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/decode_probe.py \
+    --batches 8 --n_steps 16 --reps 3 --max_seq 2560 --prompt 128 \
+    --variants base,gdnconv,base --out $OUT/decode_probe_b8_s25.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-200
+fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
   h200_prefill_and_peer s25

@@ -30,6 +30,12 @@ the delta rule and the gated norm) adds "pallas_layer" / "pallas_layer_interpret
 "pallas_fused" / "pallas_fused_interpret" (`fused_form`): a verification's steps, `step_fused`.
 Any other choice runs `reference.decode_layer_reference` (jnp; the model itself keeps its own
 ops under those choices).
+
+`decode_conv` (the same core without the gated norm: the split sums, the conv, the gates and
+the delta rule, the conv state, weights and state read at a layer index in place) adds
+"pallas_conv" / "pallas_conv_interpret": `decode_conv_kernel.py`, one launch with the fused
+kernel's program per Dv tile; "pallas_fused" / "pallas_fused_interpret" everywhere else, and
+`reference.decode_conv_reference` for any other choice.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ from pallas_kernels.backend import check_choice, on_gpu, require_gpu
 from pallas_kernels.gdn import chunked as chunked_form
 from pallas_kernels.gdn import reference
 from pallas_kernels.gdn.chunked_kernel import gdn_chunked_pallas
+from pallas_kernels.gdn.decode_conv_kernel import gdn_decode_conv
 from pallas_kernels.gdn.decode_fused_kernel import gdn_decode_fused, gdn_decode_fused_steps
 from pallas_kernels.gdn.decode_kernel import gdn_decode_pallas
 from pallas_kernels.gdn.decode_layer_kernel import gdn_decode_layer
@@ -59,12 +66,15 @@ FUSED_CHOICES = ("pallas_fused", "pallas_fused_interpret")
 # The layer kernel's choices, each with the fused step kernel's form it runs where one step is
 # all there is (a verification's steps, `step_fused`).
 LAYER_CHOICES = {"pallas_layer": "pallas_fused", "pallas_layer_interpret": "pallas_fused_interpret"}
+# The conv kernel's choices (`decode_conv`), likewise.
+CONV_CHOICES = {"pallas_conv": "pallas_fused", "pallas_conv_interpret": "pallas_fused_interpret"}
 
 
 def fused_form(implementation):
-  """The step choice a layer-kernel choice runs elsewhere ("pallas_layer" -> "pallas_fused");
+  """The step choice a layer- or conv-kernel choice runs elsewhere ("pallas_layer" ->
+  "pallas_fused");
   any other choice as it is."""
-  return LAYER_CHOICES.get(implementation, implementation)
+  return LAYER_CHOICES.get(implementation, CONV_CHOICES.get(implementation, implementation))
 
 
 def is_fused(implementation) -> bool:
@@ -325,3 +335,26 @@ def decode_layer(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, state, v
                             layer, interpret=implementation == "pallas_layer_interpret", **kw)
   return reference.decode_layer_reference(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w,
                                           state, valid, layer, **kw)
+
+
+def decode_conv(qkv, ba, conv_state, conv_w, a_coef, dt_bias, state, valid, layer,
+                conv_layer=None, weight_layer=None, *, n_k_heads, x_dtype=None,
+                implementation=None):
+  """A GDN layer's decode step from its projections' outputs, the gated norm excepted.
+  Contract as `reference.decode_conv_reference`: qkv [B, C] or its partials [S, B, C], ba
+  [B, 2 Hv] or [S, B, 2 Hv], conv_state [B, K-1, C] or a stack read at `conv_layer`, conv_w
+  [C, K] / a_coef, dt_bias [Hv] or stacks read at `weight_layer` (None: `layer`), state the
+  [L, B, Hv, Dv, Dk] stack -> (o [B, Hv, Dv] fp32, conv state, state stack). Rows with
+  valid == 0 keep both states.
+
+  "pallas_conv" / "pallas_conv_interpret": `decode_conv_kernel.gdn_decode_conv`, one launch,
+  the state (and a stacked conv state) aliased, in place when donated. Any other choice: the
+  reference."""
+  kw = dict(n_k_heads=n_k_heads, x_dtype=x_dtype)
+  args = (qkv, ba, conv_state, conv_w, a_coef, dt_bias, state, valid, layer, conv_layer,
+          weight_layer)
+  if implementation in CONV_CHOICES:
+    if implementation == "pallas_conv":
+      require_gpu("gdn", implementation, "'pallas_conv_interpret' or 'xla'")
+    return gdn_decode_conv(*args, interpret=implementation == "pallas_conv_interpret", **kw)
+  return reference.decode_conv_reference(*args, **kw)

@@ -149,6 +149,44 @@ def decode_layer_reference(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w
   return (y, conv_new, state.at[layer].set(s))
 
 
+def decode_conv_reference(qkv, ba, conv_state, conv_w, a_coef, dt_bias, state, valid, layer,
+                          conv_layer=None, weight_layer=None, *, n_k_heads, x_dtype=None):
+  """The oracle of `decode_conv_kernel.gdn_decode_conv`: a GDN layer's decode step from its
+  projections' outputs as the model's fused form computes it (the split sums, the conv, the
+  q / k / v and b / a slices, `delta_rule_step_fused`). Shapes as there: qkv / ba whole or
+  as split partials, conv_state / conv_w / a_coef / dt_bias one layer's or stacks read at
+  their layer index (None: `layer`, clamped), `state` the [L, B, Hv, Dv, Dk] stack. Returns
+  (o [B, Hv, Dv] fp32, the conv state as given with its layer updated, the state stack);
+  invalid rows keep both states bit for bit."""
+  f32 = jnp.float32
+  _, bsz, hv, dv, dk = state.shape
+  r, kd = hv // n_k_heads, n_k_heads * dk
+  x_dtype = jnp.dtype(x_dtype or qkv.dtype)
+  whole = lambda v, ndim: (v if v.ndim == ndim else sum_partials(v.astype(f32))).astype(x_dtype)
+  x, ba = whole(qkv, 2), whole(ba, 2)
+  at = lambda i, n: jnp.clip(jnp.asarray(layer if i is None else i, jnp.int32), 0, n - 1)
+  if conv_w.ndim == 3:
+    wl = at(weight_layer, conv_w.shape[0])
+    conv_w, a_coef, dt_bias = conv_w[wl], a_coef[wl], dt_bias[wl]
+  cs = conv_state
+  if conv_state.ndim == 4:
+    cl = at(conv_layer, conv_state.shape[0])
+    cs = conv_state[cl]
+  c, conv_new = causal_conv_step(x, cs, conv_w, valid)
+  if conv_state.ndim == 4:
+    conv_new = conv_state.at[cl].set(conv_new)
+  q = c[:, :kd].reshape(bsz, n_k_heads, dk)
+  k = c[:, kd:2 * kd].reshape(bsz, n_k_heads, dk)
+  v = c[:, 2 * kd:].reshape(bsz, hv, dv).astype(f32)
+  ba = ba.astype(f32).reshape(bsz, n_k_heads, 2 * r)
+  b, a = ba[..., :r].reshape(bsz, hv), ba[..., r:].reshape(bsz, hv)
+  sl = at(None, state.shape[0])
+  old = state[sl]
+  o, s = delta_rule_step_fused(q, k, v, a, b, a_coef, dt_bias, old, valid)
+  s = jnp.where((jnp.asarray(valid) != 0)[:, None, None, None], s, old)
+  return o, conv_new, state.at[sl].set(s)
+
+
 def delta_rule_recurrent(q, k, v, g, beta, state):
   """Token-by-token oracle (see module docstring for shapes)."""
   def body(s, xs):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.gdn.api import CONV_CHOICES as GDN_CONV_CHOICES
 from pallas_kernels.gdn.api import in_place as gdn_in_place
 from pallas_kernels.quant.layout import QTensor
 from strata_jax.config import ATTN, GDN, ModelConfig
@@ -229,7 +230,14 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
     row_scale = jnp.take(lora.table, sw, axis=0, mode="clip").astype(jnp.float32)
   B, T, D = x.shape
   ssm_in_carry = not keep_steps and T == 1 and gdn_in_place(cfg.forms.gdn_decode, B)
-  conv_b = _blocks(gdn_state[0], n_blocks)
+  # `Forms.gdn_decode` "pallas_conv": the conv state stack rides in the carry as well (the
+  # kernel updates its layer in place), and the conv weights, A and dt_bias stay whole, read
+  # at the layer index in the kernel (a block's slices were copies for the launch).
+  conv_in_carry = ssm_in_carry and cfg.forms.gdn_decode in GDN_CONV_CHOICES
+  gdn_stacks = None
+  if conv_in_carry and not any(_is_q(getattr(layers.gdn, n)) for n in ("conv", "a", "dt_bias")):
+    gdn_stacks = (layers.gdn.conv, layers.gdn.a, layers.gdn.dt_bias)
+  conv_b = None if conv_in_carry else _blocks(gdn_state[0], n_blocks)
   ssm_b = None if ssm_in_carry else _blocks(gdn_state[1], n_blocks)
   cvec_b = _blocks(cvec, n_blocks)   # [n_blocks, period, D], or None
   # The expert stacks whole, for the few-token MoE kernel (reads layer `blk * period + li`).
@@ -239,7 +247,8 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   in_launch_moe_norm = T == 1 and cfg.forms.moe_norm == "in_launch"
 
   def body(carry, xs):
-    x, (kc, vc), ssm_all = carry   # ssm_all: the whole ssm stack, or None (then ssm_in)
+    # ssm_all / conv_all: the whole ssm / conv stack, or None (then ssm_in / conv_in)
+    x, (kc, vc), ssm_all, conv_all = carry
     blk, (attn_norm, post_norm, moe_p), gp, ap, lg, la, conv_in, ssm_in, cv = xs
     conv_out, ssm_out, cut_out = [], [], []
     gi = ai = 0
@@ -261,15 +270,19 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
         if lora_whole:
           lg_i = (DRef(lora.gdn_a, blk * n_g + gi), DRef(lora.gdn_b, blk * n_g + gi))
         if ssm_in_carry:
-          y, conv, ssm_all = gdn_mixer(cfg, p, h, conv_in[gi], ssm_all, n_new, *lg_i, switch,
-                                       row_scale=row_scale, layer=blk * n_g + gi)
+          y, conv, ssm_all = gdn_mixer(
+              cfg, p, h, conv_all if conv_in_carry else conv_in[gi], ssm_all, n_new, *lg_i,
+              switch, row_scale=row_scale, layer=blk * n_g + gi, stacks=gdn_stacks)
+          if conv_in_carry:
+            conv_all, conv = conv, None
         else:
           y, conv, ssm, *at_cut = gdn_mixer(cfg, p, h, conv_in[gi], ssm_in[gi], n_new, *lg_i,
                                             switch, keep_steps, row_scale=row_scale, cut=cut,
                                             cut_window=cut_window)
           ssm_out.append(ssm)
           cut_out += at_cut
-        conv_out.append(conv)
+        if conv is not None:
+          conv_out.append(conv)
         gi += 1
       x, h = residual_norm(x, y, post_norm[li], cfg.rms_eps,   # y may be `Pending`
                            defer=in_launch_moe_norm)
@@ -283,13 +296,16 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
     at_cut = None
     if cut is not None:   # (conv, ssm) per GDN layer of the block, stacked like the states
       at_cut = (restack([c for c, _ in cut_out], conv_in), restack([s for _, s in cut_out], ssm_in))
-    return (x, (kc, vc), ssm_all), (restack(conv_out, conv_in), restack(ssm_out, ssm_in), at_cut)
+    return (x, (kc, vc), ssm_all, conv_all), (restack(conv_out, conv_in),
+                                               restack(ssm_out, ssm_in), at_cut)
 
-  carry = (x, tuple(kv), gdn_state[1] if ssm_in_carry else None)
-  (x, kv, ssm_all), (conv_b, ssm_b, cut_b) = lax.scan(
+  carry = (x, tuple(kv), gdn_state[1] if ssm_in_carry else None,
+           gdn_state[0] if conv_in_carry else None)
+  (x, kv, ssm_all, conv_all), (conv_b, ssm_b, cut_b) = lax.scan(
       body, carry, (jnp.arange(n_blocks, dtype=jnp.int32), norms_and_moe, gdn_p, attn_p,
                     lora_g, lora_a, conv_b, ssm_b, cvec_b))
-  out = (x, kv, (_unblocks(conv_b), ssm_all if ssm_in_carry else _unblocks(ssm_b)))
+  out = (x, kv, (conv_all if conv_in_carry else _unblocks(conv_b),
+                 ssm_all if ssm_in_carry else _unblocks(ssm_b)))
   return out if cut is None else out + (_unblocks(cut_b),)
 
 

@@ -71,7 +71,7 @@ def conv_window(conv_state, x, start):
 
 def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, switch,
               keep_steps: bool = False, *, row_scale=None, layer=None, cut=None,
-              cut_window: int = 0):
+              cut_window: int = 0, stacks=None):
   """x [B, T, D]; p one layer's GDNParams; conv_state [B, K-1, C]; ssm [B, Hv, Dv, Dk] f32;
   n_new [B] tokens of the T each row adds (the rest is padding and leaves state unchanged;
   0: the row sits this call out).
@@ -85,7 +85,9 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
 
   layer: None, or an int32 scalar (may be traced; not with keep_steps): ssm is then every
   layer's stack [L, B, Hv, Dv, Dk] and layer `layer` of it is updated; the whole stack comes
-  back. The decode kernels (T == 1, fused or the Pallas step: `gdn_api.in_place`) read and
+  back. Under `Forms.gdn_decode` "pallas_conv" conv_state may be the stack [L, B, K-1, C]
+  too (updated likewise, in place), and `stacks` every layer's (conv weights, A, dt_bias),
+  read at `layer` in the kernel instead of `p`'s (sliced out of a block: a copy each). The decode kernels (T == 1, fused or the Pallas step: `gdn_api.in_place`) read and
   write that layer in place, so a layer scan can carry the stack; the other forms read and
   write it in jnp,
   where XLA fuses the read into several consumers and then copies the whole stack to keep it
@@ -118,6 +120,22 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
                      "cut_window >= 1, one window per cut)")
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
+  if (T == 1 and layer is not None and not keep_steps
+      and cfg.forms.gdn_decode in gdn_api.CONV_CHOICES):
+    # One launch from the qkv / ba projections' split partials to the delta rule's output:
+    # the conv, the gates, the delta rule. The conv state (when `conv_state` is the stack)
+    # and the weights in `stacks` are read at `layer` in place; the gated norm stays XLA's,
+    # which adds z's partials in its fusion.
+    qkv, z, ba = linears(x, [p.qkv, p.gate, p.ba], partials=True)
+    conv_w, a_coef, dt_bias = stacks if stacks is not None else (p.conv, p.a, p.dt_bias)
+    stacked = conv_state.ndim == 4
+    o, conv_state, ssm = gdn_api.decode_conv(
+        qkv[:, :, 0], ba[:, :, 0], conv_state, conv_w, a_coef, dt_bias, ssm, n_new, layer,
+        layer if stacked else None, layer if stacks is not None else None, n_k_heads=Hk,
+        x_dtype=x.dtype, implementation=cfg.forms.gdn_decode)
+    z = sum_partials(z.astype(jnp.float32)).astype(x.dtype).reshape(B, T, Hv, Dv)
+    return _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale), \
+        conv_state, ssm
   if (T == 1 and layer is not None and not keep_steps
       and cfg.forms.gdn_decode in gdn_api.LAYER_CHOICES):
     # One launch from the projections' outputs to what the output projection reads: the
