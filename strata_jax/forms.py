@@ -75,8 +75,8 @@ CHOICES: dict[str, tuple] = {
     # Dv tiles one after another, where the fused kernel runs a program per tile.
     # "pallas_conv": the layer kernel's launch without the gated norm, on the fused kernel's
     # program per Dv tile: the qkv / ba split sums, the conv, the gates and the delta rule,
-    # the conv state stack (in the layer scan's carry) and the conv weights, A and dt_bias
-    # read at the layer index in place (`pallas_kernels/gdn/decode_conv_kernel.py`;
+    # the conv state stack (in the layer scan's carry, its layer written back by a dynamic
+    # update) and the conv weights, A and dt_bias read at the layer index in place (`pallas_kernels/gdn/decode_conv_kernel.py`;
     # "pallas_fused" wherever a step runs alone). Bits: the fused form's from bf16 q / k / v.
     "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
                    "pallas_fused_interpret", "pallas_layer", "pallas_layer_interpret",

@@ -109,6 +109,16 @@ def test_conv_kernel_keeps_invalid_rows_and_other_layers_bit_for_bit():
   assert np.array_equal(conv_new[1, 0, -1], x[0])
 
 
+def test_conv_kernel_aliases_the_recurrent_state_and_never_the_conv_state():
+  """The state stack (operand 8) is updated in place; the conv state never is: a k-head's q / k
+  channels are read by all its programs and written by one, in no fixed order on the GPU (the
+  interpreter, running programs one by one on copies, could not show the race)."""
+  args = make_inputs(*SHAPES[0], dtype=BF16)
+  text = str(jax.make_jaxpr(lambda *a: gdn_decode_conv(*a, jnp.int32(0), n_k_heads=2,
+                                                       interpret=True))(*args))
+  assert "input_output_aliases=((8, 2),)" in text
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_conv_kernel_takes_one_layers_arrays_as_the_stacks_layer(dtype):
   """The conv state, conv weights, A and dt_bias given as one layer's arrays (no layer axis),

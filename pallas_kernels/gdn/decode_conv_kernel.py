@@ -26,7 +26,14 @@ Program (b, h, j): v-head h of row b (k-head hk = h // r, r = Hv / Hk), Dv rows 
 
 The state, the conv state, the conv weights, A and dt_bias may each be a stack with a layer axis
 read at that operand's layer index, in place: a layer scan carries the state and conv stacks and
-the weights stay whole, so nothing is sliced or restacked around the launch.
+the weights stay whole, so nothing is sliced out of a block for the launch.
+
+The recurrent state is updated in place (aliased): each program reads and writes only its own
+tile. The conv state is not: a k-head's q / k channels are read by all of its 2 x 8 programs
+(bench-a3b) and written by one, and programs run in no fixed order, so an in-place shift could
+reach some readers before they load the old rows. The kernel writes the layer's new conv state
+to a fresh [B, K-1, C] buffer instead, and a stacked conv state takes it as a dynamic update
+of its layer (one small XLA kernel, in place in a scan's carry).
 
 `reference.decode_conv_reference` is the oracle (the model's conv, slices and
 `delta_rule_step_fused`); the interpreter matches it bit for bit.
@@ -51,6 +58,8 @@ _WHOLE = pl.BlockSpec()   # whole arrays: the program indexes them itself
 
 def _kernel(at_ref, valid_ref, qkv_ref, ba_ref, cs_ref, w_ref, acoef_ref, dtb_ref, s_in,
             o_ref, cs_out, s_out, *, hk_n, r, dk, dv, bv, n_taps, x_dtype):
+  # cs_out [B, K-1, C]: this layer's new conv state, a buffer apart from cs_ref (never aliased:
+  # module docstring)
   b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   hk = h // r
   s_layer, c_layer, w_layer = at_ref[0], at_ref[1], at_ref[2]
@@ -78,7 +87,7 @@ def _kernel(at_ref, valid_ref, qkv_ref, ba_ref, cs_ref, w_ref, acoef_ref, dtb_re
     for i in range(n_taps - 1):
       old = cs_ref[c_layer, b, jnp.int32(i), ch]
       nxt = cs_ref[c_layer, b, jnp.int32(i + 1), ch] if i + 1 < n_taps - 1 else xv
-      cs_out[c_layer, b, jnp.int32(i), ch] = jnp.where(ok, nxt.astype(dt), old)
+      cs_out[b, jnp.int32(i), ch] = jnp.where(ok, nxt.astype(dt), old)
 
   q, qx = conv(hk * dk, dk)
   k, kx = conv(kd + hk * dk, dk)
@@ -154,8 +163,8 @@ def gdn_decode_conv(qkv, ba, conv_state, conv_w, a_coef, dt_bias, state, valid, 
       index order and rounded to x_dtype in the kernel: the projection's own result).
     ba: [B, 2 Hv] the ba projection's output in its [Hk, 2r] layout (b first, then a, per
       k-head), or its partials [S, B, 2 Hv].
-    conv_state: [B, K-1, C], or the stack [Lc, B, K-1, C] (layer `conv_layer` read and
-      written in place, aliased).
+    conv_state: [B, K-1, C], or the stack [Lc, B, K-1, C] (layer `conv_layer` read in place
+      and updated: the kernel writes its new rows apart, then a dynamic update).
     conv_w: [C, K] or [Lw, C, K]; a_coef, dt_bias: [Hv] or [Lw, Hv] (`ssm_a` = -exp(A_log),
       `ssm_dt.bias`), read at `weight_layer` when stacked.
     state: [L, B, Hv, Dv, Dk] float32, every layer's state; layer `layer` (int32, may be
@@ -191,16 +200,20 @@ def gdn_decode_conv(qkv, ba, conv_state, conv_w, a_coef, dt_bias, state, valid, 
   operands = [at, valid, qkv, ba, cs, w, acoef, dtb, state]
   kernel = functools.partial(_kernel, hk_n=n_k_heads, r=hv // n_k_heads, dk=dk, dv=dv, bv=bv,
                              n_taps=w.shape[-1], x_dtype=x_dtype)
-  o, cs, state = pl.pallas_call(
+  o, cs_new, state = pl.pallas_call(
       kernel, grid=(bsz, hv, dv // bv),
       in_specs=[_WHOLE] * len(operands), out_specs=[_WHOLE] * 3,
       out_shape=[jax.ShapeDtypeStruct((bsz, hv, dv), _F32),
-                 jax.ShapeDtypeStruct(cs.shape, cs.dtype),
+                 jax.ShapeDtypeStruct(cs.shape[1:], cs.dtype),
                  jax.ShapeDtypeStruct(state.shape, _F32)],
-      input_output_aliases={4: 1, 8: 2},
+      input_output_aliases={8: 2},
       interpret=interpret,
       # One tile per program: nothing to pipeline (num_stages 1).
       compiler_params=None if interpret else triton_params(num_warps or _NUM_WARPS, 1),
       name="gdn_decode_conv",
   )(*operands)
-  return o, cs if conv_stacked else cs[0], state
+  if conv_stacked:   # the layer's new rows into the stack (in place where it is carried)
+    cs = conv_state.at[at[1]].set(cs_new)
+  else:
+    cs = cs_new
+  return o, cs, state

@@ -231,7 +231,7 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   B, T, D = x.shape
   ssm_in_carry = not keep_steps and T == 1 and gdn_in_place(cfg.forms.gdn_decode, B)
   # `Forms.gdn_decode` "pallas_conv": the conv state stack rides in the carry as well (the
-  # kernel updates its layer in place), and the conv weights, A and dt_bias stay whole, read
+  # kernel reads its layer in place; a dynamic update writes it back), and the conv weights, A and dt_bias stay whole, read
   # at the layer index in the kernel (a block's slices were copies for the launch).
   conv_in_carry = ssm_in_carry and cfg.forms.gdn_decode in GDN_CONV_CHOICES
   gdn_stacks = None

@@ -85,13 +85,15 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
 
   layer: None, or an int32 scalar (may be traced; not with keep_steps): ssm is then every
   layer's stack [L, B, Hv, Dv, Dk] and layer `layer` of it is updated; the whole stack comes
-  back. Under `Forms.gdn_decode` "pallas_conv" conv_state may be the stack [L, B, K-1, C]
-  too (updated likewise, in place), and `stacks` every layer's (conv weights, A, dt_bias),
-  read at `layer` in the kernel instead of `p`'s (sliced out of a block: a copy each). The decode kernels (T == 1, fused or the Pallas step: `gdn_api.in_place`) read and
+  back. The decode kernels (T == 1, fused or the Pallas step: `gdn_api.in_place`) read and
   write that layer in place, so a layer scan can carry the stack; the other forms read and
   write it in jnp,
   where XLA fuses the read into several consumers and then copies the whole stack to keep it
   alive past the update (`forward.layers_scan` passes them one layer's state instead).
+  Under `Forms.gdn_decode` "pallas_conv" conv_state may be the stack [L, B, K-1, C] too (its
+  layer read in place, then updated by a dynamic update), and `stacks` every layer's (conv
+  weights, A, dt_bias), read at `layer` in the kernel instead of `p`'s (sliced out of a
+  block: a copy each for a kernel's operand).
 
   At T == 1 a row with n_new == 0 keeps its conv and recurrent state bit for bit (the fused
   kernel does not store it; the other forms select it).
