@@ -936,6 +936,17 @@ if want s25a; then
     --variants base,gdnconv,base --out $OUT/decode_probe_b8_s25.json 2>&1 \
     | grep -e '"variant"' -e Error | cut -c1-200
 fi
+# SECTIONS=s25gdn (~3 min): the fused GDN decode kernel's tile sweep, never run (its defaults,
+# [16, 128] state tiles at 4 warps, are untimed), beside the defaults and fla's decode
+# (CUDA graph), each profiled at batch 1 / 8 / 32: gdn_decode_vs_fla is 0.913 at batch 32.
+if want s25gdn; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla \
+    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1
+  PYTHONPATH=/tmp/fla:$PYTHONPATH timeout 240 python3 experiments/bench/gdn_probe.py \
+    --batches 1,8,32 --profile --profile_batches 1,8,32 --skip chunked,layers,ffi,floor \
+    --budget_s 200 --out $OUT/gdn_probe_decode_s25.json 2>&1 | grep -i -e error -e done \
+    | cut -c1-200
+fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
   h200_prefill_and_peer s25
