@@ -906,15 +906,20 @@ fi
 # --prompt 128 starts from prefilled distinct prompts and carries the tokens on, as the
 # Engine's program. Both with the kernel profile of base@on, to name what differs; and the
 # shared expert's GLU row in its down GEMV (Forms.shared_glu="in_down", "gludown") beside base.
+# Replanned on 2026-12-07 (twenty-fifth session), with little device time left: s24b now also
+# times this session's GDN conv kernel, all at batch 1 from 128-token prompts (the Engine's
+# program decodes from prompts; run 79's probe started from token 0): base, gdnconv, gludown,
+# adapter on for base and gdnconv, base again last, with gdnconv's kernel profile; then the
+# compiled tests of both forms; then the fused GDN decode kernel's tile sweep (s25gdn).
 if want s24b; then
-  for p in 0 128; do
-    timeout 130 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
-      --max_seq 2560 --prompt $p --variants base,base@on,gludown,base --profile base@on \
-      --out $OUT/decode_probe_b1_prompt$p.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-200
-  done
-  JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
-    tests/test_multi_launch_kernel.py tests/test_forms.py -k "glu" 2>&1 \
-    | tee $OUT/gpu_tests_glu.log | tail -3
+  timeout 230 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+    --max_seq 2560 --prompt 128 --variants base,gdnconv,gludown,base@on,gdnconv@on,base \
+    --profile gdnconv --out $OUT/decode_probe_b1_prompt128.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-200
+  JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_gdn_decode_conv_kernel.py tests/test_multi_launch_kernel.py tests/test_forms.py \
+    -k "conv or glu" 2>&1 | tee $OUT/gpu_tests_gdn_conv_glu.log | tail -3
+  [ $(left) -gt 150 ] && SECTIONS=s25gdn CAP=$(( $(left) - 10 )) bash $0
 fi
 # Session of 2026-12-07 (twenty-fifth). SECTIONS=s25a (~8 min): Forms.gdn_decode="pallas_conv"
 # (the GDN layer's qkv / ba split sums, conv, gates and delta rule in one launch on the fused
