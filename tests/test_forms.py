@@ -569,7 +569,7 @@ def test_shared_glu_in_the_down_gemv_decodes_the_xla_forms_bits():
 
 
 @pytest.mark.parametrize("changes,norms", [
-    ({"moe_norm": "in_launch"}, 1), ({"input_norm": "in_proj", "moe_norm": "in_launch"}, 2)])
+    ({"input_norm": "in_proj", "moe_norm": "in_launch"}, 2)])   # both forms (both opt-in)
 def test_norms_in_the_launches_decode_the_xla_norms_tokens(changes, norms):
   """`input_norm="in_proj"` (the norm before each mixer, made by its projections' launch) and
   `moe_norm="in_launch"` (the norm before the MoE, made by one launch with the router's and

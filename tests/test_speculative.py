@@ -440,15 +440,13 @@ def test_cli_spec_json_and_errors(tmp_path):
   p = write_model_gguf(tmp_path / "p.gguf", plain_cfg,
                        names.params_to_gguf_tensors(plain_cfg, _flat(plain_cfg)))
   base = ["generate", "--model", m, "--prompt-tokens", "5,17,33,2", "-n", "8", "--json"]
-  ref = json.loads(cli(*base).stdout)
-  got = json.loads(cli(*base, "--spec", "3").stdout)
-  assert got["tokens"] == ref["tokens"] and "draft" not in ref
-  assert set(got["draft"]) == {"proposed", "accepted"} and got["draft"]["proposed"] > 0
   # with --dump-logits and --logprobs too: the plain run's arrays and entries
   dumps = [tmp_path / "plain.logits", tmp_path / "spec.logits"]   # the paths as given
-  lp = [json.loads(cli(*base, "--logprobs", "2", "--dump-logits", str(d), *extra).stdout)
-        for d, extra in zip(dumps, ([], ["--spec", "3"]))]
-  assert lp[1]["tokens"] == lp[0]["tokens"] == ref["tokens"] and "draft" in lp[1]
+  ref, got = (json.loads(cli(*base, "--logprobs", "2", "--dump-logits", str(d), *extra).stdout)
+              for d, extra in zip(dumps, ([], ["--spec", "3"])))
+  assert got["tokens"] == ref["tokens"] and "draft" not in ref
+  assert set(got["draft"]) == {"proposed", "accepted"} and got["draft"]["proposed"] > 0
+  lp = [ref, got]
   assert [e["token"] for e in lp[1]["logprobs"]] == ref["tokens"]
   for e, e0 in zip(lp[1]["logprobs"], lp[0]["logprobs"]):
     assert list(e["top"]) == list(e0["top"])
