@@ -952,6 +952,21 @@ if want s25gdn; then
     --budget_s 200 --out $OUT/gdn_probe_decode_s25.json 2>&1 | grep -i -e error -e done \
     | cut -c1-200
 fi
+# Session of 2026-12-07 (twenty-sixth). Run 81's files did not survive the session's end, so
+# SECTIONS=s26a (~9 min) measures them again, with the profiles that explain the adapter-on
+# result (run 81: gdnconv 9.1 % faster than base with no adapter, 1.1 % with the adapter on):
+# batch 1 from 128-token prompts, base / gdnconv / base@on / gdnconv@on / base, each of the
+# three profiled; the compiled tests of the conv kernel and the GLU form; the GDN tile sweep.
+if want s26a; then
+  timeout 260 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
+    --max_seq 2560 --prompt 128 --variants base,gdnconv,base@on,gdnconv@on,base \
+    --profile gdnconv,base@on,gdnconv@on --out $OUT/decode_probe_b1_s26.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-200
+  JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_gdn_decode_conv_kernel.py tests/test_multi_launch_kernel.py tests/test_forms.py \
+    -k "conv or glu" 2>&1 | tee $OUT/gpu_tests_gdn_conv_glu.log | tail -3
+  [ $(left) -gt 150 ] && SECTIONS=s25gdn CAP=$(( $(left) - 10 )) bash $0
+fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
   h200_prefill_and_peer s25
