@@ -967,6 +967,19 @@ if want s26a; then
     -k "conv or glu" 2>&1 | tee $OUT/gpu_tests_gdn_conv_glu.log | tail -3
   [ $(left) -gt 150 ] && SECTIONS=s25gdn CAP=$(( $(left) - 10 )) bash $0
 fi
+# SECTIONS=s26b (~8.5 min; the device lent little this session): the conv kernel's compiled
+# tests, then the Engine at batch 1 with it and on the defaults (the A/B that decides the
+# default), then in what is left batch 1 from 128-token prompts with the adapter on, profiled.
+if want s26b; then
+  JAX_PLATFORMS=cuda timeout 100 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
+    tests/test_gdn_decode_conv_kernel.py 2>&1 | tee $OUT/gpu_tests_gdn_conv.log | tail -3
+  engine_b1 bench_engine_b1_s26_gdnconv.json gdn_decode=pallas_conv
+  engine_b1 bench_engine_b1_s26.json
+  [ $(left) -gt 80 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/decode_probe.py \
+    --batches 1 --n_steps 16 --reps 3 --max_seq 2560 --prompt 128 \
+    --variants base@on,gdnconv@on --profile base@on,gdnconv@on \
+    --out $OUT/decode_probe_b1_s26_on.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-200
+fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
   h200_prefill_and_peer s25
