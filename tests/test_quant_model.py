@@ -239,3 +239,17 @@ def test_rows_dense_keeps_quantised_projections_apart(tmp_path):
       dense_only.cfg, p, lora, s, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
       jnp.ones(1, jnp.int32)))(dense_only.params, init_state(CFG, 1, 32, jnp.float32)))
   assert "lora_rows" not in jaxpr
+
+
+def test_conv_kernel_decodes_a_quantised_model_as_the_fused_form(tmp_path):
+  """`gdn_decode="pallas_conv"` on a mixed Q6_K / Q4_K model (the in-projections by the quant
+  kernels, their partials summed in the conv kernel; the conv weights, A and dt_bias F32 stacks
+  read at the layer): the fused form's logits within the bound quantised fp32 logits are held
+  to (keep against dequantize: the two sum the conv and the partials in another order, and
+  four layers carry the rounding on), its greedy tokens, under the interpreter."""
+  keep = _mixed_model(tmp_path, "keep")
+  forms = dict(quant_impl="pallas_interpret", quant_groups="fused")
+  conv = _run_mixed(_with_forms(keep, gdn_decode="pallas_conv_interpret", **forms))
+  fused = _run_mixed(_with_forms(keep, gdn_decode="pallas_fused_interpret", **forms))
+  assert_close(conv, fused, abs_=QUANT_KEEP_LOGITS_ABS_FP32, what="conv vs fused")
+  assert np.array_equal(conv.argmax(-1), fused.argmax(-1))
