@@ -38,7 +38,8 @@ def make_inputs(b, h, g, hd, n_rot, seq, *, dtype, layers=2, seed=0):
   return (jnp.asarray(n(b, h, 2 * hd), dtype), jnp.asarray(n(b, g, hd), dtype),
           jnp.asarray(n(b, g, hd), dtype), jnp.asarray(1 + 0.1 * n(hd), dtype),
           jnp.asarray(1 + 0.1 * n(hd), dtype), jnp.asarray(pos, jnp.int32), jnp.asarray(valid),
-          jnp.asarray(n(layers, b, seq, g, hd), dtype), jnp.asarray(n(layers, b, seq, g, hd), dtype))
+          jnp.asarray(n(layers, b, seq, g, hd), dtype),
+          jnp.asarray(n(layers, b, seq, g, hd), dtype))
 
 
 def test_pow2_pieces_cover_a_range_in_powers_of_two():

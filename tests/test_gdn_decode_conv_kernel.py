@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gdn_fixtures import DECODE_SHAPES as SHAPES
+from gdn_fixtures import shape_id
 from model_fixtures import decode_under_forms, random_lora
 from tolerances import INTERP_BITS, KERNEL_REL, assert_close
 
@@ -22,14 +24,7 @@ ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
 F32, BF16 = jnp.float32, jnp.bfloat16
 
-# (B, Hk, Hv, Dk, Dv, K): the tiny model's (Hk 2, Hv 4, Dk 16, Dv 8, 4 taps); r = 1 and 3;
-# 2 and 3 taps; Dk != Dv both ways.
-SHAPES = [(3, 2, 4, 16, 8, 4), (2, 1, 3, 8, 16, 2), (4, 2, 2, 8, 8, 3)]
 LAYERS = 3
-
-
-def _id(s):
-  return "B{}-Hk{}-Hv{}-Dk{}-Dv{}-K{}".format(*s)
 
 
 def make_inputs(b, hk, hv, dk, dv, n_taps, *, dtype, parts=2, seed=0):
@@ -65,7 +60,7 @@ def fused_path(args, hk, dtype, layer, conv_layer, weight_layer):
 
 @pytest.mark.parametrize("block_v", [None, 4], ids=["one-tile", "Dv-tiles"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=[_id(s) for s in SHAPES])
+@pytest.mark.parametrize("shape", SHAPES, ids=[shape_id(s) for s in SHAPES])
 def test_conv_kernel_is_the_fused_path_at_each_stacks_layer(shape, dtype, block_v):
   """State layer 1, conv state layer 2, weights layer 0: the conv state is the reference's bit
   for bit; o and the state the fused path's (bit for bit from bf16 q / k / v) and the
@@ -165,7 +160,7 @@ def test_conv_kernel_refuses_mismatched_shapes():
     gdn_decode_conv(*args, jnp.int32(0), n_k_heads=3, interpret=True)
   with pytest.raises(ValueError, match="all be stacked or all one layer's"):
     gdn_decode_conv(*args[:4], args[4][0], *args[5:], jnp.int32(0), **kw)
-  with pytest.raises(ValueError, match="must be \\[L, B, Hv, Dv, Dk\\]"):
+  with pytest.raises(ValueError, match="must be the \\[L, B, Hv, Dv, Dk\\] stack"):
     gdn_decode_conv(*args[:6], args[6][0], args[7], jnp.int32(0), **kw)
 
 
@@ -211,10 +206,9 @@ def _decode_jaxpr(gdn_decode):
 
   from model_fixtures import TINY, tiny_model
 
-  from strata_jax.params import empty_lora
-
   from strata_jax import steps
   from strata_jax.forms import Forms
+  from strata_jax.params import empty_lora
   from strata_jax.state import init_state
   cfg = dataclasses.replace(TINY, forms=dataclasses.replace(
       Forms().resolve("cpu", F32), gdn_decode=gdn_decode))

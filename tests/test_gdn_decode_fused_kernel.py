@@ -10,8 +10,12 @@ import pytest
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels.gdn import api, reference
-from pallas_kernels.gdn.decode_fused_kernel import (gdn_decode_fused, gdn_decode_fused_steps,
-                                                    sigmoid, softplus)
+from pallas_kernels.gdn.decode_fused_kernel import (
+  gdn_decode_fused,
+  gdn_decode_fused_steps,
+  sigmoid,
+  softplus,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")

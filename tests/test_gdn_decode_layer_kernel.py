@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gdn_fixtures import DECODE_SHAPES as SHAPES
+from gdn_fixtures import shape_id
 from model_fixtures import decode_under_forms, random_lora
 from tolerances import GDN_LAYER_REL_FP32, INTERP_BITS, KERNEL_REL, assert_close
 
@@ -20,13 +22,6 @@ ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
 F32, BF16 = jnp.float32, jnp.bfloat16
 
-# (B, Hk, Hv, Dk, Dv, K): the tiny model's (Hk 2, Hv 4, Dk 16, Dv 8, 4 taps); r = 1 and 3;
-# 2 and 3 taps; Dk != Dv both ways.
-SHAPES = [(3, 2, 4, 16, 8, 4), (2, 1, 3, 8, 16, 2), (4, 2, 2, 8, 8, 3)]
-
-
-def _id(s):
-  return "B{}-Hk{}-Hv{}-Dk{}-Dv{}-K{}".format(*s)
 
 
 def make_inputs(b, hk, hv, dk, dv, n_taps, *, dtype, layers=3, seed=0):
@@ -59,7 +54,7 @@ def fused_path(args, layer, hk):
 
 @pytest.mark.parametrize("block_v", [None, 4], ids=["one-tile", "Dv-tiles"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=[_id(s) for s in SHAPES])
+@pytest.mark.parametrize("shape", SHAPES, ids=[shape_id(s) for s in SHAPES])
 def test_layer_kernel_states_are_the_fused_paths_and_its_output_the_references(shape, dtype,
                                                                                block_v):
   hk = shape[1]

@@ -7,8 +7,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
 HERE = pathlib.Path(__file__).parent
 
 

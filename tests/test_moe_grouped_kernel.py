@@ -16,11 +16,11 @@ from test_moe_kernel import check as check_few
 from tolerances import KERNEL_REL, assert_close
 
 from pallas_kernels._common import argsort_ids
+from pallas_kernels.moe import grouped as grouped_module
 from pallas_kernels.moe.api import (
   resolve_many,
   routed_experts_many,
 )
-from pallas_kernels.moe import grouped as grouped_module
 from pallas_kernels.moe.grouped import (
   default_block_rows,
   max_tiles,

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from tolerances import INTERP_BITS, KERNEL_REL, assert_close
 
+from pallas_kernels.quant import gemv
 from pallas_kernels.quant.api import dense_matmul, dense_matmul_multi
 from pallas_kernels.quant.dense_dot import dense_dot_call, dense_dot_multi_call
-from pallas_kernels.quant import gemv
 from pallas_kernels.quant.gemv import dense_call, dense_multi_call
 
 BF16, F32 = jnp.bfloat16, jnp.float32

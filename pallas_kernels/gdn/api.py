@@ -5,8 +5,8 @@ batch) run "reference", "products", "pallas", "pallas_interpret", or the chunk-p
 kernels "pallas_parallel" (two launches), "pallas_split" (three, fla's split) and their
 "_interpret" forms ("auto", the default: "pallas_split" on the GPU, "reference" elsewhere):
 see `chunked`. q and k may come with fewer heads than v (grouped, as the model has them):
-the chunk-parallel kernels read them in place, the other forms get them repeated. The rest of this docstring
-is about the decode step.
+the chunk-parallel kernels read them in place, the other forms get them repeated. The rest of
+this docstring is about the decode step.
 
 `step_raw` (one decode step for a batch, from raw q/k) has three implementations:
   "pallas"            the fused decode kernel compiled for the GPU (Triton lowering; README).

@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import pow2, require_triton, sum_ref_partials, triton_params
 from pallas_kernels.gdn.decode_fused_kernel import _step
+from pallas_kernels.gdn.decode_layer_kernel import check_shapes, state_dims
 
 _F32 = jnp.float32
 # Compiled defaults, as the fused kernel's (untimed here): [16, 128] fp32 state tiles, 4 warps.
@@ -124,30 +125,17 @@ def _stacked(a, ndim):
 def check_conv_inputs(qkv, ba, conv_state, conv_w, a_coef, dt_bias, state, n_k_heads):
   """Validate shapes (each operand already with its leading parts / layer axis); raise
   ValueError naming the offending operand."""
-  if state.ndim != 5:
-    raise ValueError(f"gdn decode conv: state {state.shape} must be [L, B, Hv, Dv, Dk]")
-  _, bsz, hv, dv, dk = state.shape
-  hk = n_k_heads
-  if hk < 1 or hv % hk:
-    raise ValueError(f"gdn decode conv: Hv = {hv} must be a multiple of Hk = {hk}")
-  c = 2 * hk * dk + hv * dv
+  what = "gdn decode conv"
+  bsz, hv, _, _, c = state_dims(what, state, n_k_heads)
   n_taps = conv_w.shape[-1] if conv_w.ndim == 3 else 0
   want = {"qkv": (qkv, (qkv.shape[0], bsz, c)), "ba": (ba, (ba.shape[0], bsz, 2 * hv)),
           "conv_w": (conv_w, (conv_w.shape[0], c, n_taps)),
           "conv_state": (conv_state, (conv_state.shape[0], bsz, n_taps - 1, c)),
           "a_coef": (a_coef, (a_coef.shape[0], hv)), "dt_bias": (dt_bias, (dt_bias.shape[0], hv))}
-  for name, (arr, shape) in want.items():
-    if arr.shape != shape:
-      raise ValueError(f"gdn decode conv: {name} {arr.shape} must be {shape} (state "
-                       f"{state.shape}, Hk = {hk}, {n_taps} conv taps)")
-  if n_taps < 2:
-    raise ValueError(f"gdn decode conv: conv_w {conv_w.shape} needs 2 or more taps")
+  check_shapes(what, want, state, n_k_heads, conv_w, n_taps)
   if a_coef.shape[0] != conv_w.shape[0] or dt_bias.shape[0] != conv_w.shape[0]:
-    raise ValueError(f"gdn decode conv: conv_w {conv_w.shape}, a_coef {a_coef.shape} and "
+    raise ValueError(f"{what}: conv_w {conv_w.shape}, a_coef {a_coef.shape} and "
                      f"dt_bias {dt_bias.shape} must stack the same layers")
-  for name, d in (("Dk", dk), ("Dv", dv)):
-    if not pow2(d):
-      raise ValueError(f"gdn decode conv: {name}={d} must be a power of 2 (Triton tiles are)")
 
 
 @functools.partial(jax.jit, static_argnames=("n_k_heads", "x_dtype", "interpret", "block_v",

@@ -261,8 +261,9 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
   """Chunked gated delta rule for a batch, intra-chunk work parallel over chunks.
 
   Args and returns as `chunked_kernel.gdn_chunked_pallas` (q, k [B, T, H, Dk] normalised and
-  scaled, or [B, T, Hk, Dk] with Hk dividing H: module docstring; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dv, Dk] float32, aliased to the
-  new state; T, Dk, Dv zero-padded as there), plus:
+  scaled, or [B, T, Hk, Dk] with Hk dividing H: module docstring; v [B, T, H, Dv]; g, beta
+  [B, T, H]; state [B, H, Dv, Dk] float32, aliased to the new state; T, Dk, Dv zero-padded as
+  there), plus:
     state_pass: "fused" (two launches: the state pass also writes o) or "separate" (three:
       the state pass writes u and the per-chunk states, a parallel launch computes o).
     num_warps: warps of the state pass (and of the output launch); None: 4.
@@ -371,7 +372,8 @@ def gdn_chunked_parallel(q, k, v, g, beta, state, *, chunk=64, interpret=False, 
     o = pl.pallas_call(
         functools.partial(_out_kernel, precision=precision),
         grid=(b, h, n * nv),
-        in_specs=[tile(dk, grp), tile(c), pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j // nv, hh)),
+        in_specs=[tile(dk, grp), tile(c),
+                  pl.BlockSpec((sq, c, sq), lambda i, hh, j: (i, j // nv, hh)),
                   tile_v,
                   pl.BlockSpec((sq, sq, sq, bv, dk), lambda i, hh, j: (i, hh, j // nv, j % nv, 0))],
         out_specs=tile_v,

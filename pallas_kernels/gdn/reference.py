@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import sum_partials
-from pallas_kernels.attention.reference import rms_norm   # the model's (the gated norm's)
+from pallas_kernels.attention.reference import rms_norm  # the model's (the gated norm's)
 
 _HI = lax.Precision.HIGHEST
 
