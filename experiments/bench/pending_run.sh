@@ -47,6 +47,14 @@ engine_b1() {
     ${2:+--forms $2} --out $OUT/$1 2>&1 | grep -e "^decode" -e "^ttft" -e "^compiled" -e Error \
     | cut -c1-300
 }
+# decode_probe.py at batch 1 from 128-token prompts at the Engine's 2,560-key capacity (the
+# Engine's program: run 81), 16 steps a call: $1 timeout s, $2 output file in $OUT, $3 variants,
+# $4 variants profiled (may be empty), $5 reps (default 5).
+probe_b1() {
+  timeout $1 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps ${5:-5} \
+    --max_seq 2560 --prompt 128 --variants $3 ${4:+--profile $4} --out $OUT/$2 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-200
+}
 # Session of 2026-12-03 (fifth), after the MoE decode kernels changed (moe_down one program
 # per (row, expert, D block); grouped row tiles from the pairs):
 #  call A, SECTIONS=s5tests,s5model: the GPU model set (transformers parity, greedy decode,
@@ -958,10 +966,8 @@ fi
 # batch 1 from 128-token prompts, base / gdnconv / base@on / gdnconv@on / base, each of the
 # three profiled; the compiled tests of the conv kernel and the GLU form; the GDN tile sweep.
 if want s26a; then
-  timeout 260 python3 experiments/bench/decode_probe.py --batches 1 --n_steps 16 --reps 5 \
-    --max_seq 2560 --prompt 128 --variants base,gdnconv,base@on,gdnconv@on,base \
-    --profile gdnconv,base@on,gdnconv@on --out $OUT/decode_probe_b1_s26.json 2>&1 \
-    | grep -e '"variant"' -e Error | cut -c1-200
+  probe_b1 260 decode_probe_b1_s26.json base,gdnconv,base@on,gdnconv@on,base \
+    gdnconv,base@on,gdnconv@on
   JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -p no:cacheprovider -W ignore -q -rfs \
     tests/test_gdn_decode_conv_kernel.py tests/test_multi_launch_kernel.py tests/test_forms.py \
     -k "conv or glu" 2>&1 | tee $OUT/gpu_tests_gdn_conv_glu.log | tail -3
@@ -975,10 +981,8 @@ if want s26b; then
     tests/test_gdn_decode_conv_kernel.py 2>&1 | tee $OUT/gpu_tests_gdn_conv.log | tail -3
   engine_b1 bench_engine_b1_s26_gdnconv.json gdn_decode=pallas_conv
   engine_b1 bench_engine_b1_s26.json
-  [ $(left) -gt 80 ] && timeout $(( $(left) - 5 )) python3 experiments/bench/decode_probe.py \
-    --batches 1 --n_steps 16 --reps 3 --max_seq 2560 --prompt 128 \
-    --variants base@on,gdnconv@on --profile base@on,gdnconv@on \
-    --out $OUT/decode_probe_b1_s26_on.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-200
+  [ $(left) -gt 80 ] && probe_b1 $(( $(left) - 5 )) decode_probe_b1_s26_on.json \
+    base@on,gdnconv@on base@on,gdnconv@on 3
 fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
