@@ -23,7 +23,6 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-
 def make_inputs(b, hk, hv, dk, dv, n_taps, *, dtype, layers=3, seed=0):
   """(x, conv_state, conv_w, z, ba, a_coef, dt_bias, norm_w, state, valid) at O(1) scales;
   every other row invalid (row 0 valid)."""

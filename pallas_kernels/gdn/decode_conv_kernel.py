@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import pow2, require_triton, sum_ref_partials, triton_params
+from pallas_kernels.gdn.decode_checks import check_shapes, state_dims
 from pallas_kernels.gdn.decode_fused_kernel import _step
-from pallas_kernels.gdn.decode_layer_kernel import check_shapes, state_dims
 
 _F32 = jnp.float32
 # Compiled defaults, as the fused kernel's (untimed here): [16, 128] fp32 state tiles, 4 warps.
