@@ -984,6 +984,25 @@ if want s26b; then
   [ $(left) -gt 80 ] && probe_b1 $(( $(left) - 5 )) decode_probe_b1_s26_on.json \
     base@on,gdnconv@on base@on,gdnconv@on 3
 fi
+# Session of 2026-12-07 (twenty-seventh). Run 82 (s26b): the Engine at batch 1 gains 1.0 % with
+# the conv kernel (adapter on), and its compiled tests stopped at 23 of 24 at their 100 s cap.
+# SECTIONS=s27a (~9.5 min), with `gdn_decode` "auto" = "pallas_conv" on the GPU in the tree:
+# the conv kernel's compiled tests in full; batch 8 and 32 from 128-token prompts, adapter on,
+# the fused kernel against the conv kernel (the default must not lose there); the GPU model set
+# (transformers parity, off bit-identity, greedy decode) on the new default; then batch 1 with
+# no adapter, both forms profiled (run 81's 9.1 % against run 82's 1.5 % with the adapter on).
+if want s27a; then
+  GPU_SET=kernels GPU_TESTS="tests/test_gdn_decode_conv_kernel.py" CAP=170 WORKERS=4 \
+    bash experiments/bench/gpu_tests.sh | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_gdn_conv.log 2>/dev/null
+  timeout 130 python3 experiments/bench/decode_probe.py --batches 8,32 --n_steps 16 --reps 3 \
+    --max_seq 2560 --prompt 128 --variants gdnfused@on,gdnconv@on,gdnfused@on \
+    --out $OUT/decode_probe_b8_b32_s27_on.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-200
+  GPU_SET=model CAP=$(( $(left) > 330 ? 230 : $(left) - 100 )) WORKERS=8 \
+    bash experiments/bench/gpu_tests.sh | tail -3
+  [ $(left) -gt 80 ] && probe_b1 $(( $(left) - 5 )) decode_probe_b1_s27.json \
+    gdnfused,gdnconv,gdnfused gdnfused,gdnconv 3
+fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
   h200_prefill_and_peer s25
