@@ -58,11 +58,11 @@ CHOICES: dict[str, tuple] = {
     # prefill slower, 69.81 against 69.26 / 69.18 ms (67.35 against 67.06 with "taps"): the
     # output launch took 3.22 ms with the norm against 2.7 without (run78).
     "gdn_gated_norm": ("auto", "after", "in_op"),
-    # the decode delta rule step: "auto" = "pallas_fused" on the GPU (one launch from the raw
-    # inputs, gates included, the state stack updated in place, inactive rows not stored;
-    # measured on the H200 at or below the default at every batch: 5.63 / 8.75 / 10.56 ms a
-    # bench-a3b step at batch 1 / 8 / 32 against 5.76 / 9.58 / 10.58,
-    # experiments/results/device/decode_probe_state_in_place_run1.json), XLA elsewhere.
+    # the decode delta rule step: "auto" = "pallas_conv" on the GPU (below), XLA elsewhere.
+    # "pallas_fused": one launch from the raw inputs, gates included, the state stack updated
+    # in place, inactive rows not stored (measured on the H200 at or below XLA at every batch:
+    # 5.63 / 8.75 / 10.56 ms a bench-a3b step at batch 1 / 8 / 32 against 5.76 / 9.58 / 10.58,
+    # experiments/results/device/decode_probe_state_in_place_run1.json).
     # "pallas": the step kernel from precomputed gates (`step_raw`'s "auto" picks it from
     # batch 24 on the GPU, where a caller holds only g and beta). "pallas_layer": a decode
     # step's whole GDN core in one launch, from its projections' outputs to what the output
@@ -76,8 +76,13 @@ CHOICES: dict[str, tuple] = {
     # "pallas_conv": the layer kernel's launch without the gated norm, on the fused kernel's
     # program per Dv tile: the qkv / ba split sums, the conv, the gates and the delta rule,
     # the conv state stack (in the layer scan's carry, its layer written back by a dynamic
-    # update) and the conv weights, A and dt_bias read at the layer index in place (`pallas_kernels/gdn/decode_conv_kernel.py`;
-    # "pallas_fused" wherever a step runs alone). Bits: the fused form's from bf16 q / k / v.
+    # update) and the conv weights, A and dt_bias read at the layer index in place
+    # (`pallas_kernels/gdn/decode_conv_kernel.py`; "pallas_fused" wherever a step runs alone).
+    # Bits: the fused form's from bf16 q / k / v.
+    # "auto" since runs 82-83 (H100, bench-a3b bf16): the Engine at batch 1, adapter on, 1.0 %
+    # faster greedy and sampled; decode_probe 1.5 % faster at batch 1 adapter on, 1.1 % with
+    # none, 0.5 % at batch 8 adapter on (86 launches and 81 µs of slices a step go; the kernel
+    # takes 51 µs more than the fused one). Batch 32 is not timed yet.
     "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
                    "pallas_fused_interpret", "pallas_layer", "pallas_layer_interpret",
                    "pallas_conv", "pallas_conv_interpret"),
@@ -335,7 +340,7 @@ class Forms:
         gdn_pallas_chunk=pallas_chunk_for(gdn_chunked, self.gdn_pallas_chunk),
         gdn_conv=auto(self.gdn_conv, "taps", "concat"),
         gdn_gated_norm=auto(self.gdn_gated_norm, "after", "after"),
-        gdn_decode=auto(self.gdn_decode, "pallas_fused", "xla"),
+        gdn_decode=auto(self.gdn_decode, "pallas_conv", "xla"),
         moe_many=auto(self.moe_many, "pallas", "dense"),
         moe_few=auto(self.moe_few, "pallas", "xla"),
         quant_impl=auto(self.quant_impl, "pallas", "xla"),
