@@ -58,7 +58,8 @@ CHOICES: dict[str, tuple] = {
     # prefill slower, 69.81 against 69.26 / 69.18 ms (67.35 against 67.06 with "taps"): the
     # output launch took 3.22 ms with the norm against 2.7 without (run78).
     "gdn_gated_norm": ("auto", "after", "in_op"),
-    # the decode delta rule step: "auto" = "pallas_conv" on the GPU (below), XLA elsewhere.
+    # the decode delta rule step: "auto" = on the GPU "pallas_conv" (below) up to 8 rows and
+    # "pallas_fused" above (`pallas_kernels.gdn.api.decode_form`), XLA elsewhere.
     # "pallas_fused": one launch from the raw inputs, gates included, the state stack updated
     # in place, inactive rows not stored (measured on the H200 at or below XLA at every batch:
     # 5.63 / 8.75 / 10.56 ms a bench-a3b step at batch 1 / 8 / 32 against 5.76 / 9.58 / 10.58,
@@ -79,10 +80,11 @@ CHOICES: dict[str, tuple] = {
     # update) and the conv weights, A and dt_bias read at the layer index in place
     # (`pallas_kernels/gdn/decode_conv_kernel.py`; "pallas_fused" wherever a step runs alone).
     # Bits: the fused form's from bf16 q / k / v.
-    # "auto" since runs 82-83 (H100, bench-a3b bf16): the Engine at batch 1, adapter on, 1.0 %
+    # "auto" to 8 rows since runs 82-83 (H100, bench-a3b bf16): the Engine at batch 1, adapter on, 1.0 %
     # faster greedy and sampled; decode_probe 1.5 % faster at batch 1 adapter on, 1.1 % with
     # none, 0.5 % at batch 8 adapter on (86 launches and 81 µs of slices a step go; the kernel
-    # takes 51 µs more than the fused one). Batch 32 is not timed yet.
+    # takes 51 µs more than the fused one). Batch 32 is not timed yet, so there and from 9
+    # rows the fused kernel stays.
     "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
                    "pallas_fused_interpret", "pallas_layer", "pallas_layer_interpret",
                    "pallas_conv", "pallas_conv_interpret"),
@@ -321,8 +323,9 @@ class Forms:
   def resolve(self, backend: str, compute_dtype) -> Forms:
     """These forms with "auto" replaced by the concrete choice for `backend` ("cpu", "gpu",
     ...) and the compute dtype. On the GPU the LoRA kernel keeps "auto" (its choice depends on
-    the batch size, static under jit), and so does the prefill attention of a 16-bit model
-    (the kernel tiles power-of-2 head sizes only). Idempotent."""
+    the batch size, static under jit), and so do the GDN decode step (the conv kernel up to 8
+    rows, the fused one above: `pallas_kernels.gdn.api.decode_form`) and the prefill attention
+    of a 16-bit model (the kernel tiles power-of-2 head sizes only). Idempotent."""
     gpu = backend == "gpu"
     auto = lambda value, on_gpu, elsewhere: value if value != "auto" else (
         on_gpu if gpu else elsewhere)
@@ -340,7 +343,8 @@ class Forms:
         gdn_pallas_chunk=pallas_chunk_for(gdn_chunked, self.gdn_pallas_chunk),
         gdn_conv=auto(self.gdn_conv, "taps", "concat"),
         gdn_gated_norm=auto(self.gdn_gated_norm, "after", "after"),
-        gdn_decode=auto(self.gdn_decode, "pallas_conv", "xla"),
+        # the GPU keeps "auto": the conv or the fused kernel by the batch (`decode_form`)
+        gdn_decode=auto(self.gdn_decode, "auto", "xla"),
         moe_many=auto(self.moe_many, "pallas", "dense"),
         moe_few=auto(self.moe_few, "pallas", "xla"),
         quant_impl=auto(self.quant_impl, "pallas", "xla"),

@@ -51,7 +51,7 @@ def test_resolve_replaces_auto_per_backend_and_dtype():
   assert Forms(gdn_pallas_chunk=16).resolve("gpu", jnp.bfloat16).gdn_pallas_chunk == 16
   assert (gpu.quant_impl, gpu.quant_groups, gpu.dense_weights) == ("pallas", "fused", "kernel")
   assert (gpu.gemv_lora, cpu.gemv_lora) == ("rows_dense", "rows")   # measured: forms.py
-  assert gpu.gdn_decode == "pallas_conv"             # measured: forms.py's comment
+  assert gpu.gdn_decode == "auto"       # by the batch: pallas_kernels.gdn.api.decode_form
   assert gpu.moe_topk == "pallas"                    # measured: forms.py's comment
   assert (gpu.attn_decode, cpu.attn_decode) == ("pallas", "xla")   # measured: forms.py
   assert (gpu.proj_finish, cpu.proj_finish) == ("gemv", "xla")     # measured: forms.py

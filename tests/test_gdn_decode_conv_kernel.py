@@ -200,8 +200,37 @@ def test_model_decode_under_the_conv_kernel_gives_the_fused_forms_logits():
   assert np.array_equal(states[2].conv[:, 1], states[1].conv[:, 1])
 
 
-def _decode_jaxpr(gdn_decode):
-  """The tiny model's one-row decode step under `gdn_decode`, as jaxpr text."""
+def test_auto_decode_form_is_the_conv_kernel_to_8_rows_on_the_gpu_and_the_fused_above():
+  """`Forms.gdn_decode` "auto" (kept by `Forms.resolve` on the GPU) runs the conv kernel up to
+  `CONV_MAX_BATCH` rows and the fused kernel above (batch 32 is untimed for the conv kernel),
+  XLA off the GPU; a named choice runs at every batch."""
+  assert api.CONV_MAX_BATCH == 8
+  assert [api.decode_form("auto", b, gpu=True) for b in (1, 8, 9, 32)] == [
+      "pallas_conv", "pallas_conv", "pallas_fused", "pallas_fused"]
+  assert api.decode_form(None, 1, gpu=True) == "pallas_conv"
+  assert api.decode_form("auto", 1, gpu=False) == "xla"
+  for named in ("pallas_conv", "pallas_fused", "xla", "pallas_layer_interpret"):
+    assert api.decode_form(named, 32, gpu=True) == named
+
+
+def test_model_decode_picks_the_auto_gdn_form_by_its_batch(monkeypatch):
+  """The model's decode step asks `decode_form` with its own batch: with the backend taken
+  for a GPU, tracing "auto" at 1 row reaches the compiled conv kernel and at 9 rows the
+  compiled fused kernel (each refused on CPU by name); on CPU "auto" traces as XLA. (The
+  backend is not in jit's cache key: the caches are cleared first, and the taken-for-GPU
+  traces, which fail, leave nothing cached for the CPU one.)"""
+  jax.clear_caches()
+  monkeypatch.setattr(api, "on_gpu", lambda: True)
+  with pytest.raises(ValueError, match="'pallas_conv' needs a GPU"):
+    _decode_jaxpr("auto", batch=1)
+  with pytest.raises(ValueError, match="'pallas_fused' needs a GPU"):
+    _decode_jaxpr("auto", batch=9)
+  monkeypatch.undo()
+  assert "gdn_decode_conv" not in _decode_jaxpr("auto", batch=1)
+
+
+def _decode_jaxpr(gdn_decode, batch=1):
+  """The tiny model's decode step of `batch` rows under `gdn_decode`, as jaxpr text."""
   import dataclasses
 
   from model_fixtures import TINY, tiny_model
@@ -212,9 +241,10 @@ def _decode_jaxpr(gdn_decode):
   from strata_jax.state import init_state
   cfg = dataclasses.replace(TINY, forms=dataclasses.replace(
       Forms().resolve("cpu", F32), gdn_decode=gdn_decode))
+  rows = lambda v: jnp.full(batch, v, jnp.int32)
   return str(jax.make_jaxpr(lambda p, s: steps.decode(
-      cfg, p, empty_lora(cfg), s, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
-      jnp.ones(1, jnp.int32)))(tiny_model().params, init_state(cfg, 1, 64)))
+      cfg, p, empty_lora(cfg), s, rows(0), rows(0), rows(1)))(
+          tiny_model().params, init_state(cfg, batch, 64)))
 
 
 @pytest.mark.gpu

@@ -104,8 +104,10 @@ def gdn(res, tiny, reps):
   from strata_jax.forms import Forms
   H, Dk, Dv = (4, 16, 16) if tiny else (32, 128, 128)
   ceil = common.ceilings(res)
-  # the decode step the model runs on this backend (Forms.resolve; the GPU: the fused kernel)
-  fused_impl = Forms().resolve(jax.default_backend(), jnp.bfloat16).gdn_decode
+  # the decode step the model runs on this backend at batch 1, as one step runs alone (the
+  # GPU: the fused kernel, which the conv kernel's choice runs outside a layer scan)
+  fused_impl = gdn_api.fused_form(gdn_api.decode_form(
+      Forms().resolve(jax.default_backend(), jnp.bfloat16).gdn_decode, 1))
   out = res["gdn"] = {"H": H, "Dk": Dk, "Dv": Dv, "implementation": "pallas_kernels.gdn.api, "
                       f"chunked: {gdn_api.chunked_implementation()}, decode: "
                       f"step_fused({fused_impl}) as the model calls it (us), and the jnp "

@@ -1003,6 +1003,21 @@ if want s27a; then
   [ $(left) -gt 80 ] && probe_b1 $(( $(left) - 5 )) decode_probe_b1_s27.json \
     gdnfused,gdnconv,gdnfused gdnfused,gdnconv 3
 fi
+# SECTIONS=s27b (~9 min; owed by runs 83-84): with "auto" = the conv kernel up to 8 rows, the
+# fused one above (`pallas_kernels.gdn.api.decode_form`): the three model tests the caps cut
+# (transformers' 32 greedy tokens, prefill-then-decode, the adapter stack's off bit-identity);
+# batch 32 from 128-token prompts, adapter on, fused against conv (whether the cut at 8 rows
+# may rise); then the fused kernel's tile sweep (s25gdn).
+if want s27b; then
+  GPU_SET=model GPU_TESTS="tests/test_model_parity.py tests/test_lora_switch.py" CAP=150 \
+    WORKERS=3 bash experiments/bench/gpu_tests.sh -k "greedy_32 or longer_prefill or beyond_the_rank" \
+    | tail -3
+  mv $OUT/gpu_tests_model.log $OUT/gpu_tests_model_rest.log 2>/dev/null
+  timeout 170 python3 experiments/bench/decode_probe.py --batches 32 --n_steps 16 --reps 3 \
+    --max_seq 2560 --prompt 128 --variants gdnfused@on,gdnconv@on,gdnfused@on \
+    --out $OUT/decode_probe_b32_s27_on.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-200
+  [ $(left) -gt 150 ] && SECTIONS=s25gdn CAP=$(( $(left) - 10 )) bash $0
+fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
   h200_prefill_and_peer s25

@@ -70,6 +70,26 @@ LAYER_CHOICES = {"pallas_layer": "pallas_fused", "pallas_layer_interpret": "pall
 CONV_CHOICES = {"pallas_conv": "pallas_fused", "pallas_conv_interpret": "pallas_fused_interpret"}
 
 
+# `Forms.gdn_decode` "auto" on the GPU (`decode_form`): the conv kernel up to this many rows,
+# the fused kernel above. Runs 82-83 (H100, bench-a3b bf16, 128-token prompts): the conv
+# kernel 1.5 % faster a step at batch 1 and 0.5 % at batch 8 with the adapter on (the Engine
+# 1.0 % at batch 1). Its extra work (each program sums its channels' partials and redoes its
+# k-head's conv) grows with the batch where the glue it removes (81 us of weight slices, 86
+# launches a step) does not, and batch 32 is untimed: there the measured fused kernel stays.
+CONV_MAX_BATCH = 8
+
+
+def decode_form(implementation, batch, gpu=None):
+  """The `Forms.gdn_decode` choice a decode step of `batch` rows runs: "auto" (None too) is
+  "pallas_conv" up to `CONV_MAX_BATCH` rows and "pallas_fused" above on the GPU (`gpu`,
+  None: this backend's), "xla" elsewhere; any other choice as it is."""
+  if implementation not in (None, "auto"):
+    return implementation
+  if not (on_gpu() if gpu is None else gpu):
+    return "xla"
+  return "pallas_conv" if batch <= CONV_MAX_BATCH else "pallas_fused"
+
+
 def fused_form(implementation):
   """The step choice a layer- or conv-kernel choice runs elsewhere ("pallas_layer" ->
   "pallas_fused");

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gdn.api import CONV_CHOICES as GDN_CONV_CHOICES
+from pallas_kernels.gdn.api import decode_form as gdn_decode_form
 from pallas_kernels.gdn.api import in_place as gdn_in_place
 from pallas_kernels.quant.layout import QTensor
 from strata_jax.config import ATTN, GDN, ModelConfig
@@ -229,11 +230,13 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
     sw = jnp.broadcast_to(switch, pos.shape).astype(jnp.int32)
     row_scale = jnp.take(lora.table, sw, axis=0, mode="clip").astype(jnp.float32)
   B, T, D = x.shape
-  ssm_in_carry = not keep_steps and T == 1 and gdn_in_place(cfg.forms.gdn_decode, B)
+  gdn_decode = gdn_decode_form(cfg.forms.gdn_decode, B)     # "auto": by the batch on the GPU
+  ssm_in_carry = not keep_steps and T == 1 and gdn_in_place(gdn_decode, B)
   # `Forms.gdn_decode` "pallas_conv": the conv state stack rides in the carry as well (the
-  # kernel reads its layer in place; a dynamic update writes it back), and the conv weights, A and dt_bias stay whole, read
-  # at the layer index in the kernel (a block's slices were copies for the launch).
-  conv_in_carry = ssm_in_carry and cfg.forms.gdn_decode in GDN_CONV_CHOICES
+  # kernel reads its layer in place; a dynamic update writes it back), and the conv weights,
+  # A and dt_bias stay whole, read at the layer index in the kernel (a block's slices were
+  # copies for the launch).
+  conv_in_carry = ssm_in_carry and gdn_decode in GDN_CONV_CHOICES
   gdn_stacks = None
   if conv_in_carry and not any(_is_q(getattr(layers.gdn, n)) for n in ("conv", "a", "dt_bias")):
     gdn_stacks = (layers.gdn.conv, layers.gdn.a, layers.gdn.dt_bias)

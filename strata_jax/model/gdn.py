@@ -114,6 +114,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   if keep_steps and layer is not None:
     raise ValueError("gdn_mixer: keep_steps returns per-step states, not a stack: no `layer`")
   B, T, _ = x.shape
+  step_form = gdn_api.decode_form(cfg.forms.gdn_decode, B)  # "auto": by the batch on the GPU
   many = cut is not None and jnp.ndim(cut) == 2
   windows = tuple(cut_window) if many else (cut_window,)
   if cut is not None and (T == 1 or keep_steps or layer is not None or min(windows) < 1
@@ -123,7 +124,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   Hk, Hv, Dk, Dv = cfg.gdn_n_k_heads, cfg.gdn_n_v_heads, cfg.gdn_d_k, cfg.gdn_d_v
   r = Hv // Hk
   if (T == 1 and layer is not None and not keep_steps
-      and cfg.forms.gdn_decode in gdn_api.CONV_CHOICES):
+      and step_form in gdn_api.CONV_CHOICES):
     # One launch from the qkv / ba projections' split partials to the delta rule's output:
     # the conv, the gates, the delta rule. The conv state (when `conv_state` is the stack)
     # and the weights in `stacks` are read at `layer` in place; the gated norm stays XLA's,
@@ -134,12 +135,12 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     o, conv_state, ssm = gdn_api.decode_conv(
         qkv[:, :, 0], ba[:, :, 0], conv_state, conv_w, a_coef, dt_bias, ssm, n_new, layer,
         layer if stacked else None, layer if stacks is not None else None, n_k_heads=Hk,
-        x_dtype=x.dtype, implementation=cfg.forms.gdn_decode)
+        x_dtype=x.dtype, implementation=step_form)
     z = sum_partials(z.astype(jnp.float32)).astype(x.dtype).reshape(B, T, Hv, Dv)
     return _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale), \
         conv_state, ssm
   if (T == 1 and layer is not None and not keep_steps
-      and cfg.forms.gdn_decode in gdn_api.LAYER_CHOICES):
+      and step_form in gdn_api.LAYER_CHOICES):
     # One launch from the projections' outputs to what the output projection reads: the
     # conv, the gates, the delta rule (this layer of the stack, in place) and the gated norm.
     # z and ba go in as the projection launch's split partials, which the kernel adds.
@@ -148,7 +149,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     o, conv_state, ssm = gdn_api.decode_layer(
         qkv, conv_state, p.conv, z.reshape(-1, B, Hv, Dv), ba[:, :, 0], p.a, p.dt_bias,
         p.norm, ssm, n_new, layer, n_k_heads=Hk, eps=cfg.rms_eps, out_dtype=x.dtype,
-        implementation=cfg.forms.gdn_decode)
+        implementation=step_form)
     y = out_projection(o.reshape(B, 1, Hv * Dv), p.out, lora_a, lora_b, switch,
                        cfg.forms.lora_impl, row_scale, cfg.forms.gemv_lora,
                        cfg.forms.proj_finish)
@@ -169,7 +170,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
     rows = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)    # [B, K-1+T, C]
     one_each = jnp.ones((B,), jnp.int32)
 
-    if gdn_api.is_fused(cfg.forms.gdn_decode):
+    if gdn_api.is_fused(step_form):
       # Under the fused decode kernel: the conv of all T rows at once (each output is the same
       # K products summed in the same order as a one-token conv), then the T steps in one
       # launch whose per-step math is the decode kernel's, every step's state written.
@@ -177,7 +178,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
       q_s, k_s = c[..., :kd].reshape(B, T, Hk, Dk), c[..., kd:2 * kd].reshape(B, T, Hk, Dk)
       v_s = c[..., 2 * kd:].reshape(B, T, Hv, Dv).astype(jnp.float32)
       o, ssm = gdn_api.steps_fused(q_s, k_s, v_s, a, b, p.a, p.dt_bias, ssm, valid[..., 0],
-                                   implementation=cfg.forms.gdn_decode)
+                                   implementation=step_form)
       return _gdn_out(cfg, p, o, z, x, lora_a, lora_b, switch, row_scale), rows, ssm
 
     def one(s, xs):
@@ -187,7 +188,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
       q_t, k_t = c[:, 0, :kd].reshape(B, Hk, Dk), c[:, 0, kd:2 * kd].reshape(B, Hk, Dk)
       v_t = c[:, 0, 2 * kd:].reshape(B, Hv, Dv).astype(jnp.float32)
       o_t, s = gdn_api.step_raw(q_t, k_t, v_t, g_t, beta_t, s,
-                                implementation=cfg.forms.gdn_decode)
+                                implementation=step_form)
       return s, (o_t, s)
     tm = lambda a: jnp.moveaxis(a, 1, 0)                                     # [T, B, ...]
     _, (o, steps) = lax.scan(one, ssm, (jnp.arange(T), tm(g), tm(beta)))
@@ -213,19 +214,19 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   # The decode kernels take n_new itself as their `valid` (n_new >= 0, a row is valid where it
   # is not 0): `n_new > 0` was one more XLA kernel a layer-scan iteration, 12 x 1.4 us of a
   # bench-a3b batch-1 step (H100: 1,156 -> 1,144 kernels, results/device/run78).
-  if T == 1 and gdn_api.is_fused(cfg.forms.gdn_decode):
+  if T == 1 and gdn_api.is_fused(step_form):
     # One launch from the raw inputs: gates, L2 norms, head expansion, the delta rule; the
     # state of a row with no valid token is not stored (it is unchanged). Given the stack and
     # `layer`, the kernel updates that layer of it in place.
     o, ssm = gdn_api.step_fused(q_raw[:, 0], k_raw[:, 0], v[:, 0], a[:, 0], b[:, 0], p.a,
                                 p.dt_bias, ssm, n_new, layer,
-                                implementation=cfg.forms.gdn_decode)
+                                implementation=step_form)
     y = _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale)
     return y, conv_state, ssm
-  if T == 1 and layer is not None and gdn_api.in_place(cfg.forms.gdn_decode, B):
+  if T == 1 and layer is not None and gdn_api.in_place(step_form, B):
     # The Pallas step kernel updates this layer of the stack in place; idle rows not stored.
     o, ssm = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm,
-                              implementation=cfg.forms.gdn_decode, layer=layer,
+                              implementation=step_form, layer=layer,
                               valid=n_new)
     y = _gdn_out(cfg, p, o[:, None], z, x, lora_a, lora_b, switch, row_scale)
     return y, conv_state, ssm
@@ -235,7 +236,7 @@ def gdn_mixer(cfg: ModelConfig, p, x, conv_state, ssm, n_new, lora_a, lora_b, sw
   if T == 1:
     # One fused step (L2 norms, head expansion, the delta rule) on the GPU.
     o, s = gdn_api.step_raw(q_raw[:, 0], k_raw[:, 0], v[:, 0], g[:, 0], beta[:, 0], s_in,
-                            implementation=cfg.forms.gdn_decode)
+                            implementation=step_form)
     o = o[:, None]
   else:
     # The chunked op's q/k/v in a 16-bit model's own dtype, q/k normalised in fp32 and then
