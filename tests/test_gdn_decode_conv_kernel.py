@@ -217,9 +217,9 @@ def test_model_decode_picks_the_auto_gdn_form_by_its_batch(monkeypatch):
   """The model's decode step asks `decode_form` with its own batch: with the backend taken
   for a GPU, tracing "auto" at 1 row reaches the compiled conv kernel and at 9 rows the
   compiled fused kernel (each refused on CPU by name); on CPU "auto" traces as XLA. (The
-  backend is not in jit's cache key: the caches are cleared first, and the taken-for-GPU
-  traces, which fail, leave nothing cached for the CPU one.)"""
-  jax.clear_caches()
+  backend is not in jit's cache key, so the taken-for-GPU traces run first: they fail and
+  leave nothing cached. No other test traces "auto" on CPU, where `Forms.resolve` makes it
+  "xla".)"""
   monkeypatch.setattr(api, "on_gpu", lambda: True)
   with pytest.raises(ValueError, match="'pallas_conv' needs a GPU"):
     _decode_jaxpr("auto", batch=1)

@@ -116,7 +116,7 @@ FORM_VARIANTS = {
     "attnkernel": {"attn_decode": "pallas"},   # the decode kernel alone (base's GPU form)
     "attnxla": {"attn_prefill": "xla"},       # a prefill's attention by XLA's einsums
     "attnflash": {"attn_prefill": "pallas"},  # ... by the flash-style prefill kernel
-    "gdnstep": {"gdn_decode": "auto"},
+    "gdnstep": {"gdn_decode": "auto"},      # the default's GDN step (by the batch: decode_form)
     "nomoe": {"moe_few": "xla"},
     "nogdn": {"gdn_decode": "xla"},
     "qxla": {"quant_impl": "xla"},
