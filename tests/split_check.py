@@ -50,7 +50,10 @@ if REAL:
     cache = os.environ.get("STRATA_SPLIT_JAX_CACHE") or tempfile.mkdtemp(prefix="split-jax-")
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-elif not MP:
+else:
+  # the test run's cache, under two processes too, as the CLI's `_compilation_cache` does
+  # (JAX writes it from process 0 only): warm, the two-process check took 90 s here, 126 s
+  # without it; cold (as in CI) the same
   cache = os.environ.get("STRATA_TEST_JAX_CACHE", "/tmp/strata-jax-test-cache")
   jax.config.update("jax_compilation_cache_dir", cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
