@@ -80,11 +80,8 @@ CHOICES: dict[str, tuple] = {
     # update) and the conv weights, A and dt_bias read at the layer index in place
     # (`pallas_kernels/gdn/decode_conv_kernel.py`; "pallas_fused" wherever a step runs alone).
     # Bits: the fused form's from bf16 q / k / v.
-    # "auto" to 8 rows since runs 82-83 (H100, bench-a3b bf16): the Engine at batch 1, adapter on, 1.0 %
-    # faster greedy and sampled; decode_probe 1.5 % faster at batch 1 adapter on, 1.1 % with
-    # none, 0.5 % at batch 8 adapter on (86 launches and 81 µs of slices a step go; the kernel
-    # takes 51 µs more than the fused one). Batch 32 is not timed yet, so there and from 9
-    # rows the fused kernel stays.
+    # "auto" up to 8 rows since runs 82-83: the figures and why not above are at
+    # `pallas_kernels.gdn.api.CONV_MAX_BATCH`.
     "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
                    "pallas_fused_interpret", "pallas_layer", "pallas_layer_interpret",
                    "pallas_conv", "pallas_conv_interpret"),

@@ -200,17 +200,20 @@ def test_model_decode_under_the_conv_kernel_gives_the_fused_forms_logits():
   assert np.array_equal(states[2].conv[:, 1], states[1].conv[:, 1])
 
 
-def test_auto_decode_form_is_the_conv_kernel_to_8_rows_on_the_gpu_and_the_fused_above():
+def test_auto_decode_form_is_the_conv_kernel_to_8_rows_on_the_gpu_and_the_fused_above(
+    monkeypatch):
   """`Forms.gdn_decode` "auto" (kept by `Forms.resolve` on the GPU) runs the conv kernel up to
   `CONV_MAX_BATCH` rows and the fused kernel above (batch 32 is untimed for the conv kernel),
   XLA off the GPU; a named choice runs at every batch."""
   assert api.CONV_MAX_BATCH == 8
-  assert [api.decode_form("auto", b, gpu=True) for b in (1, 8, 9, 32)] == [
+  monkeypatch.setattr(api, "on_gpu", lambda: False)
+  assert api.decode_form("auto", 1) == "xla"
+  monkeypatch.setattr(api, "on_gpu", lambda: True)
+  assert [api.decode_form("auto", b) for b in (1, 8, 9, 32)] == [
       "pallas_conv", "pallas_conv", "pallas_fused", "pallas_fused"]
-  assert api.decode_form(None, 1, gpu=True) == "pallas_conv"
-  assert api.decode_form("auto", 1, gpu=False) == "xla"
+  assert api.decode_form(None, 1) == "pallas_conv"
   for named in ("pallas_conv", "pallas_fused", "xla", "pallas_layer_interpret"):
-    assert api.decode_form(named, 32, gpu=True) == named
+    assert api.decode_form(named, 32) == named
 
 
 def test_model_decode_picks_the_auto_gdn_form_by_its_batch(monkeypatch):

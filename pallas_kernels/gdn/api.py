@@ -72,20 +72,21 @@ CONV_CHOICES = {"pallas_conv": "pallas_fused", "pallas_conv_interpret": "pallas_
 
 # `Forms.gdn_decode` "auto" on the GPU (`decode_form`): the conv kernel up to this many rows,
 # the fused kernel above. Runs 82-83 (H100, bench-a3b bf16, 128-token prompts): the conv
-# kernel 1.5 % faster a step at batch 1 and 0.5 % at batch 8 with the adapter on (the Engine
-# 1.0 % at batch 1). Its extra work (each program sums its channels' partials and redoes its
-# k-head's conv) grows with the batch where the glue it removes (81 us of weight slices, 86
-# launches a step) does not, and batch 32 is untimed: there the measured fused kernel stays.
+# kernel 1.5 % faster a step at batch 1 and 0.5 % at batch 8 with the adapter on, 1.1 % at
+# batch 1 with none (the Engine 1.0 % at batch 1, greedy and sampled). Its extra work (each
+# program sums its channels' partials and redoes its k-head's conv) grows with the batch where
+# the glue it removes (81 us of weight slices, 86 launches a step) does not, and batch 32 is
+# untimed: there the measured fused kernel stays.
 CONV_MAX_BATCH = 8
 
 
-def decode_form(implementation, batch, gpu=None):
+def decode_form(implementation, batch):
   """The `Forms.gdn_decode` choice a decode step of `batch` rows runs: "auto" (None too) is
-  "pallas_conv" up to `CONV_MAX_BATCH` rows and "pallas_fused" above on the GPU (`gpu`,
-  None: this backend's), "xla" elsewhere; any other choice as it is."""
+  "pallas_conv" up to `CONV_MAX_BATCH` rows and "pallas_fused" above on the GPU, "xla"
+  elsewhere; any other choice as it is."""
   if implementation not in (None, "auto"):
     return implementation
-  if not (on_gpu() if gpu is None else gpu):
+  if not on_gpu():
     return "xla"
   return "pallas_conv" if batch <= CONV_MAX_BATCH else "pallas_fused"
 
