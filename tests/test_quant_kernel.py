@@ -871,6 +871,49 @@ def test_mixed_expert_stacks_in_one_launch_give_each_parts_own_numbers():
   assert "qgemv_groups" in str(jax.make_jaxpr(fused)(jnp.int32(0), jnp.int32(0)))
 
 
+def test_a_second_stack_in_the_groups_launch_gives_each_stack_its_own_call_bits():
+  """qmatmul_groups_pallas with `more` (an expert's gate and up in one launch): one
+  pallas_call, and each output is that stack's own call, bit for bit, for either part, at an
+  out size that is not a multiple of the tiles."""
+  from pallas_kernels.quant.kernel import qmatmul_groups_pallas
+  gate, up = _parts(blocks=4), tuple(jax.device_put(_weight(q, lead=ld, out=OUT, blocks=4,
+                                                            seed=40 + i)[0])
+                                     for i, (q, ld) in enumerate(zip(("q4_k", "q6_k"),
+                                                                     ((2,), (3,)))))
+  d_in = gate[0].shape[-1]
+  x = jnp.asarray(_x(3, d_in, BF16)).reshape(3, 1, d_in)
+  kw = dict(qtypes=("q4_k", "q6_k"), d_out=OUT, interpret=True, out_dtype=F32)
+  fg, fu = tuple(flat(p) for p in gate), tuple(flat(p) for p in up)
+  both = jax.jit(lambda g, i: qmatmul_groups_pallas(x, fg, g, i, more=(fu,), **kw))
+  for g, i in ((0, [1, 0, 1]), (1, [2, 0, 1])):
+    idx = jnp.asarray(i, jnp.int32)
+    got_g, got_u = both(jnp.int32(g), idx)
+    assert np.array_equal(bits(got_g), bits(qmatmul_groups_pallas(x, fg, g, idx, **kw)))
+    assert np.array_equal(bits(got_u), bits(qmatmul_groups_pallas(x, fu, g, idx, **kw)))
+  jaxpr = str(jax.make_jaxpr(both)(jnp.int32(0), jnp.zeros((3,), jnp.int32)))
+  assert jaxpr.count("pallas_call") == 1
+  compiled = jax.jit(lambda g, i: qmatmul_groups_pallas(x, fg, g, i, more=(fu,),
+                                                        **{**kw, "interpret": False}))
+  low = compiled.trace(jnp.int32(0), jnp.zeros((3,), jnp.int32)).lower(
+      lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
+def test_mixed_expert_stacks_run_gate_and_up_in_one_launch():
+  """The routed experts over mixed-type stacks: two launches (gate with up, then down)."""
+  d = f = 256
+  parts = {}
+  for name, (o, i) in (("g", (f, d)), ("u", (f, d)), ("d", (d, f))):
+    parts[name] = tuple(jax.device_put(pack(r, q, r.shape[:-1] + (i,)))
+                        for q, r in (("q4_k", random_raw("q4_k", (2, 3, o, i), seed=51)),
+                                     ("q6_k", random_raw("q6_k", (1, 3, o, i), seed=52))))
+  x = jnp.asarray(_x(1, d, BF16))
+  run = lambda g, lay: experts(x, parts["g"], parts["u"], parts["d"],
+                               jnp.asarray([[0, 2]], jnp.int32), jnp.full((1, 2), 0.5, F32),
+                               layer=lay, group=g, implementation="pallas_interpret")
+  assert str(jax.make_jaxpr(run)(jnp.int32(0), jnp.int32(0))).count("pallas_call") == 2
+
+
 def test_mixed_stack_kernel_lowers_to_triton_for_the_gpu():
   from pallas_kernels.quant.kernel import qmatmul_groups_pallas
   parts = _parts(blocks=4)

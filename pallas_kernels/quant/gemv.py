@@ -277,10 +277,21 @@ def _row_inv_rms(x_ref, g, t: Blocks):
   return [lax.rsqrt(jnp.sum(s) / (t.units * DENSE_UNIT) + t.eps) for s in sums]
 
 
-def _groups_kernel(*refs, ts):
-  """One launch over a mixed-type stack: part `group` (read from memory) runs its program."""
+def _groups_kernel(*refs, ts, n_mats=1, n_programs=0, n_args=0):
+  """One launch over a mixed-type stack: part `group` (read from memory) runs its program.
+  With n_mats > 1 (`groups_call`'s `more`), the grid's first axis is n_mats runs of
+  n_programs, the i-th multiplying x by matrix stack i (its n_args inputs, its output)."""
   pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
-  _groups_program(refs, pid, g, ts)
+  if n_mats == 1:
+    _groups_program(refs, pid, g, ts)
+    return
+  (group_ref, idx_ref), ins = refs[:2], refs[2:2 + n_mats * n_args]
+  outs = refs[2 + n_mats * n_args:]
+  for i in range(n_mats):
+    mat_refs = [group_ref, idx_ref, *ins[i * n_args:(i + 1) * n_args], outs[i]]
+    lo = i * n_programs
+    pl.when((pid >= lo) & (pid < lo + n_programs))(
+        functools.partial(_groups_program, mat_refs, pid - lo, g, ts))
 
 
 def _groups_program(refs, pid, g, ts):
@@ -360,15 +371,23 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
 
 
 def groups_call(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtype,
-                interpret=False, compiler_params=None, on=None, h=None, b=None, scale=1.0):
+                interpret=False, compiler_params=None, on=None, h=None, b=None, scale=1.0,
+                more=()):
   """`blocks_call` over a mixed-type stack in one launch: `parts` ((qtype, planes, unroll),
   ...), `group` an int32 scalar (which part holds the matrices), idx [G] their indices in that
   part. Every part shares block_out and k_split, so each computes what its own `blocks_call`
-  would."""
+  would.
+
+  more: further stacks, each a tuple of planes per part (the same types and shapes as
+  `parts`'), multiplied by the same x at the same indices in the same launch (an expert's gate
+  and up): then a list of outputs, one per stack, each that stack's own call's bits (its
+  programs are that call's, offset along the grid). Not with the LoRA epilogue."""
   groups, m, d_in = x.shape
   n_out = pl.cdiv(d_out, block_out)
-  ts, args = [], [jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx]
-  for qtype, planes, unroll in parts:
+  if more and on is not None:
+    raise ValueError("gemv: more stacks in one launch do not take the LoRA epilogue")
+  ts, xs = [], []
+  for qtype, _, unroll in parts:
     units = d_in // _BLOCK[qtype]
     t = Blocks(qtype=qtype, groups=groups, m=m, units=units, d_out=d_out,
                block_out=block_out, unroll=unroll, k_split=k_split, out_tiles=n_out, cd=cd,
@@ -378,15 +397,34 @@ def groups_call(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtyp
       t = t._replace(lora=True, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
                      scale=float(scale))
     ts.append(t)
-    views = plane_views(planes, qtype, units)
-    args += [x.reshape(groups, m, units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype])]
+    xs.append(x.reshape(groups, m, units, *X_VIEW[qtype]))
+
+  def mat_args(planes_per_part):
+    args = []
+    for (qtype, _, _), planes, xv, t in zip(parts, planes_per_part, xs, ts):
+      views = plane_views(planes, qtype, t.units)
+      args += [xv, *(views[n] for n in _PLANES[qtype])]
+    return args
+
+  mats = [tuple(p for _, p, _ in parts), *more]
+  for planes_per_part in more:
+    if len(planes_per_part) != len(parts) or any(
+        {n: a.shape for n, a in p.items()} != {n: a.shape for n, a in q.items()}
+        for p, (_, q, _) in zip(planes_per_part, parts)):
+      raise ValueError("gemv: a stack in `more` must have the first stack's parts and shapes")
+  per_mat = [mat_args(p) for p in mats]
+  args = [jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx, *(a for m_ in per_mat
+                                                                  for a in m_)]
   if on is not None:
     args += [on.astype(jnp.int32), h.astype(_F32), b]
+  out = jax.ShapeDtypeStruct((k_split * groups, m, d_out), ts[0].out_dtype)
+  n_programs = n_out * k_split
   return pl.pallas_call(
-      functools.partial(_groups_kernel, ts=tuple(ts)),
-      grid=(n_out * k_split, groups),
-      out_shape=jax.ShapeDtypeStruct((k_split * groups, m, d_out), ts[0].out_dtype),
-      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
+      functools.partial(_groups_kernel, ts=tuple(ts), n_mats=len(mats),
+                        n_programs=n_programs, n_args=len(per_mat[0])),
+      grid=(n_programs * len(mats), groups),
+      out_shape=[out] * len(mats) if more else out,
+      in_specs=[_WHOLE] * len(args), out_specs=[_WHOLE] * len(mats) if more else _WHOLE,
       interpret=interpret, compiler_params=compiler_params, name="qgemv_groups",
   )(*args)
 

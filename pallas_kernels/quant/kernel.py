@@ -662,13 +662,15 @@ def groups_tiling(qtypes, d_out, d_in, *, groups=1, interpret=False):
     "qtypes", "d_out", "scale", "interpret", "out_dtype", "num_warps", "num_stages"))
 def qmatmul_groups_pallas(x, parts, group, idx, *, qtypes, d_out, on=None, h=None, b=None,
                           scale=1.0, interpret=False, out_dtype=None, num_warps=None,
-                          num_stages=None):
+                          num_stages=None, more=()):
   """The "blocks" form over a mixed-type stack in one launch (gemv.groups_call).
 
   Args:
     x: [G, M, in]; parts: one {name: [S_p, out, cols]} per type; qtypes: their types.
     group: int32 scalar, the part holding the matrices; idx [G]: their indices in it.
     on, h, b, scale: the LoRA epilogue from h (as `qmatmul_pallas` with lora="h").
+    more: further stacks shaped as `parts` (one {name: planes} per type), multiplied by the
+      same x at the same indices in the same launch; then a list [y, *y_more] (no LoRA).
   Each part computes what `qmatmul_pallas(..., form="blocks")` on that part alone would, bit
   for bit. Raises ValueError when the parts' tilings differ (`groups_tiling`).
   """
@@ -680,18 +682,23 @@ def qmatmul_groups_pallas(x, parts, group, idx, *, qtypes, d_out, on=None, h=Non
   bo, k_split, unrolls = tiling
   od = jnp.dtype(out_dtype or x.dtype)
   cd = jnp.dtype(x.dtype) if jnp.dtype(x.dtype) in _HALF else jnp.dtype(_F32)
+  for other in more:
+    if [check_planes(p, q, d_out, d_in) for q, p in zip(qtypes, other)] != sizes:
+      raise ValueError("quant kernel: a stack in `more` must have the parts' sizes")
   if groups == 0 or m == 0 or d_out == 0:
-    return jnp.zeros((groups, m, d_out), od)
+    y = jnp.zeros((groups, m, d_out), od)
+    return [y] * (1 + len(more)) if more else y
   group = jnp.asarray(group, jnp.int32)
   idx = jnp.clip(idx.astype(jnp.int32), 0, jnp.asarray(sizes, jnp.int32)[group] - 1)
   params = None if interpret else gemv.triton_params(num_warps, num_stages)
-  y = gemv.groups_call(x, tuple(zip(qtypes, parts, unrolls)), group, idx, d_out=d_out,
-                       block_out=bo, k_split=k_split, cd=cd, out_dtype=od,
-                       interpret=interpret, compiler_params=params, on=on, h=h, b=b,
-                       scale=scale)
+  ys = gemv.groups_call(x, tuple(zip(qtypes, parts, unrolls)), group, idx, d_out=d_out,
+                        block_out=bo, k_split=k_split, cd=cd, out_dtype=od,
+                        interpret=interpret, compiler_params=params, on=on, h=h, b=b,
+                        scale=scale, more=tuple(more))
+  ys = ys if more else [ys]
   if k_split > 1:   # in index order, as the LoRA rows' finish (`qmatmul_lora_rows`)
-    y = gemv.sum_partials(y.reshape(k_split, groups, m, d_out)).astype(od)
-  return y
+    ys = [gemv.sum_partials(y.reshape(k_split, groups, m, d_out)).astype(od) for y in ys]
+  return ys if more else ys[0]
 
 
 def qmatmul_lora_rows(x, planes, idx, a_stack, b_stack, lidx, on, rank_scale=None, *, qtype,
