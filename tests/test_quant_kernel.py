@@ -914,6 +914,38 @@ def test_mixed_expert_stacks_run_gate_and_up_in_one_launch():
   assert str(jax.make_jaxpr(run)(jnp.int32(0), jnp.int32(0))).count("pallas_call") == 2
 
 
+def test_one_launch_over_a_layers_quantised_products_gives_each_its_own_call_bits():
+  """qmatmul_multi over a Q8_0 stack, a Q5_K stack of an odd out size and a mixed-type stack
+  (Q4_K, Q6_K) at its part: one pallas_call, each product `qmatmul`'s own bits, for 1 and 3
+  rows; it lowers to Triton for the GPU."""
+  from pallas_kernels.quant import qmatmul_multi
+  blocks = 8
+  q5 = jax.device_put(_weight("q5_k", lead=(3,), out=OUT, blocks=blocks, seed=62)[0])
+  d_in = q5.shape[-1]
+  q8 = jax.device_put(pack(random_raw("q8_0", (3, 64, d_in), seed=61), "q8_0", (3, 64, d_in)))
+  mixed = _parts(blocks=blocks)
+  for n, dtype in ((1, BF16), (3, F32)):
+    x = jnp.asarray(_x(n, q5.shape[-1], dtype))
+    run = jax.jit(lambda x, i, g: qmatmul_multi(
+        x, [(q8, i, None), (q5, i, None), (mixed, i, g)], implementation="pallas_interpret"))
+    for i, g in ((1, 0), (2, 1)):
+      got = run(x, jnp.int32(i), jnp.int32(g))
+      want = [qmatmul(x, q8, index=jnp.int32(i), implementation="pallas_interpret"),
+              qmatmul(x, q5, index=jnp.int32(i), implementation="pallas_interpret"),
+              qmatmul(x, mixed, index=jnp.int32(i), group=jnp.int32(g),
+                      implementation="pallas_interpret")]
+      for k, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(bits(a), bits(b)), f"product {k}, {n} rows, part {g}"
+    assert str(jax.make_jaxpr(run)(x, jnp.int32(0), jnp.int32(0))).count("pallas_call") == 1
+  from pallas_kernels.quant.kernel import MultiMat, qmatmul_multi_pallas
+  compiled = jax.jit(lambda x, i, g: qmatmul_multi_pallas(x, [
+      MultiMat("q8_0", flat(q8), i, 64), MultiMat("q5_k", flat(q5), i, OUT),
+      MultiMat(("q4_k", "q6_k"), tuple(flat(p) for p in mixed), i, OUT, g)]))
+  low = compiled.trace(jnp.ones((1, q5.shape[-1]), BF16), jnp.int32(0), jnp.int32(0)).lower(
+      lowering_platforms=("cuda",))
+  assert "xla.gpu.triton" in low.as_text()
+
+
 def test_mixed_stack_kernel_lowers_to_triton_for_the_gpu():
   from pallas_kernels.quant.kernel import qmatmul_groups_pallas
   parts = _parts(blocks=4)

@@ -186,13 +186,33 @@ def test_predicated_groups_give_the_switch_numbers_bit_for_bit(tmp_path):
 
 def test_fused_groups_give_the_predicated_numbers_bit_for_bit(tmp_path):
   """`quant_groups="fused"` (one launch over every type's stack for a decode step's few rows,
-  gated launches for the prompt's) against one gated launch per type and a select, both by
-  the kernels (under the interpreter here): the same logits, bit for bit."""
+  gated launches for the prompt's; a layer's products of one input in one launch) against
+  one gated launch per type and product and a select, both by the kernels (under the
+  interpreter here): the same logits, bit for bit."""
   keep = _mixed_model(tmp_path, "keep")
 
   pred = _run_mixed(_with_forms(keep, quant_impl="pallas_interpret", quant_groups="predicated"))
   fused = _run_mixed(_with_forms(keep, quant_impl="pallas_interpret", quant_groups="fused"))
   assert np.array_equal(pred, fused)
+
+
+def test_a_layers_quantised_projections_run_in_one_launch_under_fused_dense_launch(tmp_path):
+  """`dense_launch="fused"` on kept quantised weights (mixed-type stacks under "fused"
+  groups): the decode step's products of one input (GDN qkv / gate / ba, attention q / k /
+  v, the shared expert's gate / up) run in one launch each (`qgemv_multi`); "apart" keeps one
+  launch a product. That the numbers are the same bit for bit is
+  `test_fused_groups_give_the_predicated_numbers_bit_for_bit` (predicated groups run apart)."""
+  keep = _mixed_model(tmp_path, "keep")
+  forms = dict(quant_impl="pallas_interpret", quant_groups="fused")
+
+  def decode_jaxpr(dense_launch):
+    mf = _with_forms(keep, dense_launch=dense_launch, **forms)
+    st = init_state(mf.cfg, 1, 32, jnp.float32)
+    return str(jax.make_jaxpr(lambda s: steps.decode(
+        mf.cfg, mf.params, None, s, jnp.asarray([3], jnp.int32), jnp.zeros(1, jnp.int32),
+        jnp.ones(1, jnp.int32)))(st))
+  assert decode_jaxpr("fused").count("qgemv_multi") >= 3   # GDN, attention, shared expert
+  assert "qgemv_multi" not in decode_jaxpr("apart")
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["q4_k", "mixed"])

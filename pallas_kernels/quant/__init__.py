@@ -8,6 +8,7 @@ from pallas_kernels.quant.api import (
     experts,
     qmatmul,
     qmatmul_lora,
+    qmatmul_multi,
     resolve,
 )
 from pallas_kernels.quant.kernel import qmatmul_pallas
@@ -38,6 +39,7 @@ __all__ = [
     "pack",
     "qmatmul",
     "qmatmul_lora",
+    "qmatmul_multi",
     "qmatmul_pallas",
     "qmatmul_reference",
     "QTensor",

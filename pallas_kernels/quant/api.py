@@ -22,11 +22,13 @@ from pallas_kernels.quant import dense_dot, finish, gemv
 from pallas_kernels.quant.gemv import DENSE_UNIT, dense_call, triton_params
 from pallas_kernels.quant.kernel import (
     ROWS_MAX,
+    MultiMat,
     epilogue_outside,
     groups_tiling,
     qmatmul_groups_lora_rows,
     qmatmul_groups_pallas,
     qmatmul_lora_rows,
+    qmatmul_multi_pallas,
     qmatmul_pallas,
 )
 from pallas_kernels.quant.layout import BLOCK, QTensor, flat
@@ -158,6 +160,36 @@ def qmatmul(x, w, *, index=None, implementation="auto", precision=None, tiles=No
   y = qmatmul_pallas(x[None], flat(w), _index(w, index), qtype=w.qtype, d_out=w.shape[-2],
                      precision=precision, active=active, **_kernel_kw(impl, tiles))
   return y[0]
+
+
+def qmatmul_multi(x, mats, *, implementation="auto"):
+  """[qmatmul(x, w, index=i, group=g, implementation=...) for w, i, g in mats]: a layer's
+  products of one input (GDN qkv / gate / ba, attention q / k / v, the shared expert's gate
+  and up) over quantised stacks. Where the few-row kernel takes every one (the "blocks" form,
+  a mixed-type stack in its one launch), all run in one launch (`qmatmul_multi_pallas`), each
+  result its own call's bit for bit; otherwise one call each. On the H200 the 80B's batch-1
+  projections are launch-bound: 2.5-6 us a launch for 0.5-17 MB (run 49's profile)."""
+  impl = resolve(implementation)
+  n, d_in = x.shape
+  for w, i, g in mats:
+    _check(x, w, i, g)
+
+  def in_launch(w):
+    if isinstance(w, tuple):
+      return _one_launch(w, n, w[0].shape[-2], d_in, impl, None)
+    return impl != "xla" and n <= ROWS_MAX
+
+  if len(mats) < 2 or not all(in_launch(w) for w, _, _ in mats):
+    return [qmatmul(x, w, index=i, implementation=implementation, group=g)
+            for w, i, g in mats]
+  specs = []
+  for w, i, g in mats:
+    if isinstance(w, tuple):
+      specs.append(MultiMat(tuple(p.qtype for p in w), tuple(flat(p) for p in w),
+                            _index(w[0], i), w[0].shape[-2], g))
+    else:
+      specs.append(MultiMat(w.qtype, flat(w), _index(w, i), w.shape[-2]))
+  return qmatmul_multi_pallas(x, specs, interpret=impl == "pallas_interpret")
 
 
 def _stack3(a):

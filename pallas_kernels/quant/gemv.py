@@ -370,6 +370,30 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
   )(*args)
 
 
+def _groups_tilings(x, parts, *, d_out, block_out, k_split, cd, out_dtype):
+  """(Blocks per part, x's view per part) of a groups launch: `parts` ((qtype, _, unroll),
+  ...)."""
+  groups, m, d_in = x.shape
+  ts, xs = [], []
+  for qtype, _, unroll in parts:
+    units = d_in // _BLOCK[qtype]
+    ts.append(Blocks(qtype=qtype, groups=groups, m=m, units=units, d_out=d_out,
+                     block_out=block_out, unroll=unroll, k_split=k_split,
+                     out_tiles=pl.cdiv(d_out, block_out), cd=cd,
+                     out_dtype=_F32 if k_split > 1 else out_dtype))
+    xs.append(x.reshape(groups, m, units, *X_VIEW[qtype]))
+  return ts, xs
+
+
+def _groups_args(planes_per_part, xs, ts):
+  """x's view and the planes' views of each part, in the order `_groups_program` reads."""
+  args = []
+  for planes, xv, t in zip(planes_per_part, xs, ts):
+    views = plane_views(planes, t.qtype, t.units)
+    args += [xv, *(views[n] for n in _PLANES[t.qtype])]
+  return args
+
+
 def groups_call(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtype,
                 interpret=False, compiler_params=None, on=None, h=None, b=None, scale=1.0,
                 more=()):
@@ -383,42 +407,27 @@ def groups_call(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtyp
   and up): then a list of outputs, one per stack, each that stack's own call's bits (its
   programs are that call's, offset along the grid). Not with the LoRA epilogue."""
   groups, m, d_in = x.shape
-  n_out = pl.cdiv(d_out, block_out)
   if more and on is not None:
     raise ValueError("gemv: more stacks in one launch do not take the LoRA epilogue")
-  ts, xs = [], []
-  for qtype, _, unroll in parts:
-    units = d_in // _BLOCK[qtype]
-    t = Blocks(qtype=qtype, groups=groups, m=m, units=units, d_out=d_out,
-               block_out=block_out, unroll=unroll, k_split=k_split, out_tiles=n_out, cd=cd,
-               out_dtype=_F32 if k_split > 1 else out_dtype)
-    if on is not None:
-      rank = b.shape[1]
-      t = t._replace(lora=True, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
-                     scale=float(scale))
-    ts.append(t)
-    xs.append(x.reshape(groups, m, units, *X_VIEW[qtype]))
-
-  def mat_args(planes_per_part):
-    args = []
-    for (qtype, _, _), planes, xv, t in zip(parts, planes_per_part, xs, ts):
-      views = plane_views(planes, qtype, t.units)
-      args += [xv, *(views[n] for n in _PLANES[qtype])]
-    return args
-
+  ts, xs = _groups_tilings(x, parts, d_out=d_out, block_out=block_out, k_split=k_split,
+                           cd=cd, out_dtype=out_dtype)
+  if on is not None:
+    rank = b.shape[1]
+    ts = [t._replace(lora=True, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
+                     scale=float(scale)) for t in ts]
   mats = [tuple(p for _, p, _ in parts), *more]
   for planes_per_part in more:
     if len(planes_per_part) != len(parts) or any(
         {n: a.shape for n, a in p.items()} != {n: a.shape for n, a in q.items()}
         for p, (_, q, _) in zip(planes_per_part, parts)):
       raise ValueError("gemv: a stack in `more` must have the first stack's parts and shapes")
-  per_mat = [mat_args(p) for p in mats]
-  args = [jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx, *(a for m_ in per_mat
-                                                                  for a in m_)]
+  per_mat = [_groups_args(p, xs, ts) for p in mats]
+  args = [jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx,
+          *(a for mat in per_mat for a in mat)]
   if on is not None:
     args += [on.astype(jnp.int32), h.astype(_F32), b]
   out = jax.ShapeDtypeStruct((k_split * groups, m, d_out), ts[0].out_dtype)
-  n_programs = n_out * k_split
+  n_programs = ts[0].out_tiles * k_split
   return pl.pallas_call(
       functools.partial(_groups_kernel, ts=tuple(ts), n_mats=len(mats),
                         n_programs=n_programs, n_args=len(per_mat[0])),
@@ -427,6 +436,34 @@ def groups_call(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtyp
       in_specs=[_WHOLE] * len(args), out_specs=[_WHOLE] * len(mats) if more else _WHOLE,
       interpret=interpret, compiler_params=compiler_params, name="qgemv_groups",
   )(*args)
+
+
+def blocks_part(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd, out_dtype):
+  """`blocks_call`'s programs for x [M, in] (one group, idx [1]) as a `multi.Part` of a
+  launch with other products: its output [k_split, M, out] is that call's, bit for bit."""
+  m, d_in = x.shape
+  units = d_in // _BLOCK[qtype]
+  t = Blocks(qtype=qtype, groups=1, m=m, units=units, d_out=d_out, block_out=block_out,
+             unroll=unroll, k_split=k_split, out_tiles=pl.cdiv(d_out, block_out), cd=cd,
+             out_dtype=_F32 if k_split > 1 else out_dtype)
+  views = plane_views(planes, qtype, units)
+  args = (idx, x.reshape(1, m, units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype]))
+  return Part(functools.partial(_one_group_program, t=t), t.out_tiles * k_split, args,
+              jax.ShapeDtypeStruct((k_split, m, d_out), t.out_dtype))
+
+
+def groups_part(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtype):
+  """`groups_call`'s programs for x [M, in] (one group, idx [1]) as a `multi.Part`."""
+  ts, xs = _groups_tilings(x[None], parts, d_out=d_out, block_out=block_out,
+                           k_split=k_split, cd=cd, out_dtype=out_dtype)
+  args = (jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx,
+          *_groups_args([p for _, p, _ in parts], xs, ts))
+  return Part(functools.partial(_groups_one_program, ts=tuple(ts)), ts[0].out_tiles * k_split,
+              args, jax.ShapeDtypeStruct((k_split, x.shape[0], d_out), ts[0].out_dtype))
+
+
+def _groups_one_program(refs, pid, *, ts):
+  _groups_program(refs, pid, jnp.int32(0), ts)
 
 
 def _dense_unroll(units, block_in):

@@ -38,6 +38,7 @@ from pallas_kernels._common import compensated_add
 from pallas_kernels.lora.kernel import dot_policy, up_product
 from pallas_kernels.quant import gemv
 from pallas_kernels.quant.layout import BLOCK, PLANES
+from pallas_kernels.quant.multi import launch
 
 try:  # Deprecated in JAX 0.11 but the Pallas GPU path the other kernels use (lora README).
   from jax.experimental.pallas import triton as pltriton
@@ -699,6 +700,58 @@ def qmatmul_groups_pallas(x, parts, group, idx, *, qtypes, d_out, on=None, h=Non
   if k_split > 1:   # in index order, as the LoRA rows' finish (`qmatmul_lora_rows`)
     ys = [gemv.sum_partials(y.reshape(k_split, groups, m, d_out)).astype(od) for y in ys]
   return ys if more else ys[0]
+
+
+class MultiMat(NamedTuple):
+  """One product of `qmatmul_multi_pallas`: a stack's planes {name: [S, out, cols]} and its
+  type, or (a mixed-type stack) a tuple of each and `group`, the part holding the matrix;
+  `index` the matrix (int32, traced OK; in that part)."""
+  qtype: object
+  planes: object
+  index: object
+  d_out: int
+  group: object = None
+
+
+def qmatmul_multi_pallas(x, mats, *, interpret=False):
+  """[y = x @ W^T for each MultiMat] in one launch (`multi.launch`), for a few rows x [M, in]
+  (M <= ROWS_MAX): each product runs the programs and tiling of its own call (the "blocks"
+  form, `qmatmul_pallas`; a mixed-type stack's `qmatmul_groups_pallas`), so each result is
+  that call's, bit for bit. Raises ValueError where one cannot (a mixed stack's parts with
+  different tilings)."""
+  m, d_in = x.shape
+  if m > ROWS_MAX:
+    raise ValueError(f"quant kernel: {m} rows are more than the one-launch form's {ROWS_MAX}")
+  od = jnp.dtype(x.dtype)
+  cd = od if od in _HALF else jnp.dtype(_F32)
+  parts, splits = [], []
+  for mat in mats:
+    if isinstance(mat.qtype, tuple):
+      sizes = [check_planes(p, q, mat.d_out, d_in) for q, p in zip(mat.qtype, mat.planes)]
+      tiling = groups_tiling(mat.qtype, mat.d_out, d_in, interpret=interpret)
+      if tiling is None:
+        raise ValueError(f"quant kernel: the parts {mat.qtype} have different tilings")
+      bo, ks, unrolls = tiling
+      group = jnp.asarray(mat.group, jnp.int32)
+      idx = jnp.clip(jnp.reshape(mat.index, (1,)).astype(jnp.int32), 0,
+                     jnp.asarray(sizes, jnp.int32)[group] - 1)
+      parts.append(gemv.groups_part(x, tuple(zip(mat.qtype, mat.planes, unrolls)), group, idx,
+                                    d_out=mat.d_out, block_out=bo, k_split=ks, cd=cd,
+                                    out_dtype=od))
+    else:
+      n_mats = check_planes(mat.planes, mat.qtype, mat.d_out, d_in)
+      bo, bk, ks = blocks_defaults(mat.d_out, d_in, mat.qtype, interpret=interpret)
+      idx = jnp.clip(jnp.reshape(mat.index, (1,)).astype(jnp.int32), 0, n_mats - 1)
+      parts.append(gemv.blocks_part(x, mat.planes, idx, qtype=mat.qtype, d_out=mat.d_out,
+                                    block_out=bo, unroll=_unroll(mat.qtype, d_in, bk),
+                                    k_split=ks, cd=cd, out_dtype=od))
+    splits.append(ks)
+  if m == 0:
+    return [jnp.zeros((0, mat.d_out), od) for mat in mats]
+  ys = launch(parts, name="qgemv_multi", interpret=interpret,
+              compiler_params=None if interpret else gemv.triton_params())
+  # in index order, as each call's own sum (`qmatmul_pallas`, `qmatmul_groups_pallas`)
+  return [gemv.sum_partials(y).astype(od) if ks > 1 else y[0] for y, ks in zip(ys, splits)]
 
 
 def qmatmul_lora_rows(x, planes, idx, a_stack, b_stack, lidx, on, rank_scale=None, *, qtype,

@@ -26,6 +26,7 @@ class QRef:
   index: object = None
   implementation: str = "auto"
   groups: str = "switch"
+  fused: bool = False  # `Forms.dense_launch`: one launch with the layer's other QRefs of an input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,14 +181,42 @@ def one_launch(ws) -> bool:
           and len({(id(w.index), w.implementation, w.few) for w in ws}) == 1)
 
 
+def quant_one_launch(ws) -> bool:
+  """Whether the products of one input by `ws` may share one launch of the quantised few-row
+  kernel (`Forms.dense_launch`, `quant_api.qmatmul_multi`): several QRefs made `fused`, at
+  one layer index, of one implementation, a mixed-type stack's only under "fused" groups."""
+  from strata_jax.params import QGroups  # noqa: PLC0415
+  return (len(ws) > 1 and all(isinstance(w, QRef) and w.fused for w in ws)
+          and len({(id(w.index), w.implementation) for w in ws}) == 1
+          and all(w.groups == "fused" for w in ws if isinstance(w.w, QGroups)))
+
+
+def _quant_multi(x, ws):
+  """[linear(x, w) for w in ws] of QRefs through `quant_api.qmatmul_multi`."""
+  from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
+  from strata_jax.params import QGroups  # noqa: PLC0415
+  mats = []
+  for w in ws:
+    if isinstance(w.w, QGroups):   # as `group_call`: the layer's part and its place in it
+      mats.append((w.w.parts, jnp.asarray(w.w.pos, jnp.int32)[w.index],
+                   jnp.asarray(w.w.group, jnp.int32)[w.index]))
+    else:
+      mats.append((w.w, w.index, None))
+  x2 = x.reshape(-1, x.shape[-1])
+  ys = quant_api.qmatmul_multi(x2, mats, implementation=ws[0].implementation)
+  return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
 def linears(x, ws, partials=False):
   """[linear(x, w) for w in ws]. When every w is a DRef at one layer index made `fused` (a
   layer's projections of one input: GDN qkv / gate / ba, attention q / k / v, the shared
   expert's gate / up; `Forms.dense_launch`), the products run in one kernel launch where the
   in-place kernels take the rows (`quant_api.dense_matmul_multi`); each result is `linear`'s
   bit for bit either way. Products XLA makes of plain weight arrays stay separate GEMMs
-  (`quant_api.apart`; `dense_matmul_multi` does the same). partials: each as [S, *x.shape[:-1], out], the launch's split
-  partial sums (S = 1: the product itself), for a kernel that adds them itself
+  (`quant_api.apart`; `dense_matmul_multi` does the same). QRefs made `fused` share one
+  launch of the quantised few-row kernel (`quant_one_launch`). partials: each as
+  [S, *x.shape[:-1], out], the launch's split partial sums (S = 1: the product itself), for
+  a kernel that adds them itself
   (`gemv.sum_partials`, then x's dtype: `linear`'s bits). x may be a `NormedInput`: the
   one-row GEMV's launch then makes the norm (`quant_api.norm_launch_rows`); else it is made
   first."""
@@ -199,6 +228,9 @@ def linears(x, ws, partials=False):
       x, norm = x.x, (x.w, x.eps)
     else:
       x = x.made()
+  if not fused and quant_one_launch(ws):
+    ys = _quant_multi(x, ws)
+    return [y[None] for y in ys] if partials else ys
   if not fused:
     from pallas_kernels.quant.api import apart  # noqa: PLC0415 (kernels load lazily)
     xs = apart(x, len(ws)) if all(isinstance(w, jnp.ndarray) for w in ws) else [x] * len(ws)

@@ -74,10 +74,10 @@ def _layer(cfg, dense, quant, i, index, whole=None):
   XLA, or under `Forms.dense_weights="kernel"` a `DRef` the GEMV kernel reads in place."""
   p = jax.tree.map(lambda a: a[i], dense)
   impl, groups = cfg.forms.quant_impl, cfg.forms.quant_groups
-  fields = {f.name: QRef(getattr(quant, f.name), index, impl, groups)
+  fused = cfg.forms.dense_launch != "apart"
+  fields = {f.name: QRef(getattr(quant, f.name), index, impl, groups, fused)
             for f in dataclasses.fields(quant) if _is_q(getattr(quant, f.name))}
   if whole is not None:
-    fused = cfg.forms.dense_launch != "apart"
     take = ((lambda a: DRef(a, index, impl, _dense_few(cfg), fused))
             if cfg.forms.dense_weights == "kernel"
             else (lambda a: lax.dynamic_index_in_dim(a, index, 0, False)))
@@ -207,9 +207,9 @@ def layers_scan(cfg: ModelConfig, layers, lora, kv, gdn_state, x, pos, n_new, sw
   # Under `Forms.gemv_lora` "rows" / "rows_dense" / "dot", a program whose output projections
   # run a few-row kernel with the adapter inside (the in-place dense GEMV's one row, the
   # tensor-core dense_dot's 2 to 64 rows of a 16-bit model, or its one row under "dot";
-  # "rows": also the quantised GEMV's few rows) keeps the adapter's stacks whole, and each projection
-  # gets DRefs of its layer's pair, which those kernels read in place; every other program
-  # (more rows, prefill) takes each block's pairs as the scan's xs, as before.
+  # "rows": also the quantised GEMV's few rows) keeps the adapter's stacks whole, and each
+  # projection gets DRefs of its layer's pair, which those kernels read in place; every other
+  # program (more rows, prefill) takes each block's pairs as the scan's xs, as before.
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
   n_rows = x.shape[0] * x.shape[1]
   quant_rows = (cfg.forms.quant_impl != "xla" and n_rows <= quant_api.ROWS_MAX
