@@ -971,6 +971,45 @@ def test_gpu_mixed_stack_in_one_launch(n, dtype):
     assert np.array_equal(bits(got), bits(want)), f"part {g}"
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n,dtype", [(1, BF16), (3, F32)])
+def test_gpu_one_launch_over_a_layers_products_and_the_experts_gate_with_up(n, dtype):
+  """Compiled: qmatmul_multi over Q8_0, Q5_K (odd out) and a mixed stack gives each
+  product's own call's bits; the experts over mixed stacks (gate and up in one launch) give
+  each part's own experts' bits."""
+  from pallas_kernels.quant import qmatmul_multi
+  q5 = jax.device_put(_weight("q5_k", lead=(3,), out=328, blocks=8, seed=62)[0])
+  d_in = q5.shape[-1]
+  q8 = jax.device_put(pack(random_raw("q8_0", (3, 64, d_in), seed=61), "q8_0", (3, 64, d_in)))
+  mixed = _parts(out=328, blocks=8)
+  x = jnp.asarray(_x(n, d_in, dtype))
+  for i, g in ((1, 0), (2, 1)):
+    i, g = jnp.int32(i), jnp.int32(g)
+    got = qmatmul_multi(x, [(q8, i, None), (q5, i, None), (mixed, i, g)],
+                        implementation="pallas")
+    want = [qmatmul(x, q8, index=i, implementation="pallas"),
+            qmatmul(x, q5, index=i, implementation="pallas"),
+            qmatmul(x, mixed, index=i, group=g, implementation="pallas")]
+    for k, (a, b) in enumerate(zip(got, want)):
+      assert np.array_equal(bits(a), bits(b)), f"product {k}, part {int(g)}"
+  d = f = 512
+  parts = {}
+  for name, (o, i_) in (("g", (f, d)), ("u", (f, d)), ("d", (d, f))):
+    parts[name] = tuple(jax.device_put(pack(r, q, r.shape[:-1] + (i_,)))
+                        for q, r in (("q4_k", random_raw("q4_k", (2, 4, o, i_), seed=71)),
+                                     ("q6_k", random_raw("q6_k", (1, 4, o, i_), seed=72))))
+  xe = jnp.asarray(_x(n, d, dtype))
+  idx = jnp.asarray(np.arange(2 * n).reshape(n, 2) % 4, jnp.int32)
+  wts = jnp.full((n, 2), 0.5, F32)
+  for g, lay in ((0, 1), (1, 0)):
+    got = experts(xe, parts["g"], parts["u"], parts["d"], idx, wts, layer=jnp.int32(lay),
+                  group=jnp.int32(g), implementation="pallas")
+    want = experts(xe, parts["g"][g], parts["u"][g], parts["d"][g], idx, wts,
+                   layer=jnp.int32(lay), implementation="pallas")
+    assert np.array_equal(bits(got), bits(want)), f"experts, part {g}"
+
+
 def test_mixed_stack_without_group_is_refused():
   parts = _parts()
   x = jnp.ones((1, parts[0].shape[-1]), F32)
