@@ -1024,11 +1024,12 @@ fi
 # compiled tests, then the 80B-A3B Q4_K_M: its device program at batch 1 on this tree and on
 # .ab's (a80b_run.sh BASELINE), and the Engine at batch 1, adapter on and off.
 if want s28; then
-  GPU_SET=kernels GPU_TESTS="tests/test_quant_kernel.py" CAP=100 WORKERS=4 \
+  GPU_SET=kernels GPU_TESTS="tests/test_quant_kernel.py" CAP=75 WORKERS=4 \
     bash experiments/bench/gpu_tests.sh -k "one_launch or mixed" | tail -2
   mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_quant_multi.log 2>/dev/null
-  VARIANTS=base PROBE_CAP=130 BASELINE=.ab BASE_CAP=110 BATCHES=1 CAP=$(( $(left) - 5 )) \
-    bash experiments/bench/a80b_run.sh
+  # "apart": the products one launch each again (the experts' gate with up stays paired)
+  VARIANTS=base,apart PROBE_CAP=160 BASELINE=.ab BASE_CAP=100 BATCHES=1 \
+    CAP=$(( $(left) - 5 )) bash experiments/bench/a80b_run.sh
 fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
