@@ -209,7 +209,9 @@ CHOICES: dict[str, tuple] = {
     # (`pallas_kernels/quant/multi.py`), "apart" = one launch each. Every product keeps its
     # own call's tiling, so the numbers are the same bit for bit. "auto" = "fused" (bench-a3b
     # bf16 decode on the H200: 4.138 against 4.390 ms a step at batch 1, 7.624 against 7.987
-    # at batch 32; experiments/results/device/decode_probe_multi_run33.json).
+    # at batch 32; experiments/results/device/decode_probe_multi_run33.json). Weights kept
+    # quantised (the 80B) take it too, where the quantised few-row kernel takes every product
+    # (`pallas_kernels.quant.api.qmatmul_multi`; a mixed-type stack under "fused" groups).
     "dense_launch": ("auto", "fused", "apart"),
     # what follows a decode step's mixer output projection (ssm_out, attn_output) where the
     # in-place dense kernels take its rows (`dense_weights="kernel"`): "xla" = XLA adds the
