@@ -1027,8 +1027,7 @@ if want s28; then
   GPU_SET=kernels GPU_TESTS="tests/test_quant_kernel.py" CAP=75 WORKERS=4 \
     bash experiments/bench/gpu_tests.sh -k "one_launch or mixed" | tail -2
   mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_quant_multi.log 2>/dev/null
-  # "apart": the products one launch each again (the experts' gate with up stays paired)
-  VARIANTS=base,apart PROBE_CAP=160 BASELINE=.ab BASE_CAP=100 BATCHES=1 \
+  VARIANTS=${VARIANTS:-base} PROBE_CAP=${PROBE_CAP:-120} BASELINE=.ab BASE_CAP=100 BATCHES=1 \
     CAP=$(( $(left) - 5 )) bash experiments/bench/a80b_run.sh
 fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
