@@ -209,10 +209,15 @@ CHOICES: dict[str, tuple] = {
     # (`pallas_kernels/quant/multi.py`), "apart" = one launch each. Every product keeps its
     # own call's tiling, so the numbers are the same bit for bit. "auto" = "fused" (bench-a3b
     # bf16 decode on the H200: 4.138 against 4.390 ms a step at batch 1, 7.624 against 7.987
-    # at batch 32; experiments/results/device/decode_probe_multi_run33.json). Weights kept
-    # quantised (the 80B) take it too, where the quantised few-row kernel takes every product
-    # (`pallas_kernels.quant.api.qmatmul_multi`; a mixed-type stack under "fused" groups).
+    # at batch 32; experiments/results/device/decode_probe_multi_run33.json).
     "dense_launch": ("auto", "fused", "apart"),
+    # the same for weights kept quantised (the 80B), where the quantised few-row kernel takes
+    # every product: "fused" = a layer's products of one input in one launch
+    # (`pallas_kernels.quant.api.qmatmul_multi`; a mixed-type stack's only under "fused"
+    # groups), and the routed experts' gate with their up (`quant_api.experts(fused=True)`);
+    # "apart" = one launch each. The same numbers bit for bit. "auto" = "apart" until the
+    # 80B's step is timed both ways on the GPU (decode_probe's "qlaunch" variant).
+    "quant_launch": ("auto", "fused", "apart"),
     # what follows a decode step's mixer output projection (ssm_out, attn_output) where the
     # in-place dense kernels take its rows (`dense_weights="kernel"`): "xla" = XLA adds the
     # projection's split sums, the residual and the next RMSNorm in its fusions, and the
@@ -307,6 +312,7 @@ class Forms:
   attn_decode: str = "auto"
   attn_prefill: str = "auto"
   dense_launch: str = "auto"
+  quant_launch: str = "auto"
   proj_finish: str = "auto"
   head: str = "auto"
   input_norm: str = "auto"
@@ -358,6 +364,7 @@ class Forms:
         attn_prefill=auto(self.attn_prefill, "xla" if _dtype_name(compute_dtype) == "float32"
                           else "auto", "xla"),
         dense_launch=auto(self.dense_launch, "fused", "fused"),
+        quant_launch=auto(self.quant_launch, "apart", "apart"),
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
         head=auto(self.head, "kernel", "xla"),
         input_norm=auto(self.input_norm, "xla", "xla"),

@@ -839,6 +839,19 @@ def test_gpu_qmatmul_lora_rows(qtype):
       assert np.array_equal(bits(got), bits(plain))
 
 
+def _launches(jaxpr):
+  """pallas_call sites a run of the jaxpr makes, each nested call counted where it is called
+  (the printed jaxpr shows a repeated jit's body once)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      n += 1
+      continue
+    for sub in jaxprs_in_params(eqn.params):
+      n += _launches(sub)
+  return n
+
+
 def _xla_primitives(jaxpr):
   """Primitive names of a jaxpr and its nested jaxprs, not looking inside Pallas kernels."""
   names = set()
@@ -862,12 +875,13 @@ def test_mixed_expert_stacks_in_one_launch_give_each_parts_own_numbers():
   idx = jnp.asarray([[0, 2], [1, 1]], jnp.int32)
   wts = jnp.full((2, 2), 0.5, F32)
   kw = dict(implementation="pallas_interpret")
-  fused = jax.jit(lambda g, lay: experts(x, parts["g"], parts["u"], parts["d"], idx, wts,
-                                         layer=lay, group=g, **kw))
-  for g, lay in ((0, 1), (1, 0)):
-    want = experts(x, parts["g"][g], parts["u"][g], parts["d"][g], idx, wts,
-                   layer=jnp.int32(lay), **kw)
-    assert np.array_equal(bits(fused(jnp.int32(g), jnp.int32(lay))), bits(want))
+  for pair in (False, True):   # the gate and the up in launches of their own, or in one
+    fused = jax.jit(lambda g, lay: experts(x, parts["g"], parts["u"], parts["d"], idx, wts,
+                                           layer=lay, group=g, fused=pair, **kw))
+    for g, lay in ((0, 1), (1, 0)):
+      want = experts(x, parts["g"][g], parts["u"][g], parts["d"][g], idx, wts,
+                     layer=jnp.int32(lay), **kw)
+      assert np.array_equal(bits(fused(jnp.int32(g), jnp.int32(lay))), bits(want)), pair
   assert "qgemv_groups" in str(jax.make_jaxpr(fused)(jnp.int32(0), jnp.int32(0)))
 
 
@@ -890,8 +904,7 @@ def test_a_second_stack_in_the_groups_launch_gives_each_stack_its_own_call_bits(
     got_g, got_u = both(jnp.int32(g), idx)
     assert np.array_equal(bits(got_g), bits(qmatmul_groups_pallas(x, fg, g, idx, **kw)))
     assert np.array_equal(bits(got_u), bits(qmatmul_groups_pallas(x, fu, g, idx, **kw)))
-  jaxpr = str(jax.make_jaxpr(both)(jnp.int32(0), jnp.zeros((3,), jnp.int32)))
-  assert jaxpr.count("pallas_call") == 1
+  assert _launches(jax.make_jaxpr(both)(jnp.int32(0), jnp.zeros((3,), jnp.int32)).jaxpr) == 1
   compiled = jax.jit(lambda g, i: qmatmul_groups_pallas(x, fg, g, i, more=(fu,),
                                                         **{**kw, "interpret": False}))
   low = compiled.trace(jnp.int32(0), jnp.zeros((3,), jnp.int32)).lower(
@@ -900,7 +913,8 @@ def test_a_second_stack_in_the_groups_launch_gives_each_stack_its_own_call_bits(
 
 
 def test_mixed_expert_stacks_run_gate_and_up_in_one_launch():
-  """The routed experts over mixed-type stacks: two launches (gate with up, then down)."""
+  """The routed experts over mixed-type stacks: fused, two launches (gate with up, then
+  down); else three."""
   d = f = 256
   parts = {}
   for name, (o, i) in (("g", (f, d)), ("u", (f, d)), ("d", (d, f))):
@@ -908,10 +922,12 @@ def test_mixed_expert_stacks_run_gate_and_up_in_one_launch():
                         for q, r in (("q4_k", random_raw("q4_k", (2, 3, o, i), seed=51)),
                                      ("q6_k", random_raw("q6_k", (1, 3, o, i), seed=52))))
   x = jnp.asarray(_x(1, d, BF16))
-  run = lambda g, lay: experts(x, parts["g"], parts["u"], parts["d"],
-                               jnp.asarray([[0, 2]], jnp.int32), jnp.full((1, 2), 0.5, F32),
-                               layer=lay, group=g, implementation="pallas_interpret")
-  assert str(jax.make_jaxpr(run)(jnp.int32(0), jnp.int32(0))).count("pallas_call") == 2
+  for fused, launches in ((True, 2), (False, 3)):
+    run = lambda g, lay: experts(x, parts["g"], parts["u"], parts["d"],
+                                 jnp.asarray([[0, 2]], jnp.int32), jnp.full((1, 2), 0.5, F32),
+                                 layer=lay, group=g, implementation="pallas_interpret",
+                                 fused=fused)
+    assert _launches(jax.make_jaxpr(run)(jnp.int32(0), jnp.int32(0)).jaxpr) == launches, fused
 
 
 def test_one_launch_over_a_layers_quantised_products_gives_each_its_own_call_bits():
@@ -936,7 +952,7 @@ def test_one_launch_over_a_layers_quantised_products_gives_each_its_own_call_bit
                       implementation="pallas_interpret")]
       for k, (a, b) in enumerate(zip(got, want)):
         assert np.array_equal(bits(a), bits(b)), f"product {k}, {n} rows, part {g}"
-    assert str(jax.make_jaxpr(run)(x, jnp.int32(0), jnp.int32(0))).count("pallas_call") == 1
+    assert _launches(jax.make_jaxpr(run)(x, jnp.int32(0), jnp.int32(0)).jaxpr) == 1
   from pallas_kernels.quant.kernel import MultiMat, qmatmul_multi_pallas
   compiled = jax.jit(lambda x, i, g: qmatmul_multi_pallas(x, [
       MultiMat("q8_0", flat(q8), i, 64), MultiMat("q5_k", flat(q5), i, OUT),
@@ -1004,7 +1020,7 @@ def test_gpu_one_launch_over_a_layers_products_and_the_experts_gate_with_up(n, d
   wts = jnp.full((n, 2), 0.5, F32)
   for g, lay in ((0, 1), (1, 0)):
     got = experts(xe, parts["g"], parts["u"], parts["d"], idx, wts, layer=jnp.int32(lay),
-                  group=jnp.int32(g), implementation="pallas")
+                  group=jnp.int32(g), implementation="pallas", fused=True)
     want = experts(xe, parts["g"][g], parts["u"][g], parts["d"][g], idx, wts,
                    layer=jnp.int32(lay), implementation="pallas")
     assert np.array_equal(bits(got), bits(want)), f"experts, part {g}"

@@ -2,6 +2,7 @@
 Q5_K or Q6_K (rows that are not whole blocks stay F32, as llama.cpp falls back) give the same
 fp32 logits (<= 1e-5) and greedy tokens, with the quantised leaves really kept as QTensors
 (device bytes within 1.1x of the file's), and the adapter projections (qmatmul_lora) too."""
+import collections
 import dataclasses
 import types
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from model_fixtures import random_lora
 from tolerances import QUANT_KEEP_LOGITS_ABS_FP32, assert_close
 
@@ -186,33 +188,51 @@ def test_predicated_groups_give_the_switch_numbers_bit_for_bit(tmp_path):
 
 def test_fused_groups_give_the_predicated_numbers_bit_for_bit(tmp_path):
   """`quant_groups="fused"` (one launch over every type's stack for a decode step's few rows,
-  gated launches for the prompt's; a layer's products of one input in one launch) against
+  gated launches for the prompt's; with `quant_launch="fused"` a layer's products of one
+  input in one launch, the experts' gate with their up) against
   one gated launch per type and product and a select, both by the kernels (under the
   interpreter here): the same logits, bit for bit."""
   keep = _mixed_model(tmp_path, "keep")
 
   pred = _run_mixed(_with_forms(keep, quant_impl="pallas_interpret", quant_groups="predicated"))
-  fused = _run_mixed(_with_forms(keep, quant_impl="pallas_interpret", quant_groups="fused"))
+  fused = _run_mixed(_with_forms(keep, quant_impl="pallas_interpret", quant_groups="fused",
+                                 quant_launch="fused"))
   assert np.array_equal(pred, fused)
 
 
-def test_a_layers_quantised_projections_run_in_one_launch_under_fused_dense_launch(tmp_path):
-  """`dense_launch="fused"` on kept quantised weights (mixed-type stacks under "fused"
+def test_a_layers_quantised_projections_run_in_one_launch_under_fused_quant_launch(tmp_path):
+  """`quant_launch="fused"` on kept quantised weights (mixed-type stacks under "fused"
   groups): the decode step's products of one input (GDN qkv / gate / ba, attention q / k /
-  v, the shared expert's gate / up) run in one launch each (`qgemv_multi`); "apart" keeps one
-  launch a product. That the numbers are the same bit for bit is
+  v, the shared expert's gate / up) run in one launch each (`qgemv_multi`), the routed
+  experts' gate with their up (2 `qgemv_groups` launches, not 3); "apart" (the default)
+  keeps one launch a product. That the numbers are the same bit for bit is
   `test_fused_groups_give_the_predicated_numbers_bit_for_bit` (predicated groups run apart)."""
   keep = _mixed_model(tmp_path, "keep")
   forms = dict(quant_impl="pallas_interpret", quant_groups="fused")
 
-  def decode_jaxpr(dense_launch):
-    mf = _with_forms(keep, dense_launch=dense_launch, **forms)
+  def launches(quant_launch):
+    """{kernel name: call sites} of the decode step (each nested call where it is called)."""
+    mf = _with_forms(keep, quant_launch=quant_launch, **forms)
     st = init_state(mf.cfg, 1, 32, jnp.float32)
-    return str(jax.make_jaxpr(lambda s: steps.decode(
+    jaxpr = jax.make_jaxpr(lambda s: steps.decode(
         mf.cfg, mf.params, None, s, jnp.asarray([3], jnp.int32), jnp.zeros(1, jnp.int32),
-        jnp.ones(1, jnp.int32)))(st))
-  assert decode_jaxpr("fused").count("qgemv_multi") >= 3   # GDN, attention, shared expert
-  assert "qgemv_multi" not in decode_jaxpr("apart")
+        jnp.ones(1, jnp.int32)))(st).jaxpr
+    names = collections.Counter()
+
+    def walk(j):
+      for eqn in j.eqns:
+        if eqn.primitive.name == "pallas_call":
+          name = eqn.params.get("name") or eqn.params.get("name_and_src_info")  # by version
+          names[str(name).split()[0]] += 1
+        for sub in jaxprs_in_params(eqn.params):
+          walk(sub)
+    walk(jaxpr)
+    return names
+  fused, apart = launches("fused"), launches("apart")
+  assert fused["qgemv_multi"] >= 3 and apart["qgemv_multi"] == 0   # GDN, attention, shared
+  assert fused["qgemv_groups"] < apart["qgemv_groups"]   # the experts' gate with their up
+  assert sum(fused.values()) < sum(apart.values())
+  assert keep.cfg.forms.quant_launch in ("auto", "apart")
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["q4_k", "mixed"])

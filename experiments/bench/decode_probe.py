@@ -137,6 +137,8 @@ FORM_VARIANTS = {
     "fewdot": {"dense_few": "dot"},
     "fused": {"dense_launch": "fused"},
     "apart": {"dense_launch": "apart"},
+    "qlaunch": {"quant_launch": "fused"},   # quantised products of one input in one launch
+    "qapart": {"quant_launch": "apart"},
 }
 
 

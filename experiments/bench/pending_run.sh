@@ -1018,16 +1018,16 @@ if want s27b; then
     --out $OUT/decode_probe_b32_s27_on.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-200
   [ $(left) -gt 150 ] && SECTIONS=s25gdn CAP=$(( $(left) - 10 )) bash $0
 fi
-# SECTIONS=s28 (~9.5 min; carry .ab, the modules before this session's launches): the
-# quantised launches of the twenty-eighth session (a layer's products of one input in one
-# launch, `qmatmul_multi`; the experts' gate with their up, `groups_call(more=)`): their
-# compiled tests, then the 80B-A3B Q4_K_M: its device program at batch 1 on this tree and on
-# .ab's (a80b_run.sh BASELINE), and the Engine at batch 1, adapter on and off.
+# SECTIONS=s28 (~9 min): the quantised launches of the twenty-eighth session
+# (`Forms.quant_launch` "fused": a layer's products of one input in one launch, the experts'
+# gate with their up): their compiled tests, then the 80B-A3B Q4_K_M's device program at batch
+# 1 with and without them (decode_probe's "qlaunch" against base, one process), and the Engine
+# at batch 1 with the faster one's forms, adapter on and off.
 if want s28; then
   GPU_SET=kernels GPU_TESTS="tests/test_quant_kernel.py" CAP=75 WORKERS=4 \
     bash experiments/bench/gpu_tests.sh -k "one_launch or mixed" | tail -2
   mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_quant_multi.log 2>/dev/null
-  VARIANTS=${VARIANTS:-base} PROBE_CAP=${PROBE_CAP:-120} BASELINE=.ab BASE_CAP=100 BATCHES=1 \
+  VARIANTS=${VARIANTS:-base,qlaunch} PROBE_CAP=${PROBE_CAP:-170} BATCHES=1 \
     CAP=$(( $(left) - 5 )) bash experiments/bench/a80b_run.sh
 fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).

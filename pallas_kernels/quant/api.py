@@ -646,7 +646,7 @@ def _expert_rows(idx, layer, n_layers, n_experts):
 
 
 def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precision=None,
-            tiles=None, active=None, sort_pairs=None, group=None):
+            tiles=None, active=None, sort_pairs=None, group=None, fused=False):
   """Few-token routed experts over quantised stacks, reading only the chosen experts.
 
   out[n] = sum_j weights[n, j] * Wd_e (silu(Wg_e x[n]) * (Wu_e x[n])), e = idx[n, j] of layer
@@ -669,6 +669,8 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
       per type), the int32 part holding the layer; `layer` is its index in that part. Each
       product is then one launch over every part (`qmatmul` with `group`), or, where that
       cannot serve it, each part's experts gated and a select (XLA: a conditional).
+    fused: with `group` and one launch a product, the gate's and the up's programs share one
+      launch (`Forms.quant_launch` "fused"; each its own launch's bits).
 
   Returns:
     [N, D] float32.
@@ -733,7 +735,7 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
                          **_kernel_kw(impl, tiles))
       return y[:, 0, :]
   wg, wu, wd = parts or (wg, wu, wd)
-  if parts is not None and impl != "xla":
+  if fused and parts is not None and impl != "xla":
     # The gate and the up products in one launch (each its own call's bits): on the H200 the
     # 80B's expert GEMVs are launch-bound, about 6.8 us a call for 6 MB (run 49).
     g, u = qmatmul_groups_pallas(xp[:, None, :], tuple(flat(p) for p in wg), group, rows,

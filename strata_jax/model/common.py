@@ -26,7 +26,7 @@ class QRef:
   index: object = None
   implementation: str = "auto"
   groups: str = "switch"
-  fused: bool = False  # `Forms.dense_launch`: one launch with the layer's other QRefs of an input
+  fused: bool = False  # `Forms.quant_launch`: one launch with the layer's other QRefs of an input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +183,7 @@ def one_launch(ws) -> bool:
 
 def quant_one_launch(ws) -> bool:
   """Whether the products of one input by `ws` may share one launch of the quantised few-row
-  kernel (`Forms.dense_launch`, `quant_api.qmatmul_multi`): several QRefs made `fused`, at
+  kernel (`Forms.quant_launch`, `quant_api.qmatmul_multi`): several QRefs made `fused`, at
   one layer index, of one implementation, a mixed-type stack's only under "fused" groups."""
   from strata_jax.params import QGroups  # noqa: PLC0415
   return (len(ws) > 1 and all(isinstance(w, QRef) and w.fused for w in ws)

@@ -74,10 +74,11 @@ def _layer(cfg, dense, quant, i, index, whole=None):
   XLA, or under `Forms.dense_weights="kernel"` a `DRef` the GEMV kernel reads in place."""
   p = jax.tree.map(lambda a: a[i], dense)
   impl, groups = cfg.forms.quant_impl, cfg.forms.quant_groups
-  fused = cfg.forms.dense_launch != "apart"
-  fields = {f.name: QRef(getattr(quant, f.name), index, impl, groups, fused)
+  fields = {f.name: QRef(getattr(quant, f.name), index, impl, groups,
+                         cfg.forms.quant_launch == "fused")
             for f in dataclasses.fields(quant) if _is_q(getattr(quant, f.name))}
   if whole is not None:
+    fused = cfg.forms.dense_launch != "apart"
     take = ((lambda a: DRef(a, index, impl, _dense_few(cfg), fused))
             if cfg.forms.dense_weights == "kernel"
             else (lambda a: lax.dynamic_index_in_dim(a, index, 0, False)))

@@ -124,9 +124,10 @@ def moe(cfg: ModelConfig, p, x, stacks=None, layer=None, real=None,
     impl = cfg.forms.quant_impl
     if isinstance(wg, QGroups):  # the three stacks are grouped alike (by the layer's types)
       part = lambda s, k: s.parts if k is None else s.parts[k]  # None: every part (fused)
+      fused = cfg.forms.quant_launch == "fused"   # the gate with the up, in one launch
       routed = group_call(wg, layer, lambda k, pos, **kw: quant_api.experts(
           x, part(wg, k), part(wu, k), part(wd, k), idx, w, layer=pos, implementation=impl,
-          **kw), cfg.forms.quant_groups)
+          fused=fused, **kw), cfg.forms.quant_groups)
     else:
       routed = quant_api.experts(x, wg, wu, wd, idx, w, layer=layer, implementation=impl)
   elif form == "few":
