@@ -864,13 +864,20 @@ def _xla_primitives(jaxpr):
   return names
 
 
-def test_mixed_expert_stacks_in_one_launch_give_each_parts_own_numbers():
-  d = f = 256
+def _mixed_expert_parts(d, f, n_experts, seed):
+  """{"g", "u", "d": (Q4_K stack of 2 layers, Q6_K stack of 1)} of [layers, E, out, in]
+  expert matrices (gate / up [f, d], down [d, f])."""
   parts = {}
   for name, (o, i) in (("g", (f, d)), ("u", (f, d)), ("d", (d, f))):
-    parts[name] = tuple(jax.device_put(pack(r, q, r.shape[:-1] + (i,)))
-                        for q, r in (("q4_k", random_raw("q4_k", (2, 3, o, i), seed=31)),
-                                     ("q6_k", random_raw("q6_k", (1, 3, o, i), seed=32))))
+    parts[name] = tuple(jax.device_put(pack(r, q, r.shape[:-1] + (i,))) for q, r in (
+        ("q4_k", random_raw("q4_k", (2, n_experts, o, i), seed=seed)),
+        ("q6_k", random_raw("q6_k", (1, n_experts, o, i), seed=seed + 1))))
+  return parts
+
+
+def test_mixed_expert_stacks_in_one_launch_give_each_parts_own_numbers():
+  d = 256
+  parts = _mixed_expert_parts(d, 256, 3, seed=31)
   x = jnp.asarray(_x(2, d, F32))
   idx = jnp.asarray([[0, 2], [1, 1]], jnp.int32)
   wts = jnp.full((2, 2), 0.5, F32)
@@ -915,12 +922,8 @@ def test_a_second_stack_in_the_groups_launch_gives_each_stack_its_own_call_bits(
 def test_mixed_expert_stacks_run_gate_and_up_in_one_launch():
   """The routed experts over mixed-type stacks: fused, two launches (gate with up, then
   down); else three."""
-  d = f = 256
-  parts = {}
-  for name, (o, i) in (("g", (f, d)), ("u", (f, d)), ("d", (d, f))):
-    parts[name] = tuple(jax.device_put(pack(r, q, r.shape[:-1] + (i,)))
-                        for q, r in (("q4_k", random_raw("q4_k", (2, 3, o, i), seed=51)),
-                                     ("q6_k", random_raw("q6_k", (1, 3, o, i), seed=52))))
+  d = 256
+  parts = _mixed_expert_parts(d, 256, 3, seed=51)
   x = jnp.asarray(_x(1, d, BF16))
   for fused, launches in ((True, 2), (False, 3)):
     run = lambda g, lay: experts(x, parts["g"], parts["u"], parts["d"],
@@ -1009,12 +1012,8 @@ def test_gpu_one_launch_over_a_layers_products_and_the_experts_gate_with_up(n, d
             qmatmul(x, mixed, index=i, group=g, implementation="pallas")]
     for k, (a, b) in enumerate(zip(got, want)):
       assert np.array_equal(bits(a), bits(b)), f"product {k}, part {int(g)}"
-  d = f = 512
-  parts = {}
-  for name, (o, i_) in (("g", (f, d)), ("u", (f, d)), ("d", (d, f))):
-    parts[name] = tuple(jax.device_put(pack(r, q, r.shape[:-1] + (i_,)))
-                        for q, r in (("q4_k", random_raw("q4_k", (2, 4, o, i_), seed=71)),
-                                     ("q6_k", random_raw("q6_k", (1, 4, o, i_), seed=72))))
+  d = 512
+  parts = _mixed_expert_parts(d, 512, 4, seed=71)
   xe = jnp.asarray(_x(n, d, dtype))
   idx = jnp.asarray(np.arange(2 * n).reshape(n, 2) % 4, jnp.int32)
   wts = jnp.full((n, 2), 0.5, F32)
