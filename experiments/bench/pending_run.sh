@@ -1030,6 +1030,19 @@ if want s28; then
   VARIANTS=${VARIANTS:-base,qlaunch} PROBE_CAP=${PROBE_CAP:-170} BATCHES=1 \
     CAP=$(( $(left) - 5 )) bash experiments/bench/a80b_run.sh
 fi
+# SECTIONS=s28min (~3 min, for a call with little device time left): s28's compiled tests,
+# then its A/B on an 8-layer 80B-A3B Q4_K_M (the same layers and shapes, 1/6 of them; batch 1,
+# base / qlaunch / base in one process).
+if want s28min; then
+  GPU_SET=kernels GPU_TESTS="tests/test_quant_kernel.py" CAP=65 WORKERS=4 \
+    bash experiments/bench/gpu_tests.sh -k "one_launch or mixed" | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_quant_multi.log 2>/dev/null
+  python3 experiments/bench/make_gguf.py --geometry qwen3next-80b-a3b --quant q4_k_m \
+    --layers 8 --out /tmp/a8.gguf --no-progress 2>&1 | tail -1
+  timeout $(( $(left) - 3 )) python3 experiments/bench/decode_probe.py --gguf /tmp/a8.gguf \
+    --variants base,qlaunch,base --batches 1 --n_steps 8 --reps 3 \
+    --out $OUT/decode_probe_a8_qlaunch.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-250
+fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
   h200_prefill_and_peer s25
