@@ -3,8 +3,7 @@
 # batch 1 with the quant groups switched and predicated (decode_probe; VARIANTS= other variants,
 # parts joined by "+" combine), then load it through the Engine with the fastest variant's forms
 # and decode at batch 1 and 8 (BATCHES=), adapter on and off (load_80b). PROFILE=variant
-# traces that variant's batch-1 decode call (time by kernel, in the probe's JSON). BASELINE=
-# (below) probes an earlier version of some modules too.
+# traces that variant's batch-1 decode call (time by kernel, in the probe's JSON).
 # Results in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -15,16 +14,6 @@ echo "gguf written $(( $(date +%s) - t0 )) s"
 timeout ${PROBE_CAP:-170} python3 experiments/bench/decode_probe.py --gguf /tmp/a80b.gguf --variants ${VARIANTS:-base,qpred} \
   --batches 1 --n_steps 8 --reps 3 ${PROFILE:+--profile $PROFILE} --out $OUT/decode_probe_a80b.json 2>&1 | grep '"variant"' | cut -c1-300
 echo "probe done $(( $(date +%s) - t0 )) s"
-# BASELINE=dir (carried, e.g. .ab): the same probe of the variant "base" on a copy of the tree
-# with dir's files laid over it (an earlier version of a few modules), for an A/B in one call.
-if [ -n "${BASELINE:-}" ]; then
-  rm -rf /tmp/base && mkdir -p /tmp/base && cp -r pallas_kernels strata_jax experiments /tmp/base/
-  cp -r "$BASELINE"/. /tmp/base/
-  (cd /tmp/base && PYTHONPATH=/tmp/site:/tmp/base timeout ${BASE_CAP:-150} python3 \
-    experiments/bench/decode_probe.py --gguf /tmp/a80b.gguf --variants base --batches 1 \
-    --n_steps 8 --reps 3 --out $OUT/decode_probe_a80b_baseline.json 2>&1 | grep '"variant"' | cut -c1-300)
-  echo "baseline probe done $(( $(date +%s) - t0 )) s"
-fi
 FORMS=$(python3 - "$OUT/decode_probe_a80b.json" <<'PY'
 import json, sys
 sys.path.insert(0, "experiments/bench")

@@ -168,7 +168,7 @@ def qmatmul_multi(x, mats, *, implementation="auto"):
   and up) over quantised stacks. Where the few-row kernel takes every one (the "blocks" form,
   a mixed-type stack in its one launch), all run in one launch (`qmatmul_multi_pallas`), each
   result its own call's bit for bit; otherwise one call each. On the H200 the 80B's batch-1
-  projections are launch-bound: 2.5-6 us a launch for 0.5-17 MB (run 49's profile)."""
+  projections are launch-bound: 2.5-12 us a launch for 0.5-17 MB (run 49's profile)."""
   impl = resolve(implementation)
   n, d_in = x.shape
   for w, i, g in mats:
