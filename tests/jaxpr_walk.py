@@ -10,3 +10,14 @@ def eqns(jaxpr, *, into_kernels: bool = True):
     if into_kernels or e.primitive.name != "pallas_call":
       for sub in jaxprs_in_params(e.params):
         yield from eqns(sub, into_kernels=into_kernels)
+
+
+def kernel_names(jaxpr):
+  """The name of every Pallas kernel launch `jaxpr` makes, one per call site (a jit called
+  twice counts twice, though the printed jaxpr shows its body once)."""
+  names = []
+  for e in eqns(jaxpr, into_kernels=False):
+    if e.primitive.name == "pallas_call":
+      name = e.params.get("name") or e.params.get("name_and_src_info")  # by JAX version
+      names.append(str(name).split()[0])
+  return names

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
+from jaxpr_walk import kernel_names
 from model_fixtures import random_lora
 from tolerances import QUANT_KEEP_LOGITS_ABS_FP32, assert_close
 
@@ -217,17 +217,7 @@ def test_a_layers_quantised_projections_run_in_one_launch_under_fused_quant_laun
     jaxpr = jax.make_jaxpr(lambda s: steps.decode(
         mf.cfg, mf.params, None, s, jnp.asarray([3], jnp.int32), jnp.zeros(1, jnp.int32),
         jnp.ones(1, jnp.int32)))(st).jaxpr
-    names = collections.Counter()
-
-    def walk(j):
-      for eqn in j.eqns:
-        if eqn.primitive.name == "pallas_call":
-          name = eqn.params.get("name") or eqn.params.get("name_and_src_info")  # by version
-          names[str(name).split()[0]] += 1
-        for sub in jaxprs_in_params(eqn.params):
-          walk(sub)
-    walk(jaxpr)
-    return names
+    return collections.Counter(kernel_names(jaxpr))
   fused, apart = launches("fused"), launches("apart")
   assert fused["qgemv_multi"] >= 3 and apart["qgemv_multi"] == 0   # GDN, attention, shared
   assert fused["qgemv_groups"] < apart["qgemv_groups"]   # the experts' gate with their up

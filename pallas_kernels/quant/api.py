@@ -723,11 +723,12 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
       return jnp.einsum("pi,poi->po", v.astype(cd), wm, precision=prec,
                         preferred_element_type=_F32)
   elif parts is not None:
-    def proj(w, v):  # one launch over the parts of a mixed-type stack
-      y = qmatmul_groups_pallas(v[:, None, :], tuple(flat(p) for p in w), group, rows,
-                                qtypes=tuple(p.qtype for p in w), d_out=w[0].shape[-2],
-                                out_dtype=_F32, interpret=impl == "pallas_interpret")
-      return y[:, 0, :]
+    def proj(w, v, *more):  # one launch over the parts of a mixed-type stack (and `more`'s)
+      ys = qmatmul_groups_pallas(v[:, None, :], tuple(flat(p) for p in w), group, rows,
+                                 qtypes=tuple(p.qtype for p in w), d_out=w[0].shape[-2],
+                                 out_dtype=_F32, interpret=impl == "pallas_interpret",
+                                 more=tuple(tuple(flat(p) for p in m) for m in more))
+      return [y[:, 0, :] for y in ys] if more else ys[:, 0, :]
   else:
     def proj(w, v):
       y = qmatmul_pallas(v[:, None, :], flat(w), rows, qtype=w.qtype, d_out=w.shape[-2],
@@ -738,11 +739,7 @@ def experts(x, wg, wu, wd, idx, weights, *, layer, implementation="auto", precis
   if fused and parts is not None and impl != "xla":
     # The gate and the up products in one launch (each its own call's bits): on the H200 the
     # 80B's expert GEMVs are launch-bound, about 6.8 us a call for 6 MB (run 49).
-    g, u = qmatmul_groups_pallas(xp[:, None, :], tuple(flat(p) for p in wg), group, rows,
-                                 qtypes=tuple(p.qtype for p in wg), d_out=wg[0].shape[-2],
-                                 out_dtype=_F32, interpret=impl == "pallas_interpret",
-                                 more=(tuple(flat(p) for p in wu),))
-    g, u = g[:, 0, :], u[:, 0, :]
+    g, u = proj(wg, xp, wu)
   else:
     g, u = proj(wg, xp), proj(wu, xp)  # [P, F] fp32
   h = jax.nn.silu(g).astype(x.dtype) * u.astype(x.dtype)

@@ -277,21 +277,10 @@ def _row_inv_rms(x_ref, g, t: Blocks):
   return [lax.rsqrt(jnp.sum(s) / (t.units * DENSE_UNIT) + t.eps) for s in sums]
 
 
-def _groups_kernel(*refs, ts, n_mats=1, n_programs=0, n_args=0):
-  """One launch over a mixed-type stack: part `group` (read from memory) runs its program.
-  With n_mats > 1 (`groups_call`'s `more`), the grid's first axis is n_mats runs of
-  n_programs, the i-th multiplying x by matrix stack i (its n_args inputs, its output)."""
+def _groups_kernel(*refs, ts):
+  """One launch over a mixed-type stack: part `group` (read from memory) runs its program."""
   pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
-  if n_mats == 1:
-    _groups_program(refs, pid, g, ts)
-    return
-  (group_ref, idx_ref), ins = refs[:2], refs[2:2 + n_mats * n_args]
-  outs = refs[2 + n_mats * n_args:]
-  for i in range(n_mats):
-    mat_refs = [group_ref, idx_ref, *ins[i * n_args:(i + 1) * n_args], outs[i]]
-    lo = i * n_programs
-    pl.when((pid >= lo) & (pid < lo + n_programs))(
-        functools.partial(_groups_program, mat_refs, pid - lo, g, ts))
+  _groups_program(refs, pid, g, ts)
 
 
 def _groups_program(refs, pid, g, ts):
@@ -339,11 +328,9 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
   [M, R] fp32 and `b` [out, R]: the LoRA epilogue (G must be 1). With `up` (x's shape and
   dtype): the product is of `glu_product(x, up)`, made as each program loads its x."""
   groups, m, d_in = x.shape
-  units = d_in // _BLOCK[qtype]
-  n_out = pl.cdiv(d_out, block_out)
-  t = Blocks(qtype=qtype, groups=groups, m=m, units=units, d_out=d_out, block_out=block_out,
-             unroll=unroll, k_split=k_split, out_tiles=n_out, cd=cd,
-             out_dtype=_F32 if k_split > 1 else out_dtype, gated=active is not None)
+  t = _blocks(x.shape, qtype, d_out=d_out, block_out=block_out, unroll=unroll,
+              k_split=k_split, cd=cd, out_dtype=out_dtype)._replace(gated=active is not None)
+  units, n_out = t.units, t.out_tiles
   if on is not None:
     rank = b.shape[1]
     t = t._replace(lora=True, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
@@ -370,70 +357,48 @@ def blocks_call(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd,
   )(*args)
 
 
-def _groups_tilings(x, parts, *, d_out, block_out, k_split, cd, out_dtype):
-  """(Blocks per part, x's view per part) of a groups launch: `parts` ((qtype, _, unroll),
-  ...)."""
-  groups, m, d_in = x.shape
-  ts, xs = [], []
-  for qtype, _, unroll in parts:
-    units = d_in // _BLOCK[qtype]
-    ts.append(Blocks(qtype=qtype, groups=groups, m=m, units=units, d_out=d_out,
-                     block_out=block_out, unroll=unroll, k_split=k_split,
-                     out_tiles=pl.cdiv(d_out, block_out), cd=cd,
-                     out_dtype=_F32 if k_split > 1 else out_dtype))
-    xs.append(x.reshape(groups, m, units, *X_VIEW[qtype]))
-  return ts, xs
+def _blocks(x_shape, qtype, *, d_out, block_out, unroll, k_split, cd, out_dtype):
+  """The Blocks of a "blocks" call of x [G, M, in] (fp32 partials when k_split > 1)."""
+  groups, m, d_in = x_shape
+  return Blocks(qtype=qtype, groups=groups, m=m, units=d_in // _BLOCK[qtype], d_out=d_out,
+                block_out=block_out, unroll=unroll, k_split=k_split,
+                out_tiles=pl.cdiv(d_out, block_out), cd=cd,
+                out_dtype=_F32 if k_split > 1 else out_dtype)
 
 
-def _groups_args(planes_per_part, xs, ts):
-  """x's view and the planes' views of each part, in the order `_groups_program` reads."""
-  args = []
-  for planes, xv, t in zip(planes_per_part, xs, ts):
-    views = plane_views(planes, t.qtype, t.units)
-    args += [xv, *(views[n] for n in _PLANES[t.qtype])]
-  return args
+def _groups_inputs(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtype):
+  """(Blocks per part, the inputs in the order `_groups_program` reads them) of a groups
+  launch: `parts` ((qtype, planes, unroll), ...)."""
+  ts, args = [], [jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx]
+  for qtype, planes, unroll in parts:
+    t = _blocks(x.shape, qtype, d_out=d_out, block_out=block_out, unroll=unroll,
+                k_split=k_split, cd=cd, out_dtype=out_dtype)
+    views = plane_views(planes, qtype, t.units)
+    ts.append(t)
+    args += [x.reshape(t.groups, t.m, t.units, *X_VIEW[qtype]),
+             *(views[n] for n in _PLANES[qtype])]
+  return ts, args
 
 
 def groups_call(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtype,
-                interpret=False, compiler_params=None, on=None, h=None, b=None, scale=1.0,
-                more=()):
+                interpret=False, compiler_params=None, on=None, h=None, b=None, scale=1.0):
   """`blocks_call` over a mixed-type stack in one launch: `parts` ((qtype, planes, unroll),
   ...), `group` an int32 scalar (which part holds the matrices), idx [G] their indices in that
   part. Every part shares block_out and k_split, so each computes what its own `blocks_call`
-  would.
-
-  more: further stacks, each a tuple of planes per part (the same types and shapes as
-  `parts`'), multiplied by the same x at the same indices in the same launch (an expert's gate
-  and up): then a list of outputs, one per stack, each that stack's own call's bits (its
-  programs are that call's, offset along the grid). Not with the LoRA epilogue."""
-  groups, m, d_in = x.shape
-  if more and on is not None:
-    raise ValueError("gemv: more stacks in one launch do not take the LoRA epilogue")
-  ts, xs = _groups_tilings(x, parts, d_out=d_out, block_out=block_out, k_split=k_split,
-                           cd=cd, out_dtype=out_dtype)
+  would."""
+  groups, m, _ = x.shape
+  ts, args = _groups_inputs(x, parts, group, idx, d_out=d_out, block_out=block_out,
+                            k_split=k_split, cd=cd, out_dtype=out_dtype)
   if on is not None:
     rank = b.shape[1]
     ts = [t._replace(lora=True, rank=rank, rank_pad=max(1, pl.next_power_of_2(rank)),
                      scale=float(scale)) for t in ts]
-  mats = [tuple(p for _, p, _ in parts), *more]
-  for planes_per_part in more:
-    if len(planes_per_part) != len(parts) or any(
-        {n: a.shape for n, a in p.items()} != {n: a.shape for n, a in q.items()}
-        for p, (_, q, _) in zip(planes_per_part, parts)):
-      raise ValueError("gemv: a stack in `more` must have the first stack's parts and shapes")
-  per_mat = [_groups_args(p, xs, ts) for p in mats]
-  args = [jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx,
-          *(a for mat in per_mat for a in mat)]
-  if on is not None:
     args += [on.astype(jnp.int32), h.astype(_F32), b]
-  out = jax.ShapeDtypeStruct((k_split * groups, m, d_out), ts[0].out_dtype)
-  n_programs = ts[0].out_tiles * k_split
   return pl.pallas_call(
-      functools.partial(_groups_kernel, ts=tuple(ts), n_mats=len(mats),
-                        n_programs=n_programs, n_args=len(per_mat[0])),
-      grid=(n_programs * len(mats), groups),
-      out_shape=[out] * len(mats) if more else out,
-      in_specs=[_WHOLE] * len(args), out_specs=[_WHOLE] * len(mats) if more else _WHOLE,
+      functools.partial(_groups_kernel, ts=tuple(ts)),
+      grid=(ts[0].out_tiles * k_split, groups),
+      out_shape=jax.ShapeDtypeStruct((k_split * groups, m, d_out), ts[0].out_dtype),
+      in_specs=[_WHOLE] * len(args), out_specs=_WHOLE,
       interpret=interpret, compiler_params=compiler_params, name="qgemv_groups",
   )(*args)
 
@@ -441,29 +406,29 @@ def groups_call(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtyp
 def blocks_part(x, planes, idx, *, qtype, d_out, block_out, unroll, k_split, cd, out_dtype):
   """`blocks_call`'s programs for x [M, in] (one group, idx [1]) as a `multi.Part` of a
   launch with other products: its output [k_split, M, out] is that call's, bit for bit."""
-  m, d_in = x.shape
-  units = d_in // _BLOCK[qtype]
-  t = Blocks(qtype=qtype, groups=1, m=m, units=units, d_out=d_out, block_out=block_out,
-             unroll=unroll, k_split=k_split, out_tiles=pl.cdiv(d_out, block_out), cd=cd,
-             out_dtype=_F32 if k_split > 1 else out_dtype)
-  views = plane_views(planes, qtype, units)
-  args = (idx, x.reshape(1, m, units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype]))
+  m, _ = x.shape
+  t = _blocks((1, *x.shape), qtype, d_out=d_out, block_out=block_out, unroll=unroll,
+              k_split=k_split, cd=cd, out_dtype=out_dtype)
+  views = plane_views(planes, qtype, t.units)
+  args = (idx, x.reshape(1, m, t.units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype]))
   return Part(functools.partial(_one_group_program, t=t), t.out_tiles * k_split, args,
               jax.ShapeDtypeStruct((k_split, m, d_out), t.out_dtype))
 
 
 def groups_part(x, parts, group, idx, *, d_out, block_out, k_split, cd, out_dtype):
-  """`groups_call`'s programs for x [M, in] (one group, idx [1]) as a `multi.Part`."""
-  ts, xs = _groups_tilings(x[None], parts, d_out=d_out, block_out=block_out,
-                           k_split=k_split, cd=cd, out_dtype=out_dtype)
-  args = (jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx,
-          *_groups_args([p for _, p, _ in parts], xs, ts))
-  return Part(functools.partial(_groups_one_program, ts=tuple(ts)), ts[0].out_tiles * k_split,
-              args, jax.ShapeDtypeStruct((k_split, x.shape[0], d_out), ts[0].out_dtype))
+  """`groups_call`'s programs for x [G, M, in] as a `multi.Part` (its 2-D grid laid out
+  flat, tiles first as there): the output [k_split * G, M, out] is that call's, bit for bit."""
+  groups, m, _ = x.shape
+  ts, args = _groups_inputs(x, parts, group, idx, d_out=d_out, block_out=block_out,
+                            k_split=k_split, cd=cd, out_dtype=out_dtype)
+  n_tiles = ts[0].out_tiles * k_split
+  return Part(functools.partial(_groups_flat_program, ts=tuple(ts), n_tiles=n_tiles),
+              n_tiles * groups, tuple(args),
+              jax.ShapeDtypeStruct((k_split * groups, m, d_out), ts[0].out_dtype))
 
 
-def _groups_one_program(refs, pid, *, ts):
-  _groups_program(refs, pid, jnp.int32(0), ts)
+def _groups_flat_program(refs, pid, *, ts, n_tiles):
+  _groups_program(refs, pid % n_tiles, pid // n_tiles, ts)
 
 
 def _dense_unroll(units, block_in):
@@ -831,16 +796,9 @@ def groups_lora_call(x, parts, group, idx, a_stack, b_stack, lidx, on, rank_scal
                      compiler_params=None):
   """`groups_call` on one group (x [M, in]) with the LoRA delta as `blocks_lora_call`: every
   part's program and A's rows in one launch, then `lora_finish`."""
-  m, d_in = x.shape
   n_out = pl.cdiv(d_out, block_out)
-  ts, main_args = [], [jnp.reshape(jnp.asarray(group, jnp.int32), (1,)), idx]
-  for qtype, planes, unroll in parts:
-    units = d_in // _BLOCK[qtype]
-    ts.append(Blocks(qtype=qtype, groups=1, m=m, units=units, d_out=d_out,
-                     block_out=block_out, unroll=unroll, k_split=k_split, out_tiles=n_out,
-                     cd=cd, out_dtype=_F32))
-    views = plane_views(planes, qtype, units)
-    main_args += [x.reshape(1, m, units, *X_VIEW[qtype]), *(views[n] for n in _PLANES[qtype])]
+  ts, main_args = _groups_inputs(x[None], parts, group, idx, d_out=d_out, block_out=block_out,
+                                 k_split=k_split, cd=cd, out_dtype=_F32)
   yp, hp = lora_rows_call(functools.partial(_groups_program, ts=tuple(ts)), main_args, n_out,
                           x, a_stack, lidx, d_out=d_out, k_split=k_split,
                           block_out=block_out, interpret=interpret,

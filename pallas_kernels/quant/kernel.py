@@ -659,6 +659,21 @@ def groups_tiling(qtypes, d_out, d_in, *, groups=1, interpret=False):
   return tilings[0][0], tilings[0][1], tuple(t[2] for t in tilings)
 
 
+def _groups_plan(qtypes, parts, group, idx, *, d_out, d_in, groups=1, interpret=False):
+  """(block_out, k_split, ((qtype, planes, unroll), ...), group, idx clamped to the part's
+  matrices) of one launch over a mixed-type stack; ValueError where the parts' tilings
+  differ (`groups_tiling`)."""
+  sizes = [check_planes(p, q, d_out, d_in) for q, p in zip(qtypes, parts)]
+  tiling = groups_tiling(qtypes, d_out, d_in, groups=groups, interpret=interpret)
+  if tiling is None:
+    raise ValueError(f"quant kernel: the parts {qtypes} have different tilings")
+  bo, k_split, unrolls = tiling
+  group = jnp.asarray(group, jnp.int32)
+  idx = jnp.clip(jnp.reshape(idx, (-1,)).astype(jnp.int32), 0,
+                 jnp.asarray(sizes, jnp.int32)[group] - 1)
+  return bo, k_split, tuple(zip(qtypes, parts, unrolls)), group, idx
+
+
 @functools.partial(jax.jit, static_argnames=(
     "qtypes", "d_out", "scale", "interpret", "out_dtype", "num_warps", "num_stages"))
 def qmatmul_groups_pallas(x, parts, group, idx, *, qtypes, d_out, on=None, h=None, b=None,
@@ -671,32 +686,30 @@ def qmatmul_groups_pallas(x, parts, group, idx, *, qtypes, d_out, on=None, h=Non
     group: int32 scalar, the part holding the matrices; idx [G]: their indices in it.
     on, h, b, scale: the LoRA epilogue from h (as `qmatmul_pallas` with lora="h").
     more: further stacks shaped as `parts` (one {name: planes} per type), multiplied by the
-      same x at the same indices in the same launch; then a list [y, *y_more] (no LoRA).
+      same x at the same indices in the same launch (`multi.launch` of `gemv.groups_part`,
+      an expert's gate with its up); then a list [y, *y_more] (no LoRA).
   Each part computes what `qmatmul_pallas(..., form="blocks")` on that part alone would, bit
   for bit. Raises ValueError when the parts' tilings differ (`groups_tiling`).
   """
   groups, m, d_in = x.shape
-  sizes = [check_planes(p, q, d_out, d_in) for q, p in zip(qtypes, parts)]
-  tiling = groups_tiling(qtypes, d_out, d_in, groups=groups, interpret=interpret)
-  if tiling is None:
-    raise ValueError(f"quant kernel: the parts {qtypes} have different tilings")
-  bo, k_split, unrolls = tiling
+  if more and on is not None:
+    raise ValueError("quant kernel: more stacks in one launch do not take the LoRA epilogue")
+  plans = [_groups_plan(qtypes, p, group, idx, d_out=d_out, d_in=d_in, groups=groups,
+                        interpret=interpret) for p in (parts, *more)]
+  bo, k_split, _, group, idx = plans[0]   # one tiling: the same types and shapes
   od = jnp.dtype(out_dtype or x.dtype)
   cd = jnp.dtype(x.dtype) if jnp.dtype(x.dtype) in _HALF else jnp.dtype(_F32)
-  for other in more:
-    if [check_planes(p, q, d_out, d_in) for q, p in zip(qtypes, other)] != sizes:
-      raise ValueError("quant kernel: a stack in `more` must have the parts' sizes")
   if groups == 0 or m == 0 or d_out == 0:
     y = jnp.zeros((groups, m, d_out), od)
-    return [y] * (1 + len(more)) if more else y
-  group = jnp.asarray(group, jnp.int32)
-  idx = jnp.clip(idx.astype(jnp.int32), 0, jnp.asarray(sizes, jnp.int32)[group] - 1)
+    return [y] * len(plans) if more else y
   params = None if interpret else gemv.triton_params(num_warps, num_stages)
-  ys = gemv.groups_call(x, tuple(zip(qtypes, parts, unrolls)), group, idx, d_out=d_out,
-                        block_out=bo, k_split=k_split, cd=cd, out_dtype=od,
-                        interpret=interpret, compiler_params=params, on=on, h=h, b=b,
-                        scale=scale, more=tuple(more))
-  ys = ys if more else [ys]
+  tiles = dict(d_out=d_out, block_out=bo, k_split=k_split, cd=cd, out_dtype=od)
+  if more:
+    ys = launch([gemv.groups_part(x, mat, g, i, **tiles) for _, _, mat, g, i in plans],
+                name="qgemv_groups", interpret=interpret, compiler_params=params)
+  else:
+    ys = [gemv.groups_call(x, plans[0][2], group, idx, interpret=interpret,
+                           compiler_params=params, on=on, h=h, b=b, scale=scale, **tiles)]
   if k_split > 1:   # in index order, as the LoRA rows' finish (`qmatmul_lora_rows`)
     ys = [gemv.sum_partials(y.reshape(k_split, groups, m, d_out)).astype(od) for y in ys]
   return ys if more else ys[0]
@@ -727,17 +740,11 @@ def qmatmul_multi_pallas(x, mats, *, interpret=False):
   parts, splits = [], []
   for mat in mats:
     if isinstance(mat.qtype, tuple):
-      sizes = [check_planes(p, q, mat.d_out, d_in) for q, p in zip(mat.qtype, mat.planes)]
-      tiling = groups_tiling(mat.qtype, mat.d_out, d_in, interpret=interpret)
-      if tiling is None:
-        raise ValueError(f"quant kernel: the parts {mat.qtype} have different tilings")
-      bo, ks, unrolls = tiling
-      group = jnp.asarray(mat.group, jnp.int32)
-      idx = jnp.clip(jnp.reshape(mat.index, (1,)).astype(jnp.int32), 0,
-                     jnp.asarray(sizes, jnp.int32)[group] - 1)
-      parts.append(gemv.groups_part(x, tuple(zip(mat.qtype, mat.planes, unrolls)), group, idx,
-                                    d_out=mat.d_out, block_out=bo, k_split=ks, cd=cd,
-                                    out_dtype=od))
+      bo, ks, stack, group, idx = _groups_plan(mat.qtype, mat.planes, mat.group, mat.index,
+                                               d_out=mat.d_out, d_in=d_in,
+                                               interpret=interpret)
+      parts.append(gemv.groups_part(x[None], stack, group, idx, d_out=mat.d_out,
+                                    block_out=bo, k_split=ks, cd=cd, out_dtype=od))
     else:
       n_mats = check_planes(mat.planes, mat.qtype, mat.d_out, d_in)
       bo, bk, ks = blocks_defaults(mat.d_out, d_in, mat.qtype, interpret=interpret)
@@ -779,17 +786,11 @@ def qmatmul_groups_lora_rows(x, parts, group, idx, a_stack, b_stack, lidx, on,
   """`qmatmul_lora_rows` over a mixed-type stack (as `qmatmul_groups_pallas`: part `group`,
   matrix idx [1] in it): every part's program and A's rows in one launch, then the finish."""
   m, d_in = x.shape
-  sizes = [check_planes(p, q, d_out, d_in) for q, p in zip(qtypes, parts)]
-  tiling = groups_tiling(qtypes, d_out, d_in, interpret=interpret)
-  if tiling is None:
-    raise ValueError(f"quant kernel: the parts {qtypes} have different tilings")
-  bo, k_split, unrolls = tiling
+  bo, k_split, stack, group, idx = _groups_plan(qtypes, parts, group, idx, d_out=d_out,
+                                                d_in=d_in, interpret=interpret)
   cd = jnp.dtype(x.dtype) if jnp.dtype(x.dtype) in _HALF else jnp.dtype(_F32)
-  group = jnp.asarray(group, jnp.int32)
-  idx = jnp.clip(jnp.reshape(idx, (1,)).astype(jnp.int32), 0,
-                 jnp.asarray(sizes, jnp.int32)[group] - 1)
   params = None if interpret else gemv.triton_params(num_warps, num_stages)
-  return gemv.groups_lora_call(x, tuple(zip(qtypes, parts, unrolls)), group, idx, a_stack,
+  return gemv.groups_lora_call(x, stack, group, idx, a_stack,
                                b_stack, lidx, on, rank_scale, d_out=d_out, block_out=bo,
                                k_split=k_split, cd=cd, out_dtype=x.dtype, scale=scale,
                                interpret=interpret, compiler_params=params)

@@ -64,6 +64,11 @@ def quant_call(w, index, fn, groups="switch"):
       w.parts if g is None else w.parts[g], pos, **kw), groups)
 
 
+def group_and_position(w, index):
+  """(the group of layer `index` of the QGroups `w`, its position in that group's stack)."""
+  return jnp.asarray(w.group, jnp.int32)[index], jnp.asarray(w.pos, jnp.int32)[index]
+
+
 def group_call(w, index, fn, groups="switch"):
   """fn(g, position) for layer `index` of the QGroups `w` (one stack per quant type; g the
   layer's group, the position its layer in that group's stack). "switch": a conditional on
@@ -71,8 +76,7 @@ def group_call(w, index, fn, groups="switch"):
   returns at once) and a select of the layer's group; "fused": fn(None, position,
   group=g), every group's stack to one call (`pallas_kernels.quant.api`'s `group`), which
   for a few rows is one kernel launch."""
-  group = jnp.asarray(w.group, jnp.int32)[index]
-  pos = jnp.asarray(w.pos, jnp.int32)[index]
+  group, pos = group_and_position(w, index)
   if groups == "fused":
     return fn(None, pos, group=group)
   if groups == "predicated":
@@ -198,8 +202,8 @@ def _quant_multi(x, ws):
   mats = []
   for w in ws:
     if isinstance(w.w, QGroups):   # as `group_call`: the layer's part and its place in it
-      mats.append((w.w.parts, jnp.asarray(w.w.pos, jnp.int32)[w.index],
-                   jnp.asarray(w.w.group, jnp.int32)[w.index]))
+      group, pos = group_and_position(w.w, w.index)
+      mats.append((w.w.parts, pos, group))
     else:
       mats.append((w.w, w.index, None))
   x2 = x.reshape(-1, x.shape[-1])
