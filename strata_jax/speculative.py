@@ -165,19 +165,32 @@ class Out:
 
 
 class SpecDecoder:
-  """Speculative rounds over the batch rows of one (single-stage) model state.
+  """Speculative rounds over the batch rows of one model state, whole or split by layers.
 
   Each row carries the drafts proposed for it in the previous round; a round verifies them and
   proposes the next. A row (re)starts with `restart(slot, pos)` once its prompt is in the
   state: its first round has no drafts (and, with "mtp", begins the MTP head's cache there).
+
+  `stages`: the engine's `parallel.split.Stage`s, in order (one for a whole model). Their
+  adapters and control vectors are read at every round, as the engine re-places them. Under a
+  layer split each stage verifies the round's positions on its device and hands its hidden to
+  the next; the last stage's logits decide, every stage then keeps its own accepted states,
+  and the MTP head runs on the last stage beside the LM head, with a copy of the embedding
+  placed there on first use (the head embeds each draft).
   """
 
-  def __init__(self, cfg, params, lora, n: int, draft: str, n_slots: int, max_seq: int,
-               dtype=jnp.float32, cvec=None):
-    self.cfg, self.params, self.lora, self.cvec = cfg, params, lora, cvec
+  def __init__(self, stages, n: int, draft: str, n_slots: int, max_seq: int,
+               dtype=jnp.float32):
+    self.stages = stages
     self.n, self.draft = int(n), draft
     self.n_slots = n_slots
-    self.mstate = (init_mtp_state(cfg, n_slots, max_seq, dtype) if draft == "mtp" else None)
+    last = stages[-1]
+    self.mstate = None
+    if draft == "mtp":
+      self.mstate = init_mtp_state(last.cfg, n_slots, max_seq, dtype)
+      if last.device is not None:
+        self.mstate = jax.device_put(self.mstate, last.device)
+    self._head_params = None
     self.drafts: dict[int, list[int]] = {}
 
   def restart(self, slot: int, pos: int):
@@ -187,9 +200,9 @@ class SpecDecoder:
       self.mstate = steps.mtp_restart(self.mstate, rows,
                                       jnp.full((self.n_slots,), pos, jnp.int32))
 
-  def round(self, state, rows: dict[int, Row]):
+  def round(self, states: list, rows: dict[int, Row]):
     """Verify and draft for `rows` {slot: Row}; the other slots are left as they are.
-    Returns (state, {slot: Out})."""
+    `states`: each stage's model state (donated). Returns (states, {slot: Out})."""
     B, T = self.n_slots, self.n + 1
     toks = np.zeros((B, T), np.int32)
     nv, sw = np.zeros(B, np.int32), np.zeros(B, np.int32)
@@ -205,24 +218,32 @@ class SpecDecoder:
     # rows that want their logits take the host's rule (greedy: the same argmax), which reads
     # the verification's logits anyway
     host_rule = not greedy or any(r.want_logits or r.penalised for r in rows.values())
-    pos = state.pos + 0      # a copy: the steps donate the state
-    args = (self.cfg, self.params, self.lora, state)
+    states = list(states)
+    pos = states[-1].pos + 0      # a copy: the steps donate the state
     arrs = (jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(nv))
     logits = None
-    if not host_rule and self.draft == "mtp":
-      choice, k, n_emit, drafts, state, self.mstate = steps.spec_step_greedy(
-          *args, self.mstate, *arrs, jnp.asarray(cap), stop, n_draft=self.n, cvec=self.cvec)
+    whole = len(self.stages) == 1
+    if whole:
+      st = self.stages[0]
+      args = (st.cfg, st.params, st.lora, states[0])
+    if whole and not host_rule and self.draft == "mtp":
+      choice, k, n_emit, drafts, states[0], self.mstate = steps.spec_step_greedy(
+          *args, self.mstate, *arrs, jnp.asarray(cap), stop, n_draft=self.n, cvec=st.cvec)
     else:
-      if not host_rule:
-        choice, k, n_emit, hidden, state = steps.verify_greedy(
-            *args, *arrs, jnp.asarray(cap), stop, cvec=self.cvec)
+      if whole and not host_rule:
+        choice, k, n_emit, hidden, states[0] = steps.verify_greedy(
+            *args, *arrs, jnp.asarray(cap), stop, cvec=st.cvec)
       else:
-        choice, k, n_emit, hidden, state, logits = self._verify_sampled(state, rows, toks, nv,
-                                                                        cap)
+        out, hidden, pending = self._verify(states, *arrs)
+        if host_rule:
+          choice, k, n_emit, logits = self._accept_on_host(out, rows, toks, nv, cap)
+        else:
+          choice, k, n_emit = steps.greedy_emit(out, arrs[0], arrs[2], jnp.asarray(cap), stop)
+        states = self._commit(states, pending, n_emit, arrs[1])
       drafts = None
       if self.draft == "mtp":
         drafts, self.mstate = steps.mtp_draft(
-            self.cfg, self.params, self.mstate, jnp.asarray(choice), hidden, pos,
+            self.stages[-1].cfg, self._head(), self.mstate, jnp.asarray(choice), hidden, pos,
             jnp.asarray(n_emit), n_draft=self.n)
     choice, k, n_emit = np.asarray(choice), np.asarray(k), np.asarray(n_emit)
     drafts = np.asarray(drafts) if drafts is not None else None
@@ -240,16 +261,47 @@ class SpecDecoder:
         self.drafts[slot] = [int(t) for t in drafts[slot]]
       else:
         self.drafts[slot] = ngram_draft(list(r.context) + emitted, self.n)
-    return state, out
+    return states, out
 
-  def _verify_sampled(self, state, rows, toks, nv, cap):
-    """`steps.verify`, the rejection rule per row on the host, `steps.commit`; the logits
-    [B, T, V] come back too."""
+  def _head(self):
+    """The params the MTP head reads: the last stage's (the head, the LM head), and under a
+    split a copy of stage 0's embedding on the last stage's device (made once)."""
+    first, last = self.stages[0], self.stages[-1]
+    if first is last:
+      return last.params
+    if self._head_params is None:
+      embed = first.params.embed
+      if last.device is not None:
+        embed = jax.device_put(embed, last.device)
+      self._head_params = last.params.replace(embed=embed)
+    return self._head_params
+
+  def _verify(self, states, tokens, switch, n_new):
+    """`steps.verify` stage by stage (each stage's hidden goes to the next one's device).
+    Returns (the last stage's logits [B, T, V], its hidden [B, T, D], each stage's pending
+    GDN states); `states` is updated in place."""
+    x, pending = tokens, []
+    for i, st in enumerate(self.stages):
+      if st.device is not None:
+        x, switch, n_new = jax.device_put((x, switch, n_new), st.device)
+      x, hidden, states[i], p = steps.verify(st.cfg, st.params, st.lora, states[i], x, switch,
+                                             n_new, cvec=st.cvec)
+      pending.append(p)
+    return x, hidden, pending
+
+  def _commit(self, states, pending, n_emit, switch):
+    """Every stage keeps the states after its rows' first n_emit [B] positions."""
+    for i, st in enumerate(self.stages):
+      n, s = ((n_emit, switch) if st.device is None
+              else jax.device_put((n_emit, switch), st.device))
+      states[i] = steps.commit(states[i], pending[i], jnp.asarray(n), jnp.asarray(s))
+    return states
+
+  def _accept_on_host(self, logits, rows, toks, nv, cap):
+    """The rejection rule per row on the host (with each position's penalties applied first
+    where a row has them). Returns (choice [B, T], accepted drafts k [B], n_emit [B], the
+    logits [B, T, V] as numpy)."""
     B, T = toks.shape
-    logits, hidden, state, pending = steps.verify(
-        self.cfg, self.params, self.lora, state, jnp.asarray(toks),
-        jnp.asarray(np.array([rows[s].switch if s in rows else 0 for s in range(B)], np.int32)),
-        jnp.asarray(nv), cvec=self.cvec)
     pen = [s for s, r in rows.items() if r.penalised]
     decide = None
     if pen:   # each position's window: the row's tokens, then the drafts before it
@@ -267,7 +319,7 @@ class SpecDecoder:
           logits, jnp.asarray(recent), *map(jnp.asarray, knobs))))
     logits = np.asarray(jax.device_get(logits))
     choice = np.zeros((B, T), np.int32)
-    k, n_emit, sw = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    k, n_emit = np.zeros(B, np.int32), np.zeros(B, np.int32)
     for slot, r in rows.items():
       n_d = int(nv[slot]) - 1
       drafts = [int(t) for t in toks[slot, 1:1 + n_d]]
@@ -276,6 +328,5 @@ class SpecDecoder:
       stop_at = next((i for i, t in enumerate(emitted) if t in set(r.stop)), len(emitted) - 1)
       e = min(len(emitted), stop_at + 1, max(int(cap[slot]), 1))
       choice[slot, :len(emitted)] = emitted
-      k[slot], n_emit[slot], sw[slot] = acc, e, r.switch
-    state = steps.commit(state, pending, jnp.asarray(n_emit), jnp.asarray(sw))
-    return choice, k, n_emit, hidden, state, logits
+      k[slot], n_emit[slot] = acc, e
+    return choice, k, n_emit, logits

@@ -234,15 +234,17 @@ def verify(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, n_
   Attention reads the cache plus the new positions (their K/V are written at pos..pos+T-1;
   what a row does not accept lies past its length and is overwritten later); the GDN layers
   run T decode steps and keep the state after each (`Pending`). Position, conv and recurrent
-  state are left for `commit`. tokens int32 [B, T]; switch, n_new int32 [B] (n_new 0: the
-  row is idle). Returns (logits float32 [B, T, V], hidden [B, T, D] (pre-norm, what the MTP
-  head reads), state, pending)."""
+  state are left for `commit`. tokens int32 [B, T] (under a layer split, a stage with no
+  embedding takes the previous stage's hidden [B, T, D]); switch, n_new int32 [B] (n_new 0:
+  the row is idle). Returns (logits float32 [B, T, V] (a stage with no LM head: its hidden,
+  for the next stage), hidden [B, T, D] (pre-norm, what the MTP head reads), state,
+  pending)."""
   with _precision(cfg, state):
-    x = forward.embed(params, tokens)
+    x = forward.embed(params, tokens) if params.embed is not None else tokens
     x, (k, v), (rows, ssm_steps) = forward.run_layers(
         cfg, params.layers, lora, (state.k, state.v), (state.conv, state.ssm), x, state.pos,
         n_new, switch, cvec, keep_steps=True)
-    logits = forward.logits_from_hidden(cfg, params, x)
+    logits = x if params.lm_head is None else forward.logits_from_hidden(cfg, params, x)
   return logits, x, state.replace(k=k, v=v), Pending(conv=rows, ssm=ssm_steps)
 
 
@@ -287,6 +289,13 @@ def _greedy_emit(logits, tokens, n_new, cap, stop):
   first_stop = jnp.min(jnp.where(is_stop, jnp.arange(T)[None], T), axis=1)
   n_emit = jnp.minimum(jnp.minimum(k + 1, first_stop + 1), jnp.maximum(cap, 1))
   return choice, k, jnp.where(n_new > 0, n_emit, 0)
+
+
+@jax.jit
+def greedy_emit(logits, tokens, n_new, cap, stop):
+  """`_greedy_emit` on its own, for a layer split (its stages verify one after another, then
+  the last stage's logits decide): (choice [B, T], accepted drafts k [B], n_emit [B])."""
+  return _greedy_emit(logits, tokens, n_new, cap, stop)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))

@@ -67,7 +67,8 @@ logging.getLogger("strata_jax").setLevel(logging.INFO)
 # periods keep every stage's layer scan longer than one step (XLA folds a one-step loop into
 # its surroundings, which can re-fuse, and re-round, the first and last layer on the GPU).
 PERIODS = int(os.environ.get("STRATA_SPLIT_PERIODS", "2"))
-CFG = dataclasses.replace(TINY, layer_types=TINY.layer_types[:4] * PERIODS)
+# with an MTP head (on the last stage; plain decoding never reads it) for the speculative checks
+CFG = dataclasses.replace(TINY, layer_types=TINY.layer_types[:4] * PERIODS, n_mtp=1)
 model = tiny_model(CFG)
 lora = random_lora(CFG, seed=2)
 prompts = [list(np.random.default_rng(i).integers(0, TINY.vocab_size, 20 + 7 * i))
@@ -122,6 +123,69 @@ out["mixed_rows_match"] = all(
 out["stage_params_on_device"] = all(
     {d for a in jax.tree.leaves(st.params) for d in a.sharding.device_set} == {st.device}
     for st in eng.stages)
+
+
+def spec_checks():
+  """Speculative decoding on the split engine (one process): greedy rounds with the MTP head
+  and with prompt lookup, and the host's rule (temperature 1, top-k 1), give the plain split
+  engine's tokens; a drafter that knows the answer (row 0 fully, row 1 with its last draft
+  wrong, row 2 never) makes the rows accept different lengths in the same rounds, and every
+  stage's state then equals the plain split engine's, which decoded the same tokens one at a
+  time."""
+  from tolerances import SPEC_STATE_REL_FP32, assert_close  # noqa: PLC0415
+
+  from strata_jax import speculative  # noqa: PLC0415
+
+  def go(spec, draft=None, **kw):
+    eng = sj.Engine(split_model, lora=lora, slots=3, max_seq=96, block_size=32, draft=draft)
+    res = eng.run([Request(tokens=p, max_tokens=12, lora=s, spec=spec, **kw)
+                   for p, s in zip(prompts, switches)])
+    return eng, [r.tokens for r in res], [r.draft for r in res]
+
+  plain_eng, plain, _ = go(0)
+  got = {"mtp": go(3, "mtp")[1], "ngram": go(3, "ngram")[1],
+         "host_rule": go(3, "mtp", temperature=1.0, top_k=1)[1]}
+  out["spec_split_same_tokens"] = {k: v == plain for k, v in got.items()}
+
+  def oracle(ctx, n):
+    row = next(i for i, t in enumerate(prompts) if list(ctx[:len(t)]) == list(t))
+    done = len(ctx) - len(prompts[row])
+    d = list(plain[row][done:done + n])
+    if row == 1 and d:
+      d[-1] = (d[-1] + 1) % CFG.vocab_size
+    return [(x + 1) % CFG.vocab_size for x in d] if row == 2 else d
+  speculative.ngram_draft, keep = oracle, speculative.ngram_draft
+  try:
+    eng, toks, drafts = go(3, "ngram")
+  finally:
+    speculative.ngram_draft = keep
+  out["spec_oracle_same_tokens"] = toks == plain
+  out["spec_oracle_acceptance"] = [d["accepted"] / max(d["proposed"], 1) for d in drafts]
+  try:
+    for st, ref in zip(eng.states, plain_eng.states):
+      assert np.array_equal(np.asarray(st.pos), np.asarray(ref.pos)), "pos"
+      for name in ("conv", "ssm"):
+        assert_close(np.asarray(getattr(st, name)), np.asarray(getattr(ref, name)),
+                     rel=SPEC_STATE_REL_FP32, what=name)
+      for b, n in enumerate(np.asarray(ref.pos)):
+        for name in ("k", "v"):
+          assert_close(np.asarray(getattr(st, name))[:, b, :n],
+                       np.asarray(getattr(ref, name))[:, b, :n], rel=SPEC_STATE_REL_FP32,
+                       what=f"{name} row {b}")
+    out["spec_oracle_states_match"] = True
+  except AssertionError as e:
+    out["spec_oracle_states_match"] = str(e)
+
+
+if not MP:
+  spec_checks()
+else:   # stages on several processes: speculative requests are refused, naming why
+  from strata_jax.errors import RequestError  # noqa: E402
+  try:
+    eng.submit(Request(tokens=prompts[0], max_tokens=2, spec=2))
+    out["spec_refused"] = False
+  except RequestError as e:
+    out["spec_refused"] = str(e)
 
 
 def one_pass(m):

@@ -11,8 +11,9 @@ HERE = pathlib.Path(__file__).parent
 
 
 def test_split_on_three_devices_matches_single_device():
-  """Three stages (first, middle, last). Two stages run in `test_split_across_two_processes`
-  (the same checks, a process each) and on two devices through the CLI (test_cli.py)."""
+  """Three stages (first, middle, last), speculative decoding on them included. Two stages
+  run in `test_split_across_two_processes` (the same checks, a process each) and on two
+  devices through the CLI (test_cli.py)."""
   n_dev = 3
   env = dict(os.environ, PYTHONPATH=str(HERE.parent))
   proc = subprocess.run([sys.executable, str(HERE / "split_check.py"), str(n_dev)],
@@ -31,6 +32,13 @@ def test_split_on_three_devices_matches_single_device():
   assert out["one_pass_same"], "a split engine's one-pass prefill must decode as one device's"
   assert any(m.startswith("LoRA: 1 files, 8 layers adapted") for m in out["logs"]), out["logs"]
   assert any("layers 0-2 (dev0), 3-4 (dev1), 5-7 (dev2)" in m for m in out["logs"]), out["logs"]
+  # speculative decoding over the three stages: lossless, and every stage's state as decoding
+  # the accepted tokens one by one leaves it (split_check.spec_checks)
+  assert out["spec_split_same_tokens"] == {"mtp": True, "ngram": True, "host_rule": True}
+  assert out["spec_oracle_same_tokens"]
+  acc = out["spec_oracle_acceptance"]
+  assert acc[0] == 1.0 and 0.5 < acc[1] < 1.0 and acc[2] == 0.0, acc
+  assert out["spec_oracle_states_match"] is True, out["spec_oracle_states_match"]
 
 
 def _free_port_block(n=3):
@@ -80,6 +88,7 @@ def test_split_across_two_processes():
     assert out["ranges"] == [[0, 4], [4, 8]]
     assert out["off_bit_identical"] and out["mixed_rows_match"] and out["programs_stable"]
     assert out["stage_params_on_device"]
+    assert "several processes" in out["spec_refused"], out["spec_refused"]
   # each process ran one unsplit reference; its comparison holds for both (same split results)
   ref, pass_ref = outs
   assert ref["same_tokens"] and "same_tokens" not in pass_ref

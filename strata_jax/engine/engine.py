@@ -405,7 +405,7 @@ class Engine:
     self._snapshot_thread = (jax.default_backend() != "cpu" if snapshot_thread is None
                              else bool(snapshot_thread))
     self.merge_tail = bool(merge_tail)
-    has_mtp = len(self.stages) == 1 and self.stages[0].params.mtp is not None
+    has_mtp = self.stages[-1].params.mtp is not None   # the head sits on the last stage
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
     self._spec_decoder = None
@@ -662,9 +662,9 @@ class Engine:
     host_sampling.check(r)
     if r.spec is not None:
       speculative.check_spec(r.spec, None, True, where="speculative n")
-    if self._spec_n(r):
-      if len(self.stages) > 1:
-        raise RequestError("speculative decoding runs on a one-stage model (no layer split)")
+    if self._spec_n(r) and self._shared:
+      raise RequestError("speculative decoding runs in one process: this engine's stages are "
+                         "on the devices of several processes (jax.distributed)")
     bad = [t for t in r.stop if not 0 <= int(t) < v]
     if bad:
       raise RequestError(f"stop token {bad[0]} is outside the vocabulary [0, {v})")
@@ -1167,14 +1167,11 @@ class Engine:
   # ----- speculative decoding (strata_jax/speculative.py; docs/mtp.md) ---------------------
   def _speculator(self, n: int) -> speculative.SpecDecoder:
     """The engine's SpecDecoder, made on first use; its n grows to the largest asked."""
-    st = self.stages[0]
     if self._spec_decoder is None:
-      self._spec_decoder = speculative.SpecDecoder(
-          st.cfg, st.params, st.lora, n, self.draft, self.n_slots, self.max_seq,
-          self.model.dtype, cvec=st.cvec)
+      self._spec_decoder = speculative.SpecDecoder(self.stages, n, self.draft, self.n_slots,
+                                                   self.max_seq, self.model.dtype)
     sd = self._spec_decoder
-    # the adapter table and stacks are re-placed as requests change adapters: read them now
-    sd.n, sd.cvec, sd.lora = max(sd.n, n), st.cvec, st.lora
+    sd.n = max(sd.n, n)
     return sd
 
   def _spec_step(self, running: dict):
@@ -1192,7 +1189,7 @@ class Engine:
           top_p=r.top_p, min_p=r.min_p, rng=run.rng, n=run.spec,
           want_logits=r.return_logits or r.return_step_logits or r.logprobs is not None,
           presence=r.presence_penalty, frequency=r.frequency_penalty, repeat=r.repeat_penalty)
-    self.states[0], out = sd.round(self.states[0], rows)
+    self.states, out = sd.round(self.states, rows)
     for slot, o in out.items():
       h, run = running[slot]
       self.slot_tokens[slot].extend(o.consumed)
