@@ -231,8 +231,12 @@ CHOICES: dict[str, tuple] = {
     # bf16 on the H200, "kernel" took 3.794 against 3.847 ms a step at batch 1 with no
     # adapter and 3.925 against 3.971 with it on, but 5.943 against 5.800 at batch 8 and 8.385
     # against 7.641 at batch 32, where its 16 programs each run every row
-    # (experiments/results/device/run53); "xla" elsewhere.
-    "proj_finish": ("auto", "xla", "kernel", "gemv"),
+    # (experiments/results/device/run53); "xla" elsewhere. "gemv_b" = "gemv" with the
+    # adapter's B for the layer copied out by the projection's own launch, so the finishing
+    # kernel reads B at a static index instead of loading the layer index first: by runs
+    # 82-83's profiles (H100) that wait is three quarters of the adapter's cost at batch 1
+    # (the finish 1.3 -> 2.9 us a call). Not yet timed, so not the default.
+    "proj_finish": ("auto", "xla", "kernel", "gemv", "gemv_b"),
     # the output head (a plain float `lm_head`) at a decode step's few rows: "xla" = XLA's
     # GEMM, whose tiling XLA's autotuner picks per program: on the H200 at bench-a3b batch 1
     # it took 141.5 us a step tuned and 342 untuned (run 58), and the Engine's own program

@@ -114,6 +114,17 @@ def accept(logits: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
   return out + [int(rng.choice(p.size, p=p))], len(drafts)
 
 
+def rounds_for(caps: Sequence[int], ns: Sequence[int], most: int) -> int:
+  """Greedy MTP rounds to run in one dispatch: the largest power of 2 up to `most` such that
+  no row can reach its cap before the last round (a round emits at most n + 1 tokens), so no
+  round is spent on rows that are all done, stop ids aside."""
+  fit = min(-(-int(c) // (int(n) + 1)) for c, n in zip(caps, ns))
+  r = 1
+  while r * 2 <= min(most, fit):
+    r *= 2
+  return r
+
+
 @dataclasses.dataclass
 class Row:
   """One row of a speculative round.
@@ -180,9 +191,10 @@ class SpecDecoder:
   """
 
   def __init__(self, stages, n: int, draft: str, n_slots: int, max_seq: int,
-               dtype=jnp.float32):
+               dtype=jnp.float32, rounds: int = 1):
     self.stages = stages
     self.n, self.draft = int(n), draft
+    self.rounds = int(rounds)
     self.n_slots = n_slots
     last = stages[-1]
     self.mstate = None
@@ -227,6 +239,12 @@ class SpecDecoder:
       st = self.stages[0]
       args = (st.cfg, st.params, st.lora, states[0])
     if whole and not host_rule and self.draft == "mtp":
+      R = rounds_for([r.cap for r in rows.values()],
+                     [self.n if r.n is None else min(r.n, self.n) for r in rows.values()],
+                     self.rounds)
+      if R > 1:
+        states[0], out = self._rounds(states[0], rows, toks, nv, sw, cap, stop, R)
+        return states, out
       choice, k, n_emit, drafts, states[0], self.mstate = steps.spec_step_greedy(
           *args, self.mstate, *arrs, jnp.asarray(cap), stop, n_draft=self.n, cvec=st.cvec)
     else:
@@ -262,6 +280,33 @@ class SpecDecoder:
       else:
         self.drafts[slot] = ngram_draft(list(r.context) + emitted, self.n)
     return states, out
+
+  def _rounds(self, state, rows, toks, nv, sw, cap, stop, R: int):
+    """R greedy MTP rounds in one program (`steps.spec_rounds_greedy`): each row's Out sums
+    its rounds (a row stops at a stop id or its cap; its later rounds are empty)."""
+    st = self.stages[0]
+    n_row = np.zeros_like(nv)
+    for slot, r in rows.items():
+      n_row[slot] = self.n if r.n is None else min(r.n, self.n)
+    tokens, choice, k, n_emit, drafts, state, self.mstate = steps.spec_rounds_greedy(
+        st.cfg, st.params, st.lora, state, self.mstate, jnp.asarray(toks[:, 0]),
+        jnp.asarray(toks[:, 1:]), jnp.asarray(nv - (nv > 0)), jnp.asarray(n_row),
+        jnp.asarray(sw), jnp.asarray(cap), stop, n_draft=self.n, n_rounds=R, cvec=st.cvec)
+    tokens, choice, k, n_emit, drafts = jax.device_get((tokens, choice, k, n_emit, drafts))
+    out = {}
+    for slot in rows:
+      o = Out(emitted=[], consumed=[], proposed=0, accepted=0)
+      for i in range(R):
+        e = int(n_emit[i, slot])
+        if e == 0:
+          break
+        o.emitted += [int(t) for t in choice[i, slot, :e]]
+        o.consumed += [int(t) for t in tokens[i, slot, :e]]
+        o.proposed += (int(nv[slot]) - 1) if i == 0 else int(n_row[slot])
+        o.accepted += min(int(k[i, slot]), e)
+      out[slot] = o
+      self.drafts[slot] = [int(t) for t in drafts[slot]]
+    return state, out
 
   def _head(self):
     """The params the MTP head reads: the last stage's (the head, the LM head), and under a

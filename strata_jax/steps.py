@@ -359,6 +359,49 @@ def spec_step_greedy(cfg: ModelConfig, params, lora, state: ModelState, mstate, 
   return choice, k, n_emit, drafts, state, mstate
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "n_draft", "n_rounds"),
+                   donate_argnames=("state", "mstate"))
+def spec_rounds_greedy(cfg: ModelConfig, params, lora, state: ModelState, mstate, last, drafts,
+                       n_first, n_row, switch, cap, stop, *, n_draft: int, n_rounds: int,
+                       cvec=None):
+  """`n_rounds` greedy speculative rounds in one program, each `spec_step_greedy`'s, the next
+  one's tokens built on the device from the last one's outputs (no host round trip between
+  them). last int32 [B]: each row's last token; drafts int32 [B, n_draft]: its drafts for the
+  first round, of which it takes n_first [B] (0 for a row that (re)starts); n_row [B]: the
+  drafts it takes in later rounds (<= n_draft); switch [B]; cap [B]: tokens it may still emit
+  (0: the row is idle). A row stops after a stop id (stop int32 [S], -1 padded) or at its cap;
+  later rounds leave it as it is (n_new 0). Returns (tokens [R, B, T] each round's inputs,
+  choice [R, B, T], accepted drafts k [R, B], n_emit [R, B], drafts [B, n_draft] for the next
+  round, state, mstate)."""
+  B, T = last.shape[0], n_draft + 1
+  rows = jnp.arange(B)
+  cols = jnp.arange(T)[None]
+
+  def body(carry, _):
+    state, mstate, last, drafts, n_d, cap = carry
+    n_new = jnp.where(cap > 0, 1 + n_d, 0)
+    # the positions past a row's drafts hold 0, as the host's round fills them
+    tokens = jnp.where(cols < n_new[:, None],
+                       jnp.concatenate([last[:, None], drafts], axis=1), 0)
+    pos = state.pos
+    logits, hidden, state, pending = verify(cfg, params, lora, state, tokens, switch, n_new,
+                                            cvec=cvec)
+    choice, k, n_emit = _greedy_emit(logits, tokens, n_new, cap, stop)
+    state = _commit(state, pending, n_emit, switch)
+    drafts, mstate = _mtp_draft(cfg, params, mstate, choice, hidden, pos, n_emit, n_draft)
+    emitted = cols < n_emit[:, None]
+    stopped = jnp.any(emitted & jnp.any(choice[:, :, None] == stop[None, None], axis=-1),
+                      axis=1)
+    last = jnp.where(n_emit > 0, choice[rows, jnp.maximum(n_emit - 1, 0)], last)
+    cap = jnp.where(stopped, 0, cap - n_emit)
+    return (state, mstate, last, drafts, n_row, cap), (tokens, choice, k, n_emit)
+
+  with _precision(cfg, state):
+    (state, mstate, _, drafts, _, _), (tokens, choice, k, n_emit) = lax.scan(
+        body, (state, mstate, last, drafts, n_first, cap), None, length=n_rounds)
+  return tokens, choice, k, n_emit, drafts, state, mstate
+
+
 @functools.partial(jax.jit, donate_argnames=("mstate",))
 def mtp_restart(mstate, rows, start):
   """Rows where rows [B] is true start feeding the MTP head at position start [B]."""

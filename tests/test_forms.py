@@ -372,6 +372,43 @@ def test_proj_finish_gemv_takes_the_kernel_for_one_row_and_xla_for_more():
   assert "proj_finish" not in text(3)
 
 
+def test_proj_finish_gemv_b_copies_b_in_the_projections_launch():
+  """`proj_finish="gemv_b"`: a one-row adapted decode step launches the kernels "gemv" does;
+  each projection launch (`qgemv_dense_lora_rows`) has a third output, the layer's B
+  [1, D, R], and each finishing launch reads a B stack of one (no layer index first). That
+  copy is B bit for bit and the finish then gives the indexed finish's bits
+  (`test_quant_kernel.py`, `..._copies_the_layers_b_...`), so the logits are "gemv"'s."""
+  from jaxpr_walk import eqns, kernel_names
+  model = tiny_model(dtype=jnp.bfloat16)
+  lora = random_lora(rank=6, dtype=jnp.bfloat16).params
+  kernels = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+
+  def jaxpr(finish):
+    forms = Forms(dense_weights="kernel", quant_impl=kernels, lora_impl="xla",
+                  gemv_lora="rows", proj_finish=finish)
+    cfg = dataclasses.replace(TINY, forms=forms.resolve(jax.default_backend(), jnp.bfloat16))
+    return jax.make_jaxpr(steps.decode, static_argnums=0)(
+        cfg, model.params, lora, init_state(cfg, 1, 64, jnp.bfloat16),
+        jnp.full((1,), 5, jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32)).jaxpr
+
+  plain, copied = jaxpr("gemv"), jaxpr("gemv_b")
+  assert kernel_names(copied) == kernel_names(plain)
+  launches = [e for e in eqns(copied, into_kernels=False) if e.primitive.name == "pallas_call"]
+  name = lambda e: str(e.params.get("name") or e.params.get("name_and_src_info")).split()[0]
+  rows = [e for e in launches if name(e) == "qgemv_dense_lora_rows"]
+  finishes = [e for e in launches if name(e) == "proj_finish"]
+  D, R = TINY.d_model, 6
+  reads_b = lambda e, lead: any(v.aval.shape[1:] == (D, R) and lead(v.aval.shape[0])
+                               for v in e.invars if len(v.aval.shape) == 3)
+  assert rows and all(len(e.outvars) == 3 and e.outvars[2].aval.shape == (1, D, R)
+                      for e in rows)
+  # the adapted finishes (the "cond" branch's adapter-free layers finish with no B)
+  assert sum(reads_b(e, lambda n: n == 1) for e in finishes) == len(rows)
+  assert not any(reads_b(e, lambda n: n > 1) for e in finishes)
+  assert not any(len(e.outvars) == 3 for e in eqns(plain, into_kernels=False)
+                 if e.primitive.name == "pallas_call" and name(e) == "qgemv_dense_lora_rows")
+
+
 @pytest.mark.parametrize("dtype,rows,kernel", [(jnp.float32, 1, "qgemv_dense"),
                                                (jnp.bfloat16, 3, "dense_dot")])
 def test_head_kernel_takes_the_decode_rows_and_gives_xlas_logits(dtype, rows, kernel):

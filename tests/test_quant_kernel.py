@@ -666,6 +666,71 @@ def test_dense_lora_rows_lower_to_triton_for_the_gpu(dtype):
   assert text.count("xla.gpu.triton") == 2
 
 
+@pytest.mark.parametrize("dtype,rank", [(F32, 12), (BF16, 50)])
+def test_the_projection_launch_copies_the_layers_b_for_a_finish_with_no_index_wait(dtype, rank):
+  """`dense_lora_rows(copy_b=True)` (`Forms.proj_finish="gemv_b"`): the one-row GEMV's launch
+  also copies B = b_stack[lidx] out as [1, out, R] (out 40: a ragged last tile; rank 50: a
+  padded one), bit for bit, and its partial sums are the launch's without the copy; the
+  finishing kernel reading that copy at a static index gives the indexed finish's bits,
+  switch on and off. Both lower to Triton for the GPU."""
+  from pallas_kernels.quant.finish import finish_call
+  from pallas_kernels.quant.gemv import dense_lora_rows
+  rng = np.random.default_rng(11)
+  lay = 3
+  w = jnp.asarray(rng.standard_normal((4, OUT, 128)), dtype)
+  x = jnp.asarray(_x(1, 128, dtype))
+  a_st = jnp.asarray(0.3 * rng.standard_normal((5, rank, 128)), dtype)
+  b_st = jnp.asarray(0.3 * rng.standard_normal((5, OUT, rank)), dtype)
+  res = jnp.asarray(rng.standard_normal((1, OUT)), dtype)
+  i, li = jnp.int32(1), jnp.int32(lay)
+  kw = dict(block_out=16, block_in=32, k_split=2, interpret=True)
+  for on in (jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)):
+    yp, hp = dense_lora_rows(x, w, i, a_st, b_st, li, on, **kw)
+    yp2, hp2, b_cur = dense_lora_rows(x, w, i, a_st, b_st, li, on, copy_b=True, **kw)
+    assert np.array_equal(bits(yp2), bits(yp)) and np.array_equal(bits(hp2), bits(hp))
+    assert b_cur.shape == (1, OUT, rank) and b_cur.dtype == dtype
+    assert np.array_equal(bits(b_cur[0]), bits(b_st[lay]))
+    want = finish_call(yp, res, lora=(hp, b_st, li, on, None), interpret=True)
+    got = finish_call(yp2, res, lora=(hp2, b_cur, jnp.int32(0), on, None), interpret=True)
+    assert np.array_equal(bits(got), bits(want))
+  args = (jnp.ones((1, 4096), BF16), jnp.ones((3, 2048, 4096), BF16), jnp.zeros((1,), jnp.int32),
+          jnp.ones((2, 50, 4096), BF16), jnp.ones((2, 2048, 50), BF16),
+          jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32))
+
+  def both(x, w, i, a, b, li, on):
+    yp, hp, b_cur = dense_lora_rows(x, w, i, a, b, li, on, k_split=4, copy_b=True)
+    return finish_call(yp, x[:, :2048], lora=(hp, b_cur, jnp.int32(0), on, None))
+  text = jax.jit(both).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
+def test_gpu_projection_launch_copies_b_and_the_static_finish_gives_the_indexed_bits():
+  """Compiled at ssm_out's shape (bench-a3b, rank 50, split sums): the copy is B bit for bit,
+  and the finish at a static index gives the indexed finish's bits, switch on and off."""
+  from pallas_kernels.quant.finish import finish_call
+  from pallas_kernels.quant.gemv import dense_lora_rows
+  rng = np.random.default_rng(12)
+  w = jnp.asarray(rng.standard_normal((3, 2048, 4096)), BF16)
+  a_st = jnp.asarray(0.05 * rng.standard_normal((4, 50, 4096)), BF16)
+  b_st = jnp.asarray(0.05 * rng.standard_normal((4, 2048, 50)), BF16)
+  x = jnp.asarray(rng.standard_normal((1, 4096)), BF16)
+  res = jnp.asarray(rng.standard_normal((1, 2048)), BF16)
+  i, li = jnp.int32(2), jnp.int32(3)
+
+  @jax.jit
+  def both(on):
+    yp, hp = dense_lora_rows(x, w, i, a_st, b_st, li, on, k_split=4)
+    yp2, hp2, b_cur = dense_lora_rows(x, w, i, a_st, b_st, li, on, k_split=4, copy_b=True)
+    return (finish_call(yp, res, lora=(hp, b_st, li, on, None)),
+            finish_call(yp2, res, lora=(hp2, b_cur, jnp.int32(0), on, None)), b_cur)
+  for on in (jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)):
+    want, got, b_cur = both(on)
+    assert np.array_equal(bits(b_cur[0]), bits(b_st[3]))
+    assert np.array_equal(bits(got), bits(want))
+
+
 def test_dense_lora_rank_scale_and_many_rows_take_the_reference():
   """The per-row adapter table scales h before B; more rows than the kernel takes run
   `dense_lora_reference` (no kernel), whose off rows are `dense_reference`'s bits."""

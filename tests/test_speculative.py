@@ -506,3 +506,50 @@ def test_spec_and_plain_rows_side_by_side(model, lora):
   res = eng.run(reqs)
   assert [r.tokens for r in res] == plain
   assert res[0].draft is not None and res[1].draft is None and res[2].draft is not None
+
+
+def test_rounds_for_never_runs_a_round_past_every_rows_length():
+  """Rounds a dispatch: a power of 2 up to the engine's most, and no more than the row with the
+  least room can use (a round emits at most n + 1 tokens)."""
+  assert speculative.rounds_for([13, 40], [3, 3], 4) == 4   # 3 rounds emit <= 12 < 13
+  assert speculative.rounds_for([12, 40], [3, 3], 4) == 2   # 3 would fit, not a power of 2
+  assert speculative.rounds_for([16, 40], [3, 3], 8) == 4
+  assert speculative.rounds_for([16, 40], [3, 3], 2) == 2
+  assert speculative.rounds_for([3, 40], [3, 3], 8) == 1
+  assert speculative.rounds_for([40], [1], 8) == 8
+  assert speculative.rounds_for([6], [2], 8) == 2
+
+
+def test_several_mtp_rounds_in_one_dispatch_equal_one_round_at_a_time(model, lora, monkeypatch):
+  """`Engine(spec_rounds=4)` runs greedy MTP rounds back to back in one program
+  (`steps.spec_rounds_greedy`), building each round's tokens on the device: the tokens, the
+  drafts proposed and accepted, and the states equal one round a dispatch, with the switch
+  mixed and rows of different lengths (one stops at its cap mid-dispatch)."""
+  from strata_jax import steps
+  calls = []
+  real = steps.spec_rounds_greedy
+  monkeypatch.setattr(steps, "spec_rounds_greedy",
+                      lambda *a, **k: calls.append(k["n_rounds"]) or real(*a, **k))
+  sw = [True, False, True]
+
+  def go(rounds):
+    eng = Engine(model, lora=lora, slots=3, max_seq=64, spec=3, draft="mtp",
+                 spec_rounds=rounds)
+    res = eng.run([Request(tokens=t, max_tokens=m, lora=s)
+                   for t, s, m in zip(PROMPTS, sw, (20, 11, 20))])
+    return res, eng
+
+  one, eng1 = go(1)
+  assert not calls
+  many, eng4 = go(4)
+  assert calls and max(calls) > 1, calls
+  assert [r.tokens for r in many] == [r.tokens for r in one]
+  assert [r.draft for r in many] == [r.draft for r in one]
+  assert eng4.slot_tokens == eng1.slot_tokens
+  st, ref = eng4.states[0], eng1.states[0]
+  np.testing.assert_array_equal(np.asarray(st.pos), np.asarray(ref.pos))
+  for name in ("conv", "ssm"):
+    assert_close(np.asarray(getattr(st, name)), np.asarray(getattr(ref, name)),
+                 rel=SPEC_STATE_REL_FP32, what=name)
+  with pytest.raises(StrataError, match="spec_rounds"):
+    Engine(model, slots=1, max_seq=64, spec_rounds=3)

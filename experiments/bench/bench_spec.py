@@ -12,6 +12,12 @@ interleaved rounds (median), batch 1, bf16, adapter loaded (rank 50):
   round_nN      `steps.spec_step_greedy` (verify N+1, feed the MTP head, N drafts), R times,
                 switch on and off (same program: the switch is data)
 
+Then the path users run (`--engine_rounds`, one setting per value): `Engine(slots=1, spec=N,
+spec_rounds=value)` serving one request of `context` prompt tokens and 64 new ones, adapter
+on, greedy (median of `rounds` timed requests): decode tokens/s, and beside it what the device
+program alone would give for the same rounds (`round_nN_on`'s time per round, the engine's own
+drafts proposed / accepted): engine / program is the host's share of a round.
+
   python experiments/bench/bench_spec.py            # GPU: bench-a3b, results/bench_spec.json
   python experiments/bench/bench_spec.py --smoke    # CPU, toy sizes, a few seconds
 """
@@ -38,6 +44,8 @@ flags.DEFINE_integer("context", 256, "tokens in the cache before the timed steps
 flags.DEFINE_integer("max_seq", 1024, "K/V capacity")
 flags.DEFINE_string("forms", "", "Forms over the backend's defaults, as the CLI's --forms")
 flags.DEFINE_bool("summary", True, "merge the targets into results/summary.json")
+flags.DEFINE_string("engine_rounds", "1,4", "Engine(spec_rounds=) values served through the "
+                    "Engine at N = 3 (empty: no Engine leg)")
 F = flags.FLAGS
 
 ACCEPT = 0.7
@@ -214,6 +222,12 @@ def main(_):
             "lora_switch_cost_mtp"):
     print(k, res[k], flush=True)
 
+  if F.engine_rounds:
+    res["engine"] = engine_leg(cfg, params, common.device_lora(cfg, common.LORA_RANK, dtype),
+                               dtype, per, 3 if 3 in ns else best)
+    for row in res["engine"]:
+      print("engine", row, flush=True)
+
   results = os.path.join(common.RESULTS, "tmp", "smoke") if F.smoke else common.RESULTS
   out = F.out or os.path.join(results, "bench_spec.json")
   common.write_json(out, res)
@@ -235,6 +249,47 @@ def main(_):
     common.merge_summary(entries, results)
   plot(res, ns, os.path.splitext(out)[0] + ".png")
   print("wrote", out, flush=True)
+
+
+def engine_leg(cfg, params, lora_params, dtype, per, n):
+  """`Engine(slots=1, spec=n, spec_rounds=r)` for each r of --engine_rounds: one request of
+  `context` prompt tokens and 64 new ones, adapter on, greedy, median of --rounds timed
+  requests after one untimed (compiling) request. Beside each: the device program's rate for
+  the same rounds, tokens / (rounds x t(round_n{n}_on)). Returns one dict per r."""
+  import time
+
+  import numpy as np
+
+  import strata_jax as sj
+  from strata_jax.engine.engine import Request
+  from strata_jax.params import LoraSet
+  model = sj.Model(cfg=cfg, params=params, dtype=dtype, path="<bench-a3b + MTP>",
+                   fingerprint="bench-a3b-mtp", layer_ranges=[(0, cfg.n_layers)])
+  lora = LoraSet(params=lora_params, files=("<random>",), ignored=(),
+                 rank_total=common.LORA_RANK, adapter_id=0xBE7C)
+  prompt = [int(t) for t in np.random.default_rng(5).integers(0, cfg.vocab_size, F.context)]
+  new = 64
+  out = []
+  for r in [int(x) for x in F.engine_rounds.split(",") if x]:
+    eng = sj.Engine(model, lora=lora, slots=1, max_seq=F.max_seq, spec=n, spec_rounds=r,
+                    prefix_cache_bytes=0)
+    rates, props, accs, walls = [], [], [], []
+    for i in range(F.rounds + 1):
+      t0 = time.perf_counter()
+      res = eng.run([Request(tokens=prompt, max_tokens=new, lora=True)])[0]
+      if i:   # the first request compiles
+        rates.append(res.decode_tokens_per_s)
+        walls.append(time.perf_counter() - t0)
+        props.append(res.draft["proposed"])
+        accs.append(res.draft["accepted"])
+    # rounds: the first one after the prompt has no drafts, each later one proposes n
+    n_rounds = 1 + statistics.median(props) / n
+    program = (new - 1) / (n_rounds * per[f"round_n{n}_on"])
+    rate = statistics.median(rates)
+    out.append(dict(spec=n, spec_rounds=r, decode_tok_s=rate, wall_s=statistics.median(walls),
+                    proposed=statistics.median(props), accepted=statistics.median(accs),
+                    program_tok_s=program, engine_over_program=rate / program))
+  return out
 
 
 def plot(res, ns, path):

@@ -110,6 +110,7 @@ FORM_VARIANTS = {
     "normmoe": {"moe_norm": "in_launch"},    # the MoE's norm in the router's launch
     "gludown": {"shared_glu": "in_down"},    # the shared expert's silu(g) * u in its down GEMV
     "pfin": {"proj_finish": "kernel"},   # one kernel after each mixer's output projection
+    "finishb": {"proj_finish": "gemv_b"},   # B copied by the projection's launch (one row)
     "xfin": {"proj_finish": "xla"},      # XLA's fusions after it (the default before run 54)
     "headgemv": {"head": "kernel"},   # the head by the in-place kernels (the GPU's default)
     "headxla": {"head": "xla"},       # XLA's autotuned GEMM (the default before run 59)

@@ -1043,6 +1043,26 @@ if want s28min; then
     --variants base,qlaunch,base --batches 1 --n_steps 8 --reps 3 \
     --out $OUT/decode_probe_a8_qlaunch.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-250
 fi
+# Session of 2026-12-07 (twenty-ninth), SECTIONS=s29 (~5 min): speculative decoding through the
+# Engine. bench_spec at N = 3 and 4 with its Engine leg at spec_rounds 1 and 4 (greedy MTP
+# rounds back to back in one program, `steps.spec_rounds_greedy`): the Engine's decode
+# tokens/s beside the device program's rate for the same rounds, so engine / program is the
+# host's share of a round, one round a dispatch against four.
+# Then (same section) `Forms.proj_finish="gemv_b"`: the one-row GEMV's launch copies the
+# layer's B out, so the finish reads B at a static index (runs 82-83: the index wait is 3/4 of
+# the adapter's cost at batch 1). Its compiled test, then bench-a3b's batch-1 step with the
+# adapter on, gemv against gemv_b, in one process.
+if want s29; then
+  GPU_SET=kernels GPU_TESTS="tests/test_quant_kernel.py" CAP=60 WORKERS=4 \
+    bash experiments/bench/gpu_tests.sh -k "copies_b" | tail -2
+  mv $OUT/gpu_tests_kernels.log $OUT/gpu_tests_finishb.log 2>/dev/null
+  timeout 200 python3 experiments/bench/decode_probe.py \
+    --variants base@on,finishb@on,base@on,finishb@on,base --batches 1 --reps 3 \
+    --out $OUT/decode_probe_finishb.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-250
+  timeout $(( $(left) - 5 )) python3 experiments/bench/bench_spec.py --ns 3,4 \
+    --engine_rounds 1,4 --out $OUT/bench_spec_rounds.json 2>&1 \
+    | grep -e engine -e ratio -e Error | cut -c1-300
+fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
   h200_prefill_and_peer s25

@@ -3,12 +3,13 @@
   python experiments/demo_model/spec_demo.py            # -> experiments/results/demo_spec.json
 
 Through `Engine` (what `strata-jax generate` runs), greedy, one request at a time, the same
-prompts for each setting: decode tokens/s (the median over prompts, after one untimed warm-up
-pass that compiles every program), the drafts' acceptance (accepted / proposed, summed over
-prompts), and whether the tokens equal plain decoding's (they must: greedy speculation is
-lossless). Rows: the MTP head and prompt lookup (`ngram`), adapter off and on (the head is
-never adapted, so with the adapter on it drafts the base model's text). Prints a Markdown
-table and the summary line.
+prompts for each setting: decode tokens/s (the median over prompts, after an untimed pass over
+the same prompts that compiles every program the timed one runs), the drafts' acceptance
+(accepted / proposed, summed over prompts), and whether the tokens equal plain decoding's (they must: greedy speculation is
+lossless). Rows: the MTP head at each `--rounds` value (`Engine(spec_rounds=)`: greedy MTP
+rounds run back to back in one program) and prompt lookup (`ngram`), adapter off and on (the
+head is never adapted, so with the adapter on it drafts the base model's text). Prints a
+Markdown table and the summary line.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def main(argv=None):
   ap.add_argument("--model", default=None, help="default: the embedded demo model")
   ap.add_argument("-n", type=int, default=96, help="tokens generated per prompt")
   ap.add_argument("--spec", type=int, default=3)
+  ap.add_argument("--rounds", default="1,4",
+                  help="Engine(spec_rounds=) values timed for the MTP drafter (greedy MTP "
+                       "rounds a dispatch at most); prompt lookup runs one round a dispatch")
   ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "demo_spec.json"))
   args = ap.parse_args(argv)
 
@@ -55,25 +59,29 @@ def main(argv=None):
   lora = sj.load_lora(model, [sj.api.asset_path("demo-lora.gguf")])
   rows = []
   drafts = ["mtp", "ngram"] if model.params.mtp is not None else ["ngram"]
-  for draft in drafts:
+  settings = [(d, r) for d in drafts
+              for r in ([int(x) for x in args.rounds.split(",")] if d == "mtp" else [1])]
+  for draft, rounds in settings:
     eng = sj.Engine(model, lora=lora, slots=1, max_seq=512, prefix_cache_bytes=0,
-                    draft=draft)
+                    draft=draft, spec_rounds=rounds)
     for on in (False, True):
-      for spec in (0, args.spec):
-        run(eng, model, PROMPTS[:1], 8, spec, on)              # compile this setting's programs
+      for spec in (0, args.spec):   # compile this setting's programs: every rounds bucket
+        run(eng, model, PROMPTS, args.n, spec, on)   # the timed pass will meet
       base_rate, base_toks, _, _ = run(eng, model, PROMPTS, args.n, 0, on)
       t0 = time.perf_counter()
       rate, toks, prop, acc = run(eng, model, PROMPTS, args.n, args.spec, on)
-      rows.append({"draft": draft, "adapter": on, "spec": args.spec,
+      rows.append({"draft": draft, "spec_rounds": rounds, "adapter": on, "spec": args.spec,
                    "tok_s_spec0": round(base_rate, 1), "tok_s_spec": round(rate, 1),
                    "speedup": round(rate / base_rate, 3), "proposed": prop, "accepted": acc,
                    "acceptance": round(acc / prop, 3) if prop else None,
                    "same_tokens": toks == base_toks,
                    "wall_s": round(time.perf_counter() - t0, 1)})
       print(rows[-1], flush=True)
-  head = (f"| drafter | adapter | tok/s `--spec 0` | tok/s `--spec {args.spec}` | speed-up | "
-          "acceptance | same tokens |\n| --- | --- | --- | --- | --- | --- | --- |")
-  lines = [f"| {r['draft']} | {'on' if r['adapter'] else 'off'} | {r['tok_s_spec0']} | "
+  head = (f"| drafter | rounds a dispatch | adapter | tok/s `--spec 0` | "
+          f"tok/s `--spec {args.spec}` | speed-up | acceptance | same tokens |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+  lines = [f"| {r['draft']} | {r['spec_rounds']} | {'on' if r['adapter'] else 'off'} | "
+           f"{r['tok_s_spec0']} | "
            f"{r['tok_s_spec']} | {r['speedup']}x | {r['acceptance']} | {r['same_tokens']} |"
            for r in rows]
   print("\n".join([head, *lines]))
@@ -84,7 +92,8 @@ def main(argv=None):
   with open(args.out, "w") as f:
     json.dump(details, f, indent=1)
   best = max(rows, key=lambda r: r["speedup"])
-  print(f"summary: spec {args.spec} on the demo model, best {best['draft']} adapter "
+  print(f"summary: spec {args.spec} on the demo model, best {best['draft']} "
+        f"(rounds a dispatch {best['spec_rounds']}) adapter "
         f"{'on' if best['adapter'] else 'off'}: {best['speedup']}x, acceptance "
         f"{best['acceptance']}, all tokens equal plain greedy: "
         f"{all(r['same_tokens'] for r in rows)}")

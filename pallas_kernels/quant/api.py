@@ -458,14 +458,16 @@ def dense_matmul_split(x, stack, index, *, implementation="auto", few="dot"):
 
 def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_index=None,
                             implementation="auto", tiles=None, rows_max=None, few="dot",
-                            one_row="gemv"):
+                            one_row="gemv", copy_b=False):
   """`dense_matmul_lora` as (partials [S, N, out], lora), where `lora` is what a finishing
   kernel still adds, (hp, b_stack, lidx, on, rank_scale), or None (the partials sum to the
   result, rounded to x's dtype). The one-row GEMV leaves B h to it (its launch computes A x
   as R more rows, `gemv.dense_lora_rows`): `gemv.lora_finish`, or `finish_residual`,
   which gives the step the no-adapter step's launches. dense_dot adds the delta in its own
   launch, share by share, so its partials carry it already. Arguments: `dense_matmul_lora`'s
-  (tiles' finish_block is the finishing kernel's, not read here)."""
+  (tiles' finish_block is the finishing kernel's, not read here); copy_b: the GEMV's launch
+  also copies B = b[lora_index] out, and `lora` holds that copy as a stack of one (the
+  finishing kernel then reads B at a static index, not after loading the layer index)."""
   n, d_in = x.shape
   d_out = stack.shape[-2]
   a_stack = a if lora_index is not None else a[None]
@@ -487,8 +489,12 @@ def dense_matmul_lora_split(x, stack, index, a, b, on, *, rank_scale=None, lora_
   tk.pop("finish_block", None)
   kw = dict(interpret=impl == "pallas_interpret", compiler_params=params, **tk)
   if form == "gemv":
-    yp, hp = gemv.dense_lora_rows(x, _stack3(stack), jnp.asarray(index, jnp.int32), a_stack,
-                                  b_stack, lidx, on, **kw)
+    out = gemv.dense_lora_rows(x, _stack3(stack), jnp.asarray(index, jnp.int32), a_stack,
+                               b_stack, lidx, on, copy_b=copy_b, **kw)
+    if copy_b:
+      yp, hp, b_cur = out
+      return yp, (hp, b_cur, jnp.zeros((), jnp.int32), on, rank_scale)
+    yp, hp = out
     return yp, (hp, b_stack, lidx, on, rank_scale)
   return dense_dot.dense_dot_call(x, _stack3(stack), index, partials=True,
                                   lora=(a_stack, b_stack, lidx, on, rank_scale), **kw), None

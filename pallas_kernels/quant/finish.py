@@ -32,7 +32,10 @@ row over the whole row, the norm included, 5.2 us with no adapter (XLA's fusion:
 with a rank-50 B (its [512, 64] tiles spilled registers); and B h moved into the projection's
 launch (A x's programs multiplying their tile of h by B's columns, this kernel adding those
 partials), which made the adapted step 4.18 ms against 3.96 with XLA's finish: those
-programs became the GEMV launch's tail.
+programs became the GEMV launch's tail. `Forms.proj_finish="gemv_b"` takes the index wait out
+of this launch: the projection's launch copies B = b_stack[lidx] out (a [block, R] tile per
+extra program, beside its products; `gemv.dense_lora_rows(copy_b=True)`) and this kernel
+reads that copy at a static index. Not yet timed on a GPU.
 
 Numerics: the jnp oracle is `finish_reference` (the same roundings; with no adapter the same
 bits).
@@ -67,12 +70,16 @@ class Finish(NamedTuple):
   rank_pad: int = 0
   scaled: bool = False
   scale: float = 1.0
+  indexed: bool = True   # B read at a layer index loaded first; False: a stack of one
 
 
 def _kernel(*refs, t: Finish):
   yp_ref, res_ref, *rest = refs
   if t.lora:
-    lidx_ref, on_ref, hp_ref, b_ref, *rest = rest
+    if t.indexed:
+      lidx_ref, on_ref, hp_ref, b_ref, *rest = rest
+    else:
+      on_ref, hp_ref, b_ref, *rest = rest
     rs_ref, xo_ref = rest if t.scaled else (None, *rest)
   else:
     (xo_ref,) = rest
@@ -82,7 +89,8 @@ def _kernel(*refs, t: Finish):
   ok = (c0 + jnp.arange(bo)) < t.d if t.d % bo else None
   if t.lora:
     r_in = (jnp.arange(rp) < t.rank) if t.rank != rp else None
-    bt = masked_load(b_ref.at[lidx_ref[0], pl.ds(c0, bo), pl.ds(0, rp)],
+    lay = lidx_ref[0] if t.indexed else jnp.int32(0)   # static: B's load waits for no index
+    bt = masked_load(b_ref.at[lay, pl.ds(c0, bo), pl.ds(0, rp)],
                      tile_mask(ok, r_in, bo, rp)).astype(_F32)  # [bo, Rp], once a program
   for r in range(t.m):
     ri = jnp.int32(r)   # static indices as int32 (the interpreter's indexers)
@@ -112,7 +120,9 @@ def finish_call(yp, res, *, lora=None, scale=1.0, block=None, interpret=False,
   """x' [M, D] in res's dtype (module docstring). yp [S, M, D]:
   the projection's split partial sums (fp32; S = 1 may be the product in res's dtype); res
   [M, D]. lora: (hp [S', M, R] fp32 partial sums of A x, b_stack [L, D, R], lidx [1] int32,
-  on [M] int32, rank_scale [M, R] or None), B = b_stack[lidx] read in place."""
+  on [M] int32, rank_scale [M, R] or None), B = b_stack[lidx] read in place; a stack of one
+  (L = 1: B copied out by the projection's launch, `gemv.dense_lora_rows(copy_b=True)`) is
+  read at a static index, with no index load before B's tile."""
   ks, m, d = yp.shape
   if res.shape != (m, d):
     raise ValueError(f"finish: partials {yp.shape} and residual {res.shape} must be "
@@ -129,9 +139,10 @@ def finish_call(yp, res, *, lora=None, scale=1.0, block=None, interpret=False,
                        f"[L, {d}, R], [S, {m}, R] and [{m}]")
     t = t._replace(lora=True, h_split=hp.shape[0], rank=rank,
                    rank_pad=max(1, pl.next_power_of_2(rank)),
-                   scaled=rank_scale is not None, scale=float(scale))
-    lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
-    args += [lidx, on.astype(jnp.int32), hp.astype(_F32), b_stack]
+                   scaled=rank_scale is not None, scale=float(scale), indexed=n_ad > 1)
+    if n_ad > 1:
+      args.append(jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1))
+    args += [on.astype(jnp.int32), hp.astype(_F32), b_stack]
     if rank_scale is not None:
       args.append(rank_scale.astype(_F32))
   n_tiles = pl.cdiv(d, t.block)

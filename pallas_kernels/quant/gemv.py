@@ -599,18 +599,39 @@ def _normed_rows_program(refs, pid, *, t):
 # finish), where the plain projection with split sums is two as well (the GEMV and XLA's sum
 # of its partials) and the LoRA ops apart from the GEMV add the slices of A and B, the dots
 # and a select.
-def _lora_rows_kernel(*refs, n_main, main, main_tiles, ta):
+def _lora_rows_kernel(*refs, n_main, main, main_tiles, ta, b_copy):
   """Grid (main_tiles + A's tiles) x k_split: `main(refs, pid, g)` (the weight's program,
   writing the first output) for the first main_tiles of each share of `in`, A's dense
-  program (the second output) for the rest."""
+  program (the second output) for the rest; then, with `b_copy` (block, tiles), that many
+  programs copying B = b_stack[lidx] into the third output, a tile of rows each."""
   pid, g = pl.program_id(0), pl.program_id(1)  # outside any branch
   main_refs = list(refs[:n_main])
-  lidx_ref, xa_ref, a_ref, yp_ref, hp_ref = refs[n_main:]
+  lidx_ref, xa_ref, a_ref, *rest = refs[n_main:]
+  b_ref, yp_ref, hp_ref, bc_ref = rest if b_copy else (None, *rest, None)
   tiles = main_tiles + ta.out_tiles
   ks, j = pid // tiles, pid % tiles
-  pl.when(j < main_tiles)(lambda: main([*main_refs, yp_ref], ks * main_tiles + j, g))
-  pl.when(j >= main_tiles)(lambda: _program(
+  products = pid < tiles * ta.k_split
+
+  pl.when(products & (j < main_tiles))(
+      lambda: main([*main_refs, yp_ref], ks * main_tiles + j, g))
+  pl.when(products & (j >= main_tiles))(lambda: _program(
       [lidx_ref, xa_ref, a_ref, hp_ref], ks * ta.out_tiles + (j - main_tiles), g, ta))
+  if b_copy:
+    pl.when(jnp.logical_not(products))(
+        lambda: _copy_b_tile(lidx_ref, b_ref, bc_ref, pid - tiles * ta.k_split, b_copy[0]))
+
+
+def _copy_b_tile(lidx_ref, b_ref, bc_ref, i, block):
+  """Rows [i * block, (i + 1) * block) of b_stack[lidx] [out, R] into bc [1, out, R]: what
+  the finishing kernel then reads at a static index, so B's tile does not wait on the layer
+  index there (this launch waits on it instead, beside the products)."""
+  _, d_out, rank = bc_ref.shape
+  rp = max(1, pl.next_power_of_2(rank))
+  r0 = i * block
+  ok = (r0 + jnp.arange(block)) < d_out if d_out % block else None
+  mask = tile_mask(ok, (jnp.arange(rp) < rank) if rank != rp else None, block, rp)
+  tile = masked_load(b_ref.at[lidx_ref[0], pl.ds(r0, block), pl.ds(0, rp)], mask)
+  masked_store(bc_ref.at[jnp.int32(0), pl.ds(r0, block), pl.ds(0, rp)], tile, mask)
 
 
 def _a_unroll(units, k_split, block_in=512):
@@ -623,11 +644,13 @@ def _a_unroll(units, k_split, block_in=512):
 
 
 def lora_rows_call(main, main_args, main_tiles, x, a_stack, lidx, *, d_out, k_split,
-                   block_out, interpret, compiler_params, name):
+                   block_out, interpret, compiler_params, name, b_stack=None):
   """(yp [k_split, M, d_out], hp [k_split, M, R]) fp32 partial sums: `main` over
   `main_args` (the weight's program and inputs, its out_dtype fp32), and h = A x with A =
   a_stack[lidx] [R, in] read in place, both in one launch. x [M, in]: A's products are over
-  x and A rounded to x's 16-bit dtype when A has it too, else fp32 (`lora.kernel.dot_policy`)."""
+  x and A rounded to x's 16-bit dtype when A has it too, else fp32 (`lora.kernel.dot_policy`).
+  With b_stack [L, d_out, R], the launch also copies B = b_stack[lidx] out, and returns it
+  third, [1, d_out, R] (`_copy_b_tile`)."""
   m, d_in = x.shape
   n_ad, rank, a_in = a_stack.shape
   if a_in != d_in or d_in % DENSE_UNIT:
@@ -645,13 +668,22 @@ def lora_rows_call(main, main_args, main_tiles, x, a_stack, lidx, *, d_out, k_sp
   lidx = jnp.clip(jnp.reshape(lidx, (1,)).astype(jnp.int32), 0, n_ad - 1)
   args = [*main_args, lidx, x.reshape(1, m, units, DENSE_UNIT),
           a_stack.reshape(n_ad, rank, units, DENSE_UNIT)]
+  outs = [jax.ShapeDtypeStruct((k_split, m, d_out), _F32),
+          jax.ShapeDtypeStruct((k_split, m, rank), _F32)]
+  b_copy = None
+  if b_stack is not None:
+    if b_stack.shape != (n_ad, d_out, rank):
+      raise ValueError(f"lora rows: B {b_stack.shape} must be [{n_ad}, {d_out}, {rank}]")
+    block = min(128, pl.next_power_of_2(d_out))
+    b_copy = (block, pl.cdiv(d_out, block))
+    args.append(b_stack)
+    outs.append(jax.ShapeDtypeStruct((1, d_out, rank), b_stack.dtype))
   return pl.pallas_call(
       functools.partial(_lora_rows_kernel, n_main=len(main_args), main=main,
-                        main_tiles=main_tiles, ta=ta),
-      grid=((main_tiles + ta.out_tiles) * k_split, 1),
-      out_shape=(jax.ShapeDtypeStruct((k_split, m, d_out), _F32),
-                 jax.ShapeDtypeStruct((k_split, m, rank), _F32)),
-      in_specs=[_WHOLE] * len(args), out_specs=(_WHOLE, _WHOLE),
+                        main_tiles=main_tiles, ta=ta, b_copy=b_copy),
+      grid=((main_tiles + ta.out_tiles) * k_split + (b_copy[1] if b_copy else 0), 1),
+      out_shape=tuple(outs),
+      in_specs=[_WHOLE] * len(args), out_specs=tuple(_WHOLE for _ in outs),
       interpret=interpret, compiler_params=compiler_params, name=name,
   )(*args)
 
@@ -740,11 +772,13 @@ def dense_lora_call(x, stack, idx, a_stack, b_stack, lidx, on, rank_scale=None, 
 
 
 def dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on, *, block_out=None,
-                    block_in=None, k_split=None, interpret=False, compiler_params=None):
+                    block_in=None, k_split=None, interpret=False, compiler_params=None,
+                    copy_b=False):
   """`dense_lora_call`'s first launch: (yp [k_split, M, out], hp [k_split, M, R]) fp32 split
   partial sums of x @ stack[idx]^T (`dense_call`'s tiling, so that `sum_partials` of yp,
   rounded to x's dtype, is its result bit for bit) and of h = A x, for a kernel that
-  finishes them (`lora_finish`, `finish.finish_call`)."""
+  finishes them (`lora_finish`, `finish.finish_call`); with copy_b, third, B =
+  b_stack[lidx] as [1, out, R], copied by the same launch (`lora_rows_call`)."""
   m, d_in = x.shape
   n_mats, d_out, w_in = stack.shape
   if w_in != d_in or d_in % DENSE_UNIT:
@@ -767,7 +801,7 @@ def dense_lora_rows(x, stack, idx, a_stack, b_stack, lidx, on, *, block_out=None
   return lora_rows_call(functools.partial(_program, t=tw), main_args, tw.out_tiles, x,
                         a_stack, lidx, d_out=d_out, k_split=ks, block_out=bo,
                         interpret=interpret, compiler_params=compiler_params,
-                        name="qgemv_dense_lora_rows")
+                        name="qgemv_dense_lora_rows", b_stack=b_stack if copy_b else None)
 
 
 def blocks_lora_call(x, planes, idx, a_stack, b_stack, lidx, on, rank_scale=None, *, qtype,

@@ -292,6 +292,9 @@ class Engine:
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
+    spec_rounds: greedy MTP rounds per dispatch at most (a power of 2; one program runs them
+      back to back, `steps.spec_rounds_greedy`, and fewer run where a row's length would end
+      sooner: `speculative.rounds_for`). 1: one round a dispatch.
   """
 
   def __init__(self, model, lora=None, slots: int = 1, max_seq: int | None = None,
@@ -301,7 +304,7 @@ class Engine:
                control_vector=None, lora_rank: int | None = None, spec: int = 0,
                draft: str | None = None, decode_buckets: bool = False,
                snapshot_thread: bool | None = None, merge_tail: bool = True,
-               bucket_step: int | None = 512):
+               bucket_step: int | None = 512, spec_rounds: int = 4):
     self.model, self.n_slots = model, int(slots)
     # Numbered adapters (engine/adapters.py): one LoraSet is adapter 0; a list numbers them.
     pair = isinstance(lora, tuple) and len(lora) in (2, 3) and isinstance(lora[0], LoraSet) \
@@ -408,6 +411,10 @@ class Engine:
     has_mtp = self.stages[-1].params.mtp is not None   # the head sits on the last stage
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
+    if isinstance(spec_rounds, bool) or not isinstance(spec_rounds, (int, np.integer)) or \
+        spec_rounds < 1 or spec_rounds & (spec_rounds - 1):
+      raise StrataError(f"spec_rounds must be a power of 2 >= 1, got {spec_rounds!r}")
+    self.spec_rounds = int(spec_rounds)
     self._spec_decoder = None
     if warmup:
       self.warmup(None if warmup is True else warmup)
@@ -1169,7 +1176,8 @@ class Engine:
     """The engine's SpecDecoder, made on first use; its n grows to the largest asked."""
     if self._spec_decoder is None:
       self._spec_decoder = speculative.SpecDecoder(self.stages, n, self.draft, self.n_slots,
-                                                   self.max_seq, self.model.dtype)
+                                                   self.max_seq, self.model.dtype,
+                                                   rounds=self.spec_rounds)
     sd = self._spec_decoder
     sd.n = max(sd.n, n)
     return sd

@@ -289,9 +289,10 @@ def residual_norm(x, y, norm_w, eps, defer: bool = False):
   return x, NormedInput(x, norm_w, eps) if defer else rms_norm(x, norm_w, eps)
 
 
-def _pending(x2, w, lora_a, lora_b, on, rank_scale, gemv_lora):
+def _pending(x2, w, lora_a, lora_b, on, rank_scale, gemv_lora, copy_b=False):
   """A `Pending` of the projection x2 [N, in] @ w (a DRef), with the adapter's DRefs or
-  None, where an in-place dense kernel takes the N rows (`dense_lora_form`); else None."""
+  None, where an in-place dense kernel takes the N rows (`dense_lora_form`); else None.
+  copy_b: the one-row GEMV's launch copies the layer's B out for the finishing kernel."""
   from pallas_kernels.quant import api as quant_api  # noqa: PLC0415 (kernels load lazily)
   one_row = "gemv" if lora_a is None else _one_row(gemv_lora)
   if quant_api.dense_lora_form(x2.shape[0], x2.shape[1], x2.dtype, w.w.dtype,
@@ -303,7 +304,8 @@ def _pending(x2, w, lora_a, lora_b, on, rank_scale, gemv_lora):
     return Pending(parts, None, w.implementation)
   parts, lora = quant_api.dense_matmul_lora_split(
       x2, w.w, w.index, lora_a.w, lora_b.w, on, rank_scale=rank_scale,
-      lora_index=lora_a.index, implementation=w.implementation, few=w.few, one_row=one_row)
+      lora_index=lora_a.index, implementation=w.implementation, few=w.few, one_row=one_row,
+      copy_b=copy_b)
   return Pending(parts, lora, w.implementation)
 
 
@@ -329,14 +331,17 @@ def out_projection(x, w, lora_a, lora_b, switch, implementation=None, row_scale=
   finish (`Forms.proj_finish`): "kernel" returns a `Pending` where an in-place dense kernel
   takes the rows of a DRef `w` (with no adapter, or with the adapter's DRefs, which
   `forward.run_layers` passes only where a kernel takes the rows: `dense_lora_in_kernel`),
-  for `residual_norm` to finish in one launch ("gemv": for one row only); else the result.
+  for `residual_norm` to finish in one launch ("gemv": for one row only; "gemv_b": as "gemv",
+  the GEMV's launch copying the layer's B out for the finishing kernel); else the result.
   """
   B, T, _ = x.shape
-  if ((finish == "kernel" or (finish == "gemv" and B * T == 1)) and isinstance(w, DRef)
+  one_row = finish in ("gemv", "gemv_b") and B * T == 1
+  if ((finish == "kernel" or one_row) and isinstance(w, DRef)
       and (lora_a is None or isinstance(lora_a, DRef))):
     on = jnp.repeat(switch.astype(jnp.int32), T)
     rank_scale = None if row_scale is None else jnp.repeat(row_scale, T, axis=0)
-    pending = _pending(x.reshape(B * T, -1), w, lora_a, lora_b, on, rank_scale, gemv_lora)
+    pending = _pending(x.reshape(B * T, -1), w, lora_a, lora_b, on, rank_scale, gemv_lora,
+                       copy_b=finish == "gemv_b")
     if pending is not None:
       return pending
   if lora_a is None:
