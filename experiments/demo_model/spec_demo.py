@@ -3,13 +3,14 @@
   python experiments/demo_model/spec_demo.py            # -> experiments/results/demo_spec.json
 
 Through `Engine` (what `strata-jax generate` runs), greedy, one request at a time, the same
-prompts for each setting: decode tokens/s (the median over prompts, after an untimed pass over
-the same prompts that compiles every program the timed one runs), the drafts' acceptance
-(accepted / proposed, summed over prompts), and whether the tokens equal plain decoding's (they must: greedy speculation is
-lossless). Rows: the MTP head at each `--rounds` value (`Engine(spec_rounds=)`: greedy MTP
-rounds run back to back in one program) and prompt lookup (`ngram`), adapter off and on (the
-head is never adapted, so with the adapter on it drafts the base model's text). Prints a
-Markdown table and the summary line.
+prompts for each setting: decode tokens/s (the median over prompts; the settings' passes
+interleaved `--reps` times, the median of those; after an untimed pass over the same prompts
+that compiles every program the timed ones run), the drafts' acceptance (accepted /
+proposed, summed over prompts), and whether the tokens equal plain decoding's (they must:
+greedy speculation is lossless). Rows: the MTP head at each `--rounds` value
+(`Engine(spec_rounds=)`: greedy MTP rounds run back to back in one program) and prompt lookup
+(`ngram`), adapter off and on (the head is never adapted, so with the adapter on it drafts the
+base model's text). Prints a Markdown table and the summary line.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def main(argv=None):
   ap.add_argument("--rounds", default="1,4",
                   help="Engine(spec_rounds=) values timed for the MTP drafter (greedy MTP "
                        "rounds a dispatch at most); prompt lookup runs one round a dispatch")
+  ap.add_argument("--reps", type=int, default=3, help="interleaved timed passes per setting")
   ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "demo_spec.json"))
   args = ap.parse_args(argv)
 
@@ -59,24 +61,37 @@ def main(argv=None):
   lora = sj.load_lora(model, [sj.api.asset_path("demo-lora.gguf")])
   rows = []
   drafts = ["mtp", "ngram"] if model.params.mtp is not None else ["ngram"]
-  settings = [(d, r) for d in drafts
-              for r in ([int(x) for x in args.rounds.split(",")] if d == "mtp" else [1])]
-  for draft, rounds in settings:
-    eng = sj.Engine(model, lora=lora, slots=1, max_seq=512, prefix_cache_bytes=0,
-                    draft=draft, spec_rounds=rounds)
-    for on in (False, True):
-      for spec in (0, args.spec):   # compile this setting's programs: every rounds bucket
-        run(eng, model, PROMPTS, args.n, spec, on)   # the timed pass will meet
+  settings = [(d, r, on) for d in drafts
+              for r in ([int(x) for x in args.rounds.split(",")] if d == "mtp" else [1])
+              for on in (False, True)]
+  engines = {(d, r): sj.Engine(model, lora=lora, slots=1, max_seq=512, prefix_cache_bytes=0,
+                               draft=d, spec_rounds=r) for d, r, _ in settings}
+  for d, r, on in settings:   # compile every program (each rounds bucket) the timed passes run
+    for spec in (0, args.spec):
+      run(engines[d, r], model, PROMPTS, args.n, spec, on)
+  # the settings interleaved, --reps times (this machine's speed drifts over minutes)
+  samples = {s: [] for s in settings}
+  for _ in range(args.reps):
+    for d, r, on in settings:
+      eng = engines[d, r]
       base_rate, base_toks, _, _ = run(eng, model, PROMPTS, args.n, 0, on)
       t0 = time.perf_counter()
       rate, toks, prop, acc = run(eng, model, PROMPTS, args.n, args.spec, on)
-      rows.append({"draft": draft, "spec_rounds": rounds, "adapter": on, "spec": args.spec,
-                   "tok_s_spec0": round(base_rate, 1), "tok_s_spec": round(rate, 1),
-                   "speedup": round(rate / base_rate, 3), "proposed": prop, "accepted": acc,
-                   "acceptance": round(acc / prop, 3) if prop else None,
-                   "same_tokens": toks == base_toks,
-                   "wall_s": round(time.perf_counter() - t0, 1)})
-      print(rows[-1], flush=True)
+      samples[d, r, on].append((base_rate, rate, toks == base_toks, prop, acc,
+                                time.perf_counter() - t0))
+  for (d, r, on), got in samples.items():
+    base_rate = statistics.median(g[0] for g in got)
+    rate = statistics.median(g[1] for g in got)
+    prop, acc = got[0][3], got[0][4]
+    rows.append({"draft": d, "spec_rounds": r, "adapter": on, "spec": args.spec,
+                 "tok_s_spec0": round(base_rate, 1), "tok_s_spec": round(rate, 1),
+                 "speedup": round(rate / base_rate, 3),
+                 "speedups": [round(g[1] / g[0], 3) for g in got],
+                 "proposed": prop, "accepted": acc,
+                 "acceptance": round(acc / prop, 3) if prop else None,
+                 "same_tokens": all(g[2] for g in got),
+                 "wall_s": round(statistics.median(g[5] for g in got), 2)})
+    print(rows[-1], flush=True)
   head = (f"| drafter | rounds a dispatch | adapter | tok/s `--spec 0` | "
           f"tok/s `--spec {args.spec}` | speed-up | acceptance | same tokens |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
