@@ -351,11 +351,19 @@ def spec_step_greedy(cfg: ModelConfig, params, lora, state: ModelState, mstate, 
   """One greedy speculative round in one program: `verify_greedy`, then the MTP head takes the
   emitted positions and drafts the next `n_draft` tokens. Returns (choice [B, T], k [B],
   n_emit [B], drafts [B, n_draft], state, mstate)."""
+  with _precision(cfg, state):
+    return _spec_round(cfg, params, lora, state, mstate, tokens, switch, n_new, cap, stop,
+                       n_draft, cvec)
+
+
+def _spec_round(cfg, params, lora, state, mstate, tokens, switch, n_new, cap, stop, n_draft,
+                cvec):
+  """`spec_step_greedy`'s round (traced inside a precision context): (choice, k, n_emit,
+  drafts, state, mstate)."""
   pos = state.pos
   choice, k, n_emit, hidden, state = verify_greedy(cfg, params, lora, state, tokens, switch,
                                                    n_new, cap, stop, cvec=cvec)
-  with _precision(cfg, state):
-    drafts, mstate = _mtp_draft(cfg, params, mstate, choice, hidden, pos, n_emit, n_draft)
+  drafts, mstate = _mtp_draft(cfg, params, mstate, choice, hidden, pos, n_emit, n_draft)
   return choice, k, n_emit, drafts, state, mstate
 
 
@@ -383,12 +391,8 @@ def spec_rounds_greedy(cfg: ModelConfig, params, lora, state: ModelState, mstate
     # the positions past a row's drafts hold 0, as the host's round fills them
     tokens = jnp.where(cols < n_new[:, None],
                        jnp.concatenate([last[:, None], drafts], axis=1), 0)
-    pos = state.pos
-    logits, hidden, state, pending = verify(cfg, params, lora, state, tokens, switch, n_new,
-                                            cvec=cvec)
-    choice, k, n_emit = _greedy_emit(logits, tokens, n_new, cap, stop)
-    state = _commit(state, pending, n_emit, switch)
-    drafts, mstate = _mtp_draft(cfg, params, mstate, choice, hidden, pos, n_emit, n_draft)
+    choice, k, n_emit, drafts, state, mstate = _spec_round(
+        cfg, params, lora, state, mstate, tokens, switch, n_new, cap, stop, n_draft, cvec)
     emitted = cols < n_emit[:, None]
     stopped = jnp.any(emitted & jnp.any(choice[:, :, None] == stop[None, None], axis=-1),
                       axis=1)
