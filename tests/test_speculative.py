@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from model_fixtures import random_lora
 from scipy import stats
-from tolerances import SPEC_STATE_REL_FP32, assert_close
+from tolerances import SPEC_STATE_REL_FP32, assert_close, assert_state_close
 
 import strata_jax as sj
 from strata_jax import speculative
@@ -276,11 +276,8 @@ def test_greedy_speculative_equals_plain_greedy_under_the_fused_gdn_kernel(lora)
   res, eng = _run(m, lora, sw, 3, n=8, engine=True)
   assert [r.tokens for r in res] == [r.tokens for r in res0]
   assert sum(r.draft["accepted"] for r in res) > 0
-  st, ref = eng.states[0], eng0.states[0]   # every state as the one-token decode left it
-  np.testing.assert_array_equal(np.asarray(st.pos), np.asarray(ref.pos))
-  for name in ("conv", "ssm"):
-    assert_close(np.asarray(getattr(st, name)), np.asarray(getattr(ref, name)),
-                 rel=SPEC_STATE_REL_FP32, what=name)
+  # every state as the one-token decode left it
+  assert_state_close(eng.states[0], eng0.states[0], rel=SPEC_STATE_REL_FP32)
 
 
 def test_rows_accept_different_lengths(model, lora, monkeypatch):
@@ -305,16 +302,7 @@ def test_rows_accept_different_lengths(model, lora, monkeypatch):
   acc = [r.draft["accepted"] / max(r.draft["proposed"], 1) for r in res]
   assert acc[0] == 1.0 and 0.5 < acc[1] < 1.0 and acc[2] == 0.0, [r.draft for r in res]
   assert eng.slot_tokens == eng0.slot_tokens     # the caches see the same (accepted) tokens
-  st, ref = eng.states[0], eng0.states[0]
-  np.testing.assert_array_equal(np.asarray(st.pos), np.asarray(ref.pos))
-  for name in ("conv", "ssm"):
-    assert_close(np.asarray(getattr(st, name)), np.asarray(getattr(ref, name)),
-                 rel=SPEC_STATE_REL_FP32, what=name)
-  for b, n in enumerate(np.asarray(ref.pos)):
-    for name in ("k", "v"):
-      assert_close(np.asarray(getattr(st, name))[:, b, :n],
-                   np.asarray(getattr(ref, name))[:, b, :n], rel=SPEC_STATE_REL_FP32,
-                   what=f"{name} row {b}")
+  assert_state_close(eng.states[0], eng0.states[0], rel=SPEC_STATE_REL_FP32)
 
 
 def test_sampled_path_with_top_k_1_equals_greedy(model, lora):
@@ -546,10 +534,6 @@ def test_several_mtp_rounds_in_one_dispatch_equal_one_round_at_a_time(model, lor
   assert [r.tokens for r in many] == [r.tokens for r in one]
   assert [r.draft for r in many] == [r.draft for r in one]
   assert eng4.slot_tokens == eng1.slot_tokens
-  st, ref = eng4.states[0], eng1.states[0]
-  np.testing.assert_array_equal(np.asarray(st.pos), np.asarray(ref.pos))
-  for name in ("conv", "ssm"):
-    assert_close(np.asarray(getattr(st, name)), np.asarray(getattr(ref, name)),
-                 rel=SPEC_STATE_REL_FP32, what=name)
+  assert_state_close(eng4.states[0], eng1.states[0], rel=SPEC_STATE_REL_FP32)
   with pytest.raises(StrataError, match="spec_rounds"):
     Engine(model, slots=1, max_seq=64, spec_rounds=3)

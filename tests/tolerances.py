@@ -30,6 +30,22 @@ def assert_close(got, want, *, rel=None, abs_=None, what=""):
   if rel is not None:
     assert max_abs <= rel * scale, msg + f" > rel {rel:g}"
   return max_abs
+
+
+def assert_state_close(got, want, *, rel, what="state"):
+  """A model state against another: positions equal; conv, recurrent state and each row's
+  K/V up to its length within `rel` (assert_close's max abs over max |want|)."""
+  np.testing.assert_array_equal(np.asarray(got.pos), np.asarray(want.pos), err_msg=what)
+  for name in ("conv", "ssm"):
+    assert_close(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), rel=rel,
+                 what=f"{what} {name}")
+  for b, n in enumerate(np.asarray(want.pos)):
+    for name in ("k", "v"):
+      assert_close(np.asarray(getattr(got, name))[:, b, :n],
+                   np.asarray(getattr(want, name))[:, b, :n], rel=rel,
+                   what=f"{what} {name} row {b}")
+
+
 # Quantised weights kept on the device (dequantised in the matmul) against the same file
 # dequantised at load, fp32 logits (max abs error; issue 15).
 QUANT_KEEP_LOGITS_ABS_FP32 = 1e-5

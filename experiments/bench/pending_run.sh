@@ -1030,9 +1030,12 @@ if want s28; then
   VARIANTS=${VARIANTS:-base,qlaunch} PROBE_CAP=${PROBE_CAP:-170} BATCHES=1 \
     CAP=$(( $(left) - 5 )) bash experiments/bench/a80b_run.sh
 fi
-# SECTIONS=s28min (~3 min, for a call with little device time left): s28's compiled tests,
+# SECTIONS=s28min (~4 min, for a call with little device time left): s28's compiled tests,
 # then its A/B on an 8-layer 80B-A3B Q4_K_M (the same layers and shapes, 1/6 of them; batch 1,
-# base / qlaunch / base in one process).
+# in one process), with the attention prologue beside it and each variant's HLO dumped: run
+# 49's 80B profile has 37 XLA fusions in each of the 12 attention layers, 444 launches and
+# 725 us of its 4.33 ms step (the 36 GDN layers: 3 each, 162 us), and the HLO says which ops
+# they are.
 if want s28min; then
   GPU_SET=kernels GPU_TESTS="tests/test_quant_kernel.py" CAP=65 WORKERS=4 \
     bash experiments/bench/gpu_tests.sh -k "one_launch or mixed" | tail -2
@@ -1040,8 +1043,9 @@ if want s28min; then
   python3 experiments/bench/make_gguf.py --geometry qwen3next-80b-a3b --quant q4_k_m \
     --layers 8 --out /tmp/a8.gguf --no-progress 2>&1 | tail -1
   timeout $(( $(left) - 3 )) python3 experiments/bench/decode_probe.py --gguf /tmp/a8.gguf \
-    --variants base,qlaunch,base --batches 1 --n_steps 8 --reps 3 \
-    --out $OUT/decode_probe_a8_qlaunch.json 2>&1 | grep -e '"variant"' -e Error | cut -c1-250
+    --variants base,qlaunch,attnpro,qlaunch+attnpro,base --batches 1 --n_steps 8 --reps 3 \
+    --dump-hlo $OUT/hlo_a8 --out $OUT/decode_probe_a8_qlaunch.json 2>&1 \
+    | grep -e '"variant"' -e Error | cut -c1-250
 fi
 # Session of 2026-12-07 (twenty-ninth), SECTIONS=s29 (~5 min): speculative decoding through the
 # Engine. bench_spec at N = 3 and 4 with its Engine leg at spec_rounds 1 and 4 (greedy MTP
