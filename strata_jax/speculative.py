@@ -115,14 +115,12 @@ def accept(logits: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
 
 
 def rounds_for(caps: Sequence[int], ns: Sequence[int], most: int) -> int:
-  """Greedy MTP rounds to run in one dispatch: the largest power of 2 up to `most` such that
-  no row can reach its cap before the last round (a round emits at most n + 1 tokens), so no
-  round is spent on rows that are all done, stop ids aside."""
+  """Greedy MTP rounds to run in one dispatch: `most` when no row can reach its cap before the
+  last of them (a round emits at most n + 1 tokens), so no round is spent on rows that are all
+  done, stop ids aside; else 1. Two programs at most (one round, `most` rounds): each count
+  compiles its own."""
   fit = min(-(-int(c) // (int(n) + 1)) for c, n in zip(caps, ns))
-  r = 1
-  while r * 2 <= min(most, fit):
-    r *= 2
-  return r
+  return most if fit >= most else 1
 
 
 @dataclasses.dataclass

@@ -497,43 +497,45 @@ def test_spec_and_plain_rows_side_by_side(model, lora):
 
 
 def test_rounds_for_never_runs_a_round_past_every_rows_length():
-  """Rounds a dispatch: a power of 2 up to the engine's most, and no more than the row with the
-  least room can use (a round emits at most n + 1 tokens)."""
+  """Rounds a dispatch: the engine's most when the row with the least room can use them all
+  (a round emits at most n + 1 tokens), else one."""
   assert speculative.rounds_for([13, 40], [3, 3], 4) == 4   # 3 rounds emit <= 12 < 13
-  assert speculative.rounds_for([12, 40], [3, 3], 4) == 2   # 3 would fit, not a power of 2
-  assert speculative.rounds_for([16, 40], [3, 3], 8) == 4
+  assert speculative.rounds_for([12, 40], [3, 3], 4) == 1
   assert speculative.rounds_for([16, 40], [3, 3], 2) == 2
-  assert speculative.rounds_for([3, 40], [3, 3], 8) == 1
   assert speculative.rounds_for([40], [1], 8) == 8
-  assert speculative.rounds_for([6], [2], 8) == 2
+  assert speculative.rounds_for([6], [2], 3) == 1
+  assert speculative.rounds_for([7], [2], 3) == 3
 
 
 def test_several_mtp_rounds_in_one_dispatch_equal_one_round_at_a_time(model, lora, monkeypatch):
   """`Engine(spec_rounds=4)` runs greedy MTP rounds back to back in one program
   (`steps.spec_rounds_greedy`), building each round's tokens on the device: the tokens, the
   drafts proposed and accepted, and the states equal one round a dispatch, with the switch
-  mixed and rows of different lengths (one stops at its cap mid-dispatch)."""
+  mixed and one row ending at a stop id mid-dispatch (its later rounds empty)."""
   from strata_jax import steps
   calls = []
   real = steps.spec_rounds_greedy
   monkeypatch.setattr(steps, "spec_rounds_greedy",
                       lambda *a, **k: calls.append(k["n_rounds"]) or real(*a, **k))
   sw = [True, False, True]
+  plain = [r.tokens for r in _run(model, lora, sw, 0, n=20)]
+  stops = [(), (plain[1][6],), ()]
 
   def go(rounds):
     eng = Engine(model, lora=lora, slots=3, max_seq=64, spec=3, draft="mtp",
                  spec_rounds=rounds)
-    res = eng.run([Request(tokens=t, max_tokens=m, lora=s)
-                   for t, s, m in zip(PROMPTS, sw, (20, 11, 20))])
+    res = eng.run([Request(tokens=t, max_tokens=20, lora=s, stop=st)
+                   for t, s, st in zip(PROMPTS, sw, stops)])
     return res, eng
 
   one, eng1 = go(1)
   assert not calls
   many, eng4 = go(4)
-  assert calls and max(calls) > 1, calls
+  assert calls and set(calls) == {4}, calls
   assert [r.tokens for r in many] == [r.tokens for r in one]
+  assert many[1].tokens == plain[1][:plain[1].index(plain[1][6]) + 1]
   assert [r.draft for r in many] == [r.draft for r in one]
   assert eng4.slot_tokens == eng1.slot_tokens
   assert_state_close(eng4.states[0], eng1.states[0], rel=SPEC_STATE_REL_FP32)
   with pytest.raises(StrataError, match="spec_rounds"):
-    Engine(model, slots=1, max_seq=64, spec_rounds=3)
+    Engine(model, slots=1, max_seq=64, spec_rounds=0)

@@ -292,9 +292,9 @@ class Engine:
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
-    spec_rounds: greedy MTP rounds per dispatch at most (a power of 2; one program runs them
-      back to back, `steps.spec_rounds_greedy`, and fewer run where a row's length would end
-      sooner: `speculative.rounds_for`). 1: one round a dispatch.
+    spec_rounds: greedy MTP rounds per dispatch (one program runs them back to back,
+      `steps.spec_rounds_greedy`; one round runs where a row's length could end sooner:
+      `speculative.rounds_for`). 1: one round a dispatch.
   """
 
   def __init__(self, model, lora=None, slots: int = 1, max_seq: int | None = None,
@@ -412,8 +412,8 @@ class Engine:
     self.spec = int(spec) if isinstance(spec, (int, np.integer)) else spec
     self.draft = speculative.check_spec(self.spec, draft, has_mtp)
     if isinstance(spec_rounds, bool) or not isinstance(spec_rounds, (int, np.integer)) or \
-        spec_rounds < 1 or spec_rounds & (spec_rounds - 1):
-      raise StrataError(f"spec_rounds must be a power of 2 >= 1, got {spec_rounds!r}")
+        spec_rounds < 1:
+      raise StrataError(f"spec_rounds must be an integer >= 1, got {spec_rounds!r}")
     self.spec_rounds = int(spec_rounds)
     self._spec_decoder = None
     if warmup:
