@@ -216,9 +216,10 @@ class SpecDecoder:
     B, T = self.n_slots, self.n + 1
     toks = np.zeros((B, T), np.int32)
     nv, sw = np.zeros(B, np.int32), np.zeros(B, np.int32)
-    cap = np.zeros(B, np.int32)
+    cap, n_row = np.zeros(B, np.int32), np.zeros(B, np.int32)   # n_row: drafts a row takes
     for slot, r in rows.items():
-      d = self.drafts.get(slot, [])[:self.n if r.n is None else min(r.n, self.n)]
+      n_row[slot] = self.n if r.n is None else min(r.n, self.n)
+      d = self.drafts.get(slot, [])[:n_row[slot]]
       toks[slot, 0], toks[slot, 1:1 + len(d)] = r.last, d
       nv[slot], sw[slot], cap[slot] = 1 + len(d), r.switch, r.cap
     stops = sorted({int(s) for r in rows.values() for s in r.stop}) or [-1]
@@ -237,11 +238,9 @@ class SpecDecoder:
       st = self.stages[0]
       args = (st.cfg, st.params, st.lora, states[0])
     if whole and not host_rule and self.draft == "mtp":
-      R = rounds_for([r.cap for r in rows.values()],
-                     [self.n if r.n is None else min(r.n, self.n) for r in rows.values()],
-                     self.rounds)
+      R = rounds_for(cap[list(rows)], n_row[list(rows)], self.rounds)
       if R > 1:
-        states[0], out = self._rounds(states[0], rows, toks, nv, sw, cap, stop, R)
+        states[0], out = self._rounds(states[0], rows, toks, nv, n_row, sw, cap, stop, R)
         return states, out
       choice, k, n_emit, drafts, states[0], self.mstate = steps.spec_step_greedy(
           *args, self.mstate, *arrs, jnp.asarray(cap), stop, n_draft=self.n, cvec=st.cvec)
@@ -279,13 +278,10 @@ class SpecDecoder:
         self.drafts[slot] = ngram_draft(list(r.context) + emitted, self.n)
     return states, out
 
-  def _rounds(self, state, rows, toks, nv, sw, cap, stop, R: int):
+  def _rounds(self, state, rows, toks, nv, n_row, sw, cap, stop, R: int):
     """R greedy MTP rounds in one program (`steps.spec_rounds_greedy`): each row's Out sums
     its rounds (a row stops at a stop id or its cap; its later rounds are empty)."""
     st = self.stages[0]
-    n_row = np.zeros_like(nv)
-    for slot, r in rows.items():
-      n_row[slot] = self.n if r.n is None else min(r.n, self.n)
     tokens, choice, k, n_emit, drafts, state, self.mstate = steps.spec_rounds_greedy(
         st.cfg, st.params, st.lora, state, self.mstate, jnp.asarray(toks[:, 0]),
         jnp.asarray(toks[:, 1:]), jnp.asarray(nv - (nv > 0)), jnp.asarray(n_row),

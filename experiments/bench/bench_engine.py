@@ -89,13 +89,11 @@ def bench_model(cfg, params, dtype, tiny: bool):
 
 
 def build(args):
-  import common
-  import jax.numpy as jnp
-
-  from strata_jax.params import LoraSet
   import dataclasses
 
+  import common
   import jax
+  import jax.numpy as jnp
   geom = common.TINY if args.smoke else common.BENCH_A3B
   dtype = jnp.float32 if args.smoke else jnp.bfloat16
   # The forms `load_model` gives users on this backend (Forms.resolve). Unresolved, "auto"
@@ -105,9 +103,7 @@ def build(args):
   cfg = dataclasses.replace(cfg, forms=cfg.forms.resolve(jax.default_backend(), dtype))
   t0 = time.perf_counter()
   model = bench_model(cfg, common.device_params(cfg, dtype), dtype, args.smoke)
-  lp = common.device_lora(cfg, common.LORA_RANK, dtype)
-  lora = LoraSet(params=lp, files=(f"<random rank {common.LORA_RANK}>",), ignored=(),
-                 rank_total=common.LORA_RANK, adapter_id=0xBE7C)
+  lora = common.device_lora_set(cfg, common.LORA_RANK, dtype)
   return model, lora, time.perf_counter() - t0
 
 

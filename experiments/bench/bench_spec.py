@@ -223,8 +223,7 @@ def main(_):
     print(k, res[k], flush=True)
 
   if F.engine_rounds:
-    res["engine"] = engine_leg(cfg, params, common.device_lora(cfg, common.LORA_RANK, dtype),
-                               dtype, per, 3 if 3 in ns else best)
+    res["engine"] = engine_leg(cfg, params, dtype, per, 3 if 3 in ns else best)
     for row in res["engine"]:
       print("engine", row, flush=True)
 
@@ -251,7 +250,7 @@ def main(_):
   print("wrote", out, flush=True)
 
 
-def engine_leg(cfg, params, lora_params, dtype, per, n):
+def engine_leg(cfg, params, dtype, per, n):
   """`Engine(slots=1, spec=n, spec_rounds=r)` for each r of --engine_rounds: one request of
   `context` prompt tokens and 64 new ones, adapter on, greedy, median of --rounds timed
   requests after one untimed (compiling) request. Beside each: the device program's rate for
@@ -259,14 +258,12 @@ def engine_leg(cfg, params, lora_params, dtype, per, n):
   import time
 
   import numpy as np
+  from bench_engine import bench_model
 
   import strata_jax as sj
   from strata_jax.engine.engine import Request
-  from strata_jax.params import LoraSet
-  model = sj.Model(cfg=cfg, params=params, dtype=dtype, path="<bench-a3b + MTP>",
-                   fingerprint="bench-a3b-mtp", layer_ranges=[(0, cfg.n_layers)])
-  lora = LoraSet(params=lora_params, files=("<random>",), ignored=(),
-                 rank_total=common.LORA_RANK, adapter_id=0xBE7C)
+  model = bench_model(cfg, params, dtype, F.smoke)
+  lora = common.device_lora_set(cfg, common.LORA_RANK, dtype)
   prompt = [int(t) for t in np.random.default_rng(5).integers(0, cfg.vocab_size, F.context)]
   new = 64
   out = []

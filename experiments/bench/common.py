@@ -111,6 +111,14 @@ def device_lora(cfg, rank: int, dtype, seed: int = 1, std: float = 0.02):
   return lora
 
 
+def device_lora_set(cfg, rank: int, dtype, seed: int = 1):
+  """`device_lora` as the LoraSet an Engine takes."""
+  from strata_jax.params import LoraSet
+  return LoraSet(params=device_lora(cfg, rank, dtype, seed=seed),
+                 files=(f"<random rank {rank}>",), ignored=(), rank_total=rank,
+                 adapter_id=0xBE7C)
+
+
 def engine_lora(cfg, rank: int, dtype, rows: int = 2, seed: int = 1):
   """`device_lora` in the layout an Engine places (its `AdapterTable`): the rank zero-padded to
   a multiple of 64 and a per-row scale table [rows, R] (row 0 off, the others the adapter at
@@ -118,10 +126,7 @@ def engine_lora(cfg, rank: int, dtype, rows: int = 2, seed: int = 1):
   import jax
 
   from strata_jax.engine.adapters import AdapterTable
-  from strata_jax.params import LoraSet
-  ls = LoraSet(params=device_lora(cfg, rank, dtype, seed=seed), files=(f"<random rank {rank}>",),
-               ignored=(), rank_total=rank, adapter_id=0xBE7C)
-  table = AdapterTable(cfg, dtype, rows, adapters=[ls])
+  table = AdapterTable(cfg, dtype, rows, adapters=[device_lora_set(cfg, rank, dtype, seed)])
   for row in range(1, rows):
     table.set_row(row, table.default_choice())
   lora = table.params()
