@@ -80,7 +80,7 @@ CHOICES: dict[str, tuple] = {
     # update) and the conv weights, A and dt_bias read at the layer index in place
     # (`pallas_kernels/gdn/decode_conv_kernel.py`; "pallas_fused" wherever a step runs alone).
     # Bits: the fused form's from bf16 q / k / v.
-    # "auto" up to 8 rows since runs 82-83: the figures and why not above are at
+    # "auto" up to 32 rows since runs 82-83 and 88: the figures and why not above are at
     # `pallas_kernels.gdn.api.CONV_MAX_BATCH`.
     "gdn_decode": ("auto", "xla", "pallas", "pallas_interpret", "pallas_fused",
                    "pallas_fused_interpret", "pallas_layer", "pallas_layer_interpret",
@@ -215,8 +215,9 @@ CHOICES: dict[str, tuple] = {
     # every product: "fused" = a layer's products of one input in one launch
     # (`pallas_kernels.quant.api.qmatmul_multi`; a mixed-type stack's only under "fused"
     # groups), and the routed experts' gate with their up (`quant_api.experts(fused=True)`);
-    # "apart" = one launch each. The same numbers bit for bit. "auto" = "apart" until the
-    # 80B's step is timed both ways on the GPU (decode_probe's "qlaunch" variant).
+    # "apart" = one launch each. The same numbers bit for bit. "auto" = "fused" on the GPU:
+    # the 80B's layers at batch 1, 0.900 against 1.028 / 1.005 ms a step (run 87, H100, an
+    # 8-layer 80B-A3B Q4_K_M, decode_probe's "qlaunch" against "base").
     "quant_launch": ("auto", "fused", "apart"),
     # what follows a decode step's mixer output projection (ssm_out, attn_output) where the
     # in-place dense kernels take its rows (`dense_weights="kernel"`): "xla" = XLA adds the
@@ -332,7 +333,7 @@ class Forms:
   def resolve(self, backend: str, compute_dtype) -> Forms:
     """These forms with "auto" replaced by the concrete choice for `backend` ("cpu", "gpu",
     ...) and the compute dtype. On the GPU the LoRA kernel keeps "auto" (its choice depends on
-    the batch size, static under jit), and so do the GDN decode step (the conv kernel up to 8
+    the batch size, static under jit), and so do the GDN decode step (the conv kernel up to 32
     rows, the fused one above: `pallas_kernels.gdn.api.decode_form`) and the prefill attention
     of a 16-bit model (the kernel tiles power-of-2 head sizes only). Idempotent."""
     gpu = backend == "gpu"
@@ -368,7 +369,7 @@ class Forms:
         attn_prefill=auto(self.attn_prefill, "xla" if _dtype_name(compute_dtype) == "float32"
                           else "auto", "xla"),
         dense_launch=auto(self.dense_launch, "fused", "fused"),
-        quant_launch=auto(self.quant_launch, "apart", "apart"),
+        quant_launch=auto(self.quant_launch, "fused", "apart"),
         proj_finish=auto(self.proj_finish, "gemv", "xla"),
         head=auto(self.head, "kernel", "xla"),
         input_norm=auto(self.input_norm, "xla", "xla"),

@@ -200,17 +200,17 @@ def test_model_decode_under_the_conv_kernel_gives_the_fused_forms_logits():
   assert np.array_equal(states[2].conv[:, 1], states[1].conv[:, 1])
 
 
-def test_auto_decode_form_is_the_conv_kernel_to_8_rows_on_the_gpu_and_the_fused_above(
+def test_auto_decode_form_is_the_conv_kernel_to_32_rows_on_the_gpu_and_the_fused_above(
     monkeypatch):
   """`Forms.gdn_decode` "auto" (kept by `Forms.resolve` on the GPU) runs the conv kernel up to
-  `CONV_MAX_BATCH` rows and the fused kernel above (batch 32 is untimed for the conv kernel),
+  `CONV_MAX_BATCH` rows and the fused kernel above (above 32 rows the conv kernel is untimed),
   XLA off the GPU; a named choice runs at every batch."""
-  assert api.CONV_MAX_BATCH == 8
+  assert api.CONV_MAX_BATCH == 32
   monkeypatch.setattr(api, "on_gpu", lambda: False)
   assert api.decode_form("auto", 1) == "xla"
   monkeypatch.setattr(api, "on_gpu", lambda: True)
-  assert [api.decode_form("auto", b) for b in (1, 8, 9, 32)] == [
-      "pallas_conv", "pallas_conv", "pallas_fused", "pallas_fused"]
+  assert [api.decode_form("auto", b) for b in (1, 8, 32, 33, 64)] == [
+      "pallas_conv", "pallas_conv", "pallas_conv", "pallas_fused", "pallas_fused"]
   assert api.decode_form(None, 1) == "pallas_conv"
   for named in ("pallas_conv", "pallas_fused", "xla", "pallas_layer_interpret"):
     assert api.decode_form(named, 32) == named
@@ -218,7 +218,7 @@ def test_auto_decode_form_is_the_conv_kernel_to_8_rows_on_the_gpu_and_the_fused_
 
 def test_model_decode_picks_the_auto_gdn_form_by_its_batch(monkeypatch):
   """The model's decode step asks `decode_form` with its own batch: with the backend taken
-  for a GPU, tracing "auto" at 1 row reaches the compiled conv kernel and at 9 rows the
+  for a GPU, tracing "auto" at 1 row reaches the compiled conv kernel and at 33 rows the
   compiled fused kernel (each refused on CPU by name); on CPU "auto" traces as XLA. (The
   backend is not in jit's cache key, so the taken-for-GPU traces run first: they fail and
   leave nothing cached. No other test traces "auto" on CPU, where `Forms.resolve` makes it
@@ -227,7 +227,7 @@ def test_model_decode_picks_the_auto_gdn_form_by_its_batch(monkeypatch):
   with pytest.raises(ValueError, match="'pallas_conv' needs a GPU"):
     _decode_jaxpr("auto", batch=1)
   with pytest.raises(ValueError, match="'pallas_fused' needs a GPU"):
-    _decode_jaxpr("auto", batch=9)
+    _decode_jaxpr("auto", batch=api.CONV_MAX_BATCH + 1)
   monkeypatch.undo()
   assert "gdn_decode_conv" not in _decode_jaxpr("auto", batch=1)
 

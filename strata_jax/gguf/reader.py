@@ -514,20 +514,55 @@ def _release(reader: gguf.GGUFReader, t) -> None:
     pass
 
 
-def _stack(parts, keys):
-  """Per-layer device arrays -> one stack; quantised parts of several types (keys) -> a
-  QGroups of one stack per type, in order of first appearance."""
-  if keys is None:
-    return jnp.stack(parts)
-  from pallas_kernels.quant import layout as qlayout  # noqa: PLC0415
-  order = list(dict.fromkeys(keys))
-  if len(order) == 1:
-    return qlayout.stack(parts)
-  group = tuple(order.index(k) for k in keys)
-  pos = tuple(group[:j].count(group[j]) for j in range(len(group)))
-  stacks = tuple(qlayout.stack([p for p, g in zip(parts, group) if g == n])
-                 for n in range(len(order)))
-  return QGroups(parts=stacks, group=group, pos=pos)
+# A leaf's [n, ...] buffer and one part written into it at an index, in place (donated):
+# one compile per part shape and dtype.
+_zeros_stack = jax.jit(lambda x, n: jnp.zeros((n, *x.shape), x.dtype), static_argnums=1)
+_put_at = jax.jit(lambda buf, x, j: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0),
+                  donate_argnums=0)
+
+
+class StackInPlace:
+  """One stacked leaf built on its device as its parts arrive, in layer order.
+
+  The first part of each type allocates that type's [n, ...] arrays, and every part is written
+  at its index and then dropped. So a device holds its stage plus one tensor while loading, not
+  its stage plus a whole leaf: the 80B's largest leaf is 6 GiB, and stacking it from its parts
+  (`jnp.stack`) ran an 80 GB H100 out of memory (run 85). The result is `jnp.stack`'s (or
+  `qlayout.stack`'s) bit for bit. Quantised parts of several types (keys) make a QGroups of one
+  stack per type, in order of first appearance.
+  """
+
+  def __init__(self, n: int, keys=None):
+    order = [None] if keys is None else list(dict.fromkeys(keys))
+    self.keyed = keys is not None and len(order) > 1
+    self.group = [0] * n if keys is None else [order.index(k) for k in keys]
+    self.pos = [self.group[:j].count(self.group[j]) for j in range(n)]
+    self.count = [self.group.count(g) for g in range(len(order))]
+    self.bufs: list = [None] * len(order)
+    self.shapes: list = [None] * len(order)
+    self.added = 0
+
+  def add(self, part) -> None:
+    g, j = self.group[self.added], self.pos[self.added]
+    if self.bufs[g] is None:
+      self.shapes[g] = jax.tree.structure(part)
+      self.bufs[g] = jax.tree.map(lambda x: _zeros_stack(x, self.count[g]), part)
+    elif jax.tree.structure(part) != self.shapes[g]:
+      from pallas_kernels.quant.layout import QuantLayoutError  # noqa: PLC0415
+      raise QuantLayoutError(f"stack: parts differ: {jax.tree.structure(part)} vs "
+                             f"{self.shapes[g]}")
+    self.bufs[g] = jax.tree.map(lambda b, x: _put_at(b, x, j), self.bufs[g], part)
+    self.added += 1
+
+  def result(self):
+    if self.added != len(self.group):
+      raise ValueError(f"stack: {self.added} of {len(self.group)} parts added")
+    from pallas_kernels.quant.layout import QTensor  # noqa: PLC0415
+    stacks = [b.replace(shape=(n, *b.shape)) if isinstance(b, QTensor) else b
+              for b, n in zip(self.bufs, self.count)]
+    if not self.keyed:
+      return stacks[0]
+    return QGroups(parts=tuple(stacks), group=tuple(self.group), pos=tuple(self.pos))
 
 
 def _empty_leaf(lp: LeafPlan, device):
@@ -542,9 +577,9 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
   """Stream every tensor from the memory map onto the device of the stage that owns it.
 
   One tensor at a time goes through host memory (decoded there, or its raw blocks sent as they
-  are and repacked on the device); a stacked leaf is made on its device from its per-layer
-  device arrays, so a device peaks at its stage plus one
-  leaf and no buffer anywhere holds the whole model. Stage 0 gets the embedding, the last stage
+  are and repacked on the device); a stacked leaf is written on its device one layer at a time
+  (`StackInPlace`), so a device peaks at its stage plus one tensor and no buffer anywhere
+  holds the whole model. Stage 0 gets the embedding, the last stage
   the final norm and the head.
   """
   per_layer, embed_b, head_b = plan_bytes(cfg, plans)
@@ -571,7 +606,11 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
           if lp.path.startswith("mtp."):   # the MTP head: on the last stage, beside the LM head
             if i == last:
               x = _entry(lp, 0, path, put)
-              flat[lp.path] = x if not lp.stacked else _stack([x], lp.keys)
+              if lp.stacked:
+                stack = StackInPlace(1, lp.keys)
+                stack.add(x)
+                x = stack.result()
+              flat[lp.path] = x
               _release(reader, lp.tensors[0])
               bar.update(int(lp.tensors[0].n_bytes))
             continue
@@ -586,17 +625,16 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
             _release(reader, t)
             bar.update(int(t.n_bytes))
             continue
-          parts, keys = [], []
-          for k, (layer, t) in enumerate(zip(lp.layers, lp.tensors)):
-            if not lo <= layer < hi:
-              continue
-            parts.append(_entry(lp, k, path, put))
-            keys.append(None if lp.keys is None else lp.keys[k])
-            _release(reader, t)
-            bar.update(int(t.n_bytes))
-          flat[lp.path] = (_stack(parts, None if lp.keys is None else keys) if parts
-                           else _empty_leaf(lp, dev))
-          del parts
+          idx = [k for k, layer in enumerate(lp.layers) if lo <= layer < hi]
+          if not idx:
+            flat[lp.path] = _empty_leaf(lp, dev)
+            continue
+          stack = StackInPlace(len(idx), None if lp.keys is None else [lp.keys[k] for k in idx])
+          for k in idx:
+            stack.add(_entry(lp, k, path, put))
+            _release(reader, lp.tensors[k])
+            bar.update(int(lp.tensors[k].n_bytes))
+          flat[lp.path] = stack.result()
       except Exception as e:
         if not _is_oom(e):
           raise
