@@ -236,7 +236,8 @@ CHOICES: dict[str, tuple] = {
     # adapter's B for the layer copied out by the projection's own launch, so the finishing
     # kernel reads B at a static index instead of loading the layer index first: by runs
     # 82-83's profiles (H100) that wait is three quarters of the adapter's cost at batch 1
-    # (the finish 1.3 -> 2.9 us a call). Not yet timed, so not the default.
+    # (the finish 1.3 -> 2.9 us a call). Timed, it saves nothing (run 86, H100, batch 1,
+    # adapter on: 4.468 / 4.467 against 4.454 / 4.449 ms a step), so it stays opt-in.
     "proj_finish": ("auto", "xla", "kernel", "gemv", "gemv_b"),
     # the output head (a plain float `lm_head`) at a decode step's few rows: "xla" = XLA's
     # GEMM, whose tiling XLA's autotuner picks per program: on the H200 at bench-a3b batch 1

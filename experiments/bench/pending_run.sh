@@ -1067,6 +1067,16 @@ if want s29; then
     --engine_rounds 1,4 --out $OUT/bench_spec_rounds.json 2>&1 \
     | grep -e engine -e ratio -e Error | cut -c1-300
 fi
+# Session of 2026-12-07 (thirtieth), SECTIONS=s30 (~9 min): the 80B-A3B Q4_K_M on this
+# commit's defaults (`quant_launch` "fused" on the GPU since run 87; the loader writing each
+# stacked leaf in place, `reader.StackInPlace`, since run 85 ran an H100 out of memory
+# stacking a 6 GiB leaf): on an H100, whether it now loads; on either card, its batch-1 program
+# with the launches fused ("base") against apart, profiled, then the Engine at batch 1 and 8,
+# adapter on and off (load_80b: device bytes, host peak, load time).
+if want s30; then
+  VARIANTS=base,qapart PROFILE=base PROBE_CAP=170 BATCHES=1,8 CAP=$(( $(left) - 5 )) \
+    bash experiments/bench/a80b_run.sh
+fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
   h200_prefill_and_peer s25
