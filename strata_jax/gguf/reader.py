@@ -591,7 +591,7 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
     free = plan_lib.free_bytes(dev if dev is not None else jax.devices()[0])
     if free is not None and need[i] > free:
       raise DeviceMemoryError(f"{path} needs {_gib(need[i])} GiB on {_dev_name(dev)}, "
-                              f"{_gib(free)} GiB free")
+                              f"{_gib(free)} GiB free{plan_lib.allocator_hint(_device(dev))}")
   read_total = sum(int(t.n_bytes) for lp in plans for t, layer in zip(lp.tensors, lp.layers)
                    if _owner(layer, lp.path, ranges) is not None)
   disable = not sys.stderr.isatty() if progress is None else not progress
@@ -642,7 +642,8 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
         free = plan_lib.free_bytes(d)
         have = f"{_gib(free)} GiB free" if free is not None else "free memory unknown"
         raise DeviceMemoryError(f"{path} needs {_gib(need[i])} GiB on {_dev_name(dev)}, {have} "
-                                f"(out of device memory while loading)") from None
+                                f"(out of device memory while loading)"
+                                f"{plan_lib.allocator_hint(d)}") from None
       stages.append(params_from_flat(flat))
   return stages
 
@@ -656,8 +657,12 @@ def _owner(layer, leaf: str, ranges) -> int | None:
   return None
 
 
+def _device(dev):
+  return dev if dev is not None else jax.devices()[0]
+
+
 def _dev_name(dev) -> str:
-  d = dev if dev is not None else jax.devices()[0]
+  d = _device(dev)
   return f"{d.platform}:{d.id}"
 
 

@@ -10,6 +10,7 @@ reserve (`stage_reserve_bytes`), since no weight is placed before the ranges are
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import numpy as np
@@ -111,6 +112,16 @@ def free_bytes(dev) -> float | None:
   if not st or "bytes_limit" not in st:
     return None
   return float(st["bytes_limit"] - st.get("bytes_in_use", 0))
+
+
+def allocator_hint(dev) -> str:
+  """For a refusal on a GPU: JAX's allocator stops at a share of the card (run 85: an 80 GB
+  H100 gave 55.9 GiB), which only an environment variable set before JAX starts raises."""
+  if getattr(dev, "platform", "") != "gpu":
+    return ""
+  share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75 (the default)")
+  return (f"; JAX uses {share} of this GPU's memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95, set "
+          f"before starting, gives it more")
 
 
 def plan_ranges(cost, embed: float, head: float, devices, what: str = "the model"):
