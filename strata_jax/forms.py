@@ -58,7 +58,7 @@ CHOICES: dict[str, tuple] = {
     # prefill slower, 69.81 against 69.26 / 69.18 ms (67.35 against 67.06 with "taps"): the
     # output launch took 3.22 ms with the norm against 2.7 without (run78).
     "gdn_gated_norm": ("auto", "after", "in_op"),
-    # the decode delta rule step: "auto" = on the GPU "pallas_conv" (below) up to 8 rows and
+    # the decode delta rule step: "auto" = on the GPU "pallas_conv" (below) up to 32 rows and
     # "pallas_fused" above (`pallas_kernels.gdn.api.decode_form`), XLA elsewhere.
     # "pallas_fused": one launch from the raw inputs, gates included, the state stack updated
     # in place, inactive rows not stored (measured on the H200 at or below XLA at every batch:

@@ -204,8 +204,8 @@ def test_a_layers_quantised_projections_run_in_one_launch_under_fused_quant_laun
   """`quant_launch="fused"` on kept quantised weights (mixed-type stacks under "fused"
   groups): the decode step's products of one input (GDN qkv / gate / ba, attention q / k /
   v, the shared expert's gate / up) run in one launch each (`qgemv_multi`), the routed
-  experts' gate with their up (2 `qgemv_groups` launches, not 3); "apart" (the default)
-  keeps one launch a product. That the numbers are the same bit for bit is
+  experts' gate with their up (2 `qgemv_groups` launches, not 3); "apart" (the default off
+  the GPU) keeps one launch a product. That the numbers are the same bit for bit is
   `test_fused_groups_give_the_predicated_numbers_bit_for_bit` (predicated groups run apart)."""
   keep = _mixed_model(tmp_path, "keep")
   forms = dict(quant_impl="pallas_interpret", quant_groups="fused")
