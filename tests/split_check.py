@@ -7,6 +7,9 @@ python tests/split_check.py mp PROCESS_ID PORT  -> one of two processes under ja
 import json
 import os
 import sys
+import time
+
+T0 = time.perf_counter()
 
 MP = sys.argv[1] == "mp"
 n_dev = 2 if MP else int(sys.argv[1])
@@ -97,9 +100,37 @@ out = {"devices": n_dev, "platform": jax.default_backend(), "processes": jax.pro
 # Under two processes, process 0 runs the engine's and process 1 the one-pass prefill's.
 REFERENCE = jax.process_index() == 0
 PASS_REFERENCE = jax.process_index() == jax.process_count() - 1
+seconds = {"start": time.perf_counter() - T0}
+
+
+def lap(name):
+  seconds[name] = round(time.perf_counter() - T0 - sum(seconds.values()), 1)
+
+
+def one_pass(m):
+  """`Engine(bucket_step=)`: a 100-token prompt with a state every block is one chunk that
+  hands back three states from inside, per stage; then a prompt extending it (slot erased)
+  resumes from the prefix cache."""
+  eng = sj.Engine(m, lora=lora, slots=1, max_seq=160, block_size=32, state_every=1,
+                  bucket_step=32)
+  p = list(np.random.default_rng(7).integers(0, TINY.vocab_size, 100))
+  sched = eng._schedule(0, len(p), 3, True)
+  res = eng.generate(tokens=p, max_tokens=4, lora=True)
+  eng._flush_snapshots()
+  eng.erase_slot(0)
+  follow = eng.generate(tokens=p + res.tokens + [7], max_tokens=3, lora=True)
+  return sched, res.tokens, follow.tokens, follow.cached_tokens
+
+
+# The references first: under two processes they then run side by side, before the split's
+# collectives.
 if REFERENCE:
   single_eng, single = run(model, lora, switches)
+if PASS_REFERENCE:
+  single_pass = one_pass(model)
+lap("references")
 eng, split = run(split_model, lora, switches)
+lap("split")
 out["ranges"] = [list(st.layers) for st in eng.stages]
 out["stage_devices"] = [str(st.device) for st in eng.stages]
 if REFERENCE:
@@ -111,8 +142,10 @@ if REFERENCE:
 n_prog = (steps.prefill._cache_size(), steps.decode._cache_size())
 _, split_off = run(split_model, lora, [False] * 3)
 _, split_on = run(split_model, lora, [True] * 3)
+lap("off_on")
 out["programs_stable"] = (steps.prefill._cache_size(), steps.decode._cache_size()) == n_prog
 _, split_none = run(split_model, None, [None] * 3)
+lap("none")
 out["off_bit_identical"] = all(
     np.array_equal(a.step_logits, b.step_logits)
     and np.array_equal(a.prompt_logits, b.prompt_logits)
@@ -178,27 +211,14 @@ else:   # stages on several processes: speculative requests are refused, naming 
     out["spec_refused"] = False
   except RequestError as e:
     out["spec_refused"] = str(e)
-
-
-def one_pass(m):
-  """`Engine(bucket_step=)`: a 100-token prompt with a state every block is one chunk that
-  hands back three states from inside, per stage; then a prompt extending it (slot erased)
-  resumes from the prefix cache."""
-  eng = sj.Engine(m, lora=lora, slots=1, max_seq=160, block_size=32, state_every=1,
-                  bucket_step=32)
-  p = list(np.random.default_rng(7).integers(0, TINY.vocab_size, 100))
-  sched = eng._schedule(0, len(p), 3, True)
-  res = eng.generate(tokens=p, max_tokens=4, lora=True)
-  eng._flush_snapshots()
-  eng.erase_slot(0)
-  follow = eng.generate(tokens=p + res.tokens + [7], max_tokens=3, lora=True)
-  return sched, res.tokens, follow.tokens, follow.cached_tokens
+lap("spec")
 
 
 split_pass = one_pass(split_model)
+lap("one_pass")
 out["one_pass_schedule"] = split_pass[0]
 if PASS_REFERENCE:
-  single_pass = one_pass(model)
   out["one_pass_same"] = single_pass[1:] == split_pass[1:] and split_pass[3] == 96
 out["logs"] = logs
+out["seconds"] = seconds   # where the check's time goes (the suite's longest tests)
 print(json.dumps(out))
