@@ -222,16 +222,16 @@ class SpecDecoder:
       d = self.drafts.get(slot, [])[:n_row[slot]]
       toks[slot, 0], toks[slot, 1:1 + len(d)] = r.last, d
       nv[slot], sw[slot], cap[slot] = 1 + len(d), r.switch, r.cap
-    stops = sorted({int(s) for r in rows.values() for s in r.stop}) or [-1]
-    stop = jnp.asarray(np.asarray(stops, np.int32))
+    # numpy inputs go to the programs as they are: jit moves them with its own call (a
+    # `jnp.asarray` each was a dispatch of its own, five a round)
+    stop = np.asarray(sorted({int(s) for r in rows.values() for s in r.stop}) or [-1], np.int32)
     greedy = all(r.temperature < GREEDY_BELOW or not r.temperature == r.temperature
                  for r in rows.values())
     # rows that want their logits take the host's rule (greedy: the same argmax), which reads
     # the verification's logits anyway
     host_rule = not greedy or any(r.want_logits or r.penalised for r in rows.values())
     states = list(states)
-    pos = states[-1].pos + 0      # a copy: the steps donate the state
-    arrs = (jnp.asarray(toks), jnp.asarray(sw), jnp.asarray(nv))
+    arrs = (toks, sw, nv)
     logits = None
     whole = len(self.stages) == 1
     if whole:
@@ -243,25 +243,25 @@ class SpecDecoder:
         states[0], out = self._rounds(states[0], rows, toks, nv, n_row, sw, cap, stop, R)
         return states, out
       choice, k, n_emit, drafts, states[0], self.mstate = steps.spec_step_greedy(
-          *args, self.mstate, *arrs, jnp.asarray(cap), stop, n_draft=self.n, cvec=st.cvec)
+          *args, self.mstate, *arrs, cap, stop, n_draft=self.n, cvec=st.cvec)
     else:
+      pos = states[-1].pos + 0      # a copy: the steps donate the state
       if whole and not host_rule:
         choice, k, n_emit, hidden, states[0] = steps.verify_greedy(
-            *args, *arrs, jnp.asarray(cap), stop, cvec=st.cvec)
+            *args, *arrs, cap, stop, cvec=st.cvec)
       else:
         out, hidden, pending = self._verify(states, *arrs)
         if host_rule:
           choice, k, n_emit, logits = self._accept_on_host(out, rows, toks, nv, cap)
         else:
-          choice, k, n_emit = steps.greedy_emit(out, arrs[0], arrs[2], jnp.asarray(cap), stop)
+          choice, k, n_emit = steps.greedy_emit(out, toks, nv, cap, stop)
         states = self._commit(states, pending, n_emit, arrs[1])
       drafts = None
       if self.draft == "mtp":
         drafts, self.mstate = steps.mtp_draft(
             self.stages[-1].cfg, self._head(), self.mstate, jnp.asarray(choice), hidden, pos,
             jnp.asarray(n_emit), n_draft=self.n)
-    choice, k, n_emit = np.asarray(choice), np.asarray(k), np.asarray(n_emit)
-    drafts = np.asarray(drafts) if drafts is not None else None
+    choice, k, n_emit, drafts = jax.device_get((choice, k, n_emit, drafts))   # one read
     out = {}
     for slot, r in rows.items():
       e = int(n_emit[slot])
@@ -283,9 +283,9 @@ class SpecDecoder:
     its rounds (a row stops at a stop id or its cap; its later rounds are empty)."""
     st = self.stages[0]
     tokens, choice, k, n_emit, drafts, state, self.mstate = steps.spec_rounds_greedy(
-        st.cfg, st.params, st.lora, state, self.mstate, jnp.asarray(toks[:, 0]),
-        jnp.asarray(toks[:, 1:]), jnp.asarray(nv - (nv > 0)), jnp.asarray(n_row),
-        jnp.asarray(sw), jnp.asarray(cap), stop, n_draft=self.n, n_rounds=R, cvec=st.cvec)
+        st.cfg, st.params, st.lora, state, self.mstate, toks[:, 0], toks[:, 1:],
+        (nv - (nv > 0)).astype(np.int32), n_row, sw, cap, stop, n_draft=self.n, n_rounds=R,
+        cvec=st.cvec)
     tokens, choice, k, n_emit, drafts = jax.device_get((tokens, choice, k, n_emit, drafts))
     out = {}
     for slot in rows:
