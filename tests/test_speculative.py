@@ -539,3 +539,39 @@ def test_several_mtp_rounds_in_one_dispatch_equal_one_round_at_a_time(model, lor
   assert_state_close(eng4.states[0], eng1.states[0], rel=SPEC_STATE_REL_FP32)
   with pytest.raises(StrataError, match="spec_rounds"):
     Engine(model, slots=1, max_seq=64, spec_rounds=0)
+
+
+def _full_sort_nucleus(p, top_p):
+  """The nucleus by one stable sort of the whole vocabulary (the definition)."""
+  order = np.argsort(-p, kind="stable")
+  return order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
+
+
+@pytest.mark.parametrize("vocab,scale,levels", [
+    (151936, 3.0, 0), (151936, 0.3, 0), (151936, 3.0, 8), (5000, 1.0, 0), (700, 2.0, 4)])
+def test_the_nucleus_from_the_head_is_the_full_sorts(vocab, scale, levels):
+  """`nucleus` sorts only the largest probabilities when they already hold top_p: the same
+  indices as sorting the whole vocabulary, for peaked and flat distributions (a flat one at
+  top_p 0.99 needs the fallback), ties at the cut (logits on a few levels), a top-k's zeros
+  and a vocabulary under the head size; and `target_probs` with it as before."""
+  rng = np.random.default_rng(vocab + levels)
+  z = rng.standard_normal(vocab) * scale
+  if levels:
+    z = np.round(z * levels / scale) / levels * scale   # many exact ties
+  for top_k in (0, 50):
+    zz = z if not top_k else np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)
+    p = np.exp(zz - zz.max())
+    p /= p.sum()
+    for top_p in (0.1, 0.5, 0.9, 0.95, 0.99):
+      np.testing.assert_array_equal(speculative.nucleus(p, top_p), _full_sort_nucleus(p, top_p))
+  got = speculative.target_probs(z.astype(np.float32), 0.8, top_k=40, top_p=0.9, min_p=0.01)
+  x = np.asarray(z.astype(np.float32), np.float64) / 0.8
+  x = np.where(x >= np.partition(x, -40)[-40], x, -np.inf)
+  want = np.exp(x - x.max())
+  want /= want.sum()
+  keep = _full_sort_nucleus(want, 0.9)
+  mask = np.zeros_like(want)
+  mask[keep] = want[keep]
+  want = mask / mask.sum()
+  want = np.where(want >= 0.01 * want.max(), want, 0.0)
+  np.testing.assert_array_equal(got, want / want.sum())

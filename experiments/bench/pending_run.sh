@@ -1079,7 +1079,7 @@ if want s30; then
 fi
 # SECTIONS=s30spec (~3 min): the Engine's speculative rounds after the thirtieth session's host
 # changes (the round's inputs go to the program as numpy, its outputs come back in one read;
-# on this CPU +20 % tok/s at spec_rounds 1 and 4). Run 86 read ~5 ms of host time a dispatch
+# on this CPU +10-40 % tok/s at spec_rounds 1, within noise at 4). Run 86 read ~5 ms of host time a dispatch
 # on the H100 (Engine 73.4 / 90.0 tok/s against the program's 115.2 at rounds 1 / 4).
 if want s30spec; then
   timeout $(( $(left) - 5 )) python3 experiments/bench/bench_spec.py --ns 3 \
