@@ -237,7 +237,6 @@ def main(argv=None):
   command = "python experiments/bench/load_80b.py " + " ".join(argv or sys.argv[1:])
 
   import jax
-  from common import COPY_TBPS
 
   import strata_jax as sj
   from strata_jax.forms import parse_forms
@@ -260,13 +259,12 @@ def main(argv=None):
     details["file_tensor_bytes"] = model.file_bytes
     details["device_bytes_ratio"] = sum(per_dev.values()) / model.file_bytes
     details["layer_ranges"] = model.layer_ranges
-    in_use = {}
-    for d in model.devices or [jax.devices()[0]]:
-      try:
-        in_use[str(d)] = d.memory_stats().get("bytes_in_use")
-      except Exception:  # noqa: BLE001 (CPU: no stats)
-        in_use[str(d)] = None
-    details["device_bytes_in_use"] = in_use
+    devices = model.devices or [jax.devices()[0]]
+    details["device_bytes_in_use"] = {k: v.get("bytes_in_use") for k, v in
+                                      device_memory(devices).items()}
+    # the loader's high-water mark against the allocator's limit (run 85: an 80 GB H100 ran
+    # out stacking a 6 GiB leaf; since then each leaf is written in place, a layer at a time)
+    details["device_memory_after_load"] = device_memory(devices)
     bpt = weight_bytes_per_token(model)
     details["weight_bytes_per_token_b1"] = bpt
     lora = random_lora(model.cfg, args.lora_rank, model.dtype) if args.lora_rank else None
@@ -281,6 +279,7 @@ def main(argv=None):
         details["decode"][f"b{b}_{'on' if sw else 'off' if sw is False else 'none'}"] = {
             "tok_s": agg, "per_request_tok_s": med}
       del engine
+      details["device_memory_after_decode"] = device_memory(devices)
       write_report(out_path, command, details, True, args.layer_split)
     fits = True
   except Exception as e:  # noqa: BLE001 (reported in the JSON, then re-raised)
@@ -295,6 +294,19 @@ def main(argv=None):
     print(details["traceback"], file=sys.stderr)
     return 1
   return 0
+
+
+def device_memory(devices) -> dict:
+  """{device: bytes_in_use, peak_bytes_in_use, bytes_limit} (None where a backend keeps no
+  statistics, as the CPU)."""
+  out = {}
+  for d in devices:
+    try:
+      st = d.memory_stats() or {}
+    except Exception:  # noqa: BLE001 (CPU: no stats)
+      st = {}
+    out[str(d)] = {k: st.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+  return out
 
 
 if __name__ == "__main__":
