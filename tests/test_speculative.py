@@ -575,3 +575,26 @@ def test_the_nucleus_from_the_head_is_the_full_sorts(vocab, scale, levels):
   want = mask / mask.sum()
   want = np.where(want >= 0.01 * want.max(), want, 0.0)
   np.testing.assert_array_equal(got, want / want.sum())
+
+
+def _scan_ngram_draft(toks, n, max_ngram, min_ngram):
+  """Prompt lookup by a plain scan from the end (the definition)."""
+  L = len(toks)
+  for g in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+    for start in range(L - g - 1, -1, -1):
+      if toks[start:start + g] == toks[L - g:]:
+        return toks[start + g:start + g + n]
+  return []
+
+
+def test_ngram_draft_matches_the_scan_on_random_contexts():
+  """The numpy match gives the plain scan's drafts: small vocabularies (many matches, the
+  longest n-gram first), large ones (mostly none), short contexts, every n."""
+  rng = np.random.default_rng(3)
+  for vocab, length in ((3, 12), (5, 60), (20, 300), (151936, 2000), (4, 2), (4, 1)):
+    for _ in range(20):
+      toks = [int(t) for t in rng.integers(0, vocab, length)]
+      for n in (1, 3, 6):
+        want = _scan_ngram_draft(toks, n, speculative.NGRAM_MAX, speculative.NGRAM_MIN)
+        got = speculative.ngram_draft(toks, n)
+        assert got == want and all(type(t) is int for t in got), (toks, n, got, want)
