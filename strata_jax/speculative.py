@@ -89,10 +89,10 @@ def target_probs(logits: np.ndarray, temperature: float, top_k: int = 0,
 def nucleus(p: np.ndarray, top_p: float, heads: tuple[int, ...] = (1024, 16384)) -> np.ndarray:
   """The top-p nucleus of p [V]: the shortest prefix of p sorted descending (ties by index, a
   stable sort) whose running sum reaches top_p. Sorting all of a 151,936-token vocabulary took
-  ~10 ms a position on the host, so only the largest are sorted: the nonzero entries (a top-k
-  leaves k), or the `heads[i]` largest with every entry tied at the cut, the first of these
-  whose running sum reaches top_p. Each is a prefix of the whole order, so the nucleus is the
-  whole sort's."""
+  ~15 ms a position on the host (experiments/results/nucleus_cpu.log), so only the largest
+  are sorted: the nonzero entries (a top-k leaves k), or the `heads[i]` largest with every
+  entry tied at the cut, the first of these whose running sum reaches top_p. Each is a prefix
+  of the whole order, so the nucleus is the whole sort's."""
   support = np.flatnonzero(p)
   vals = p[support]
   for head in heads:

@@ -539,18 +539,18 @@ class StackInPlace:
     self.pos = [self.group[:j].count(self.group[j]) for j in range(n)]
     self.count = [self.group.count(g) for g in range(len(order))]
     self.bufs: list = [None] * len(order)
-    self.shapes: list = [None] * len(order)
+    self.structs: list = [None] * len(order)
     self.added = 0
 
   def add(self, part) -> None:
     g, j = self.group[self.added], self.pos[self.added]
     if self.bufs[g] is None:
-      self.shapes[g] = jax.tree.structure(part)
+      self.structs[g] = jax.tree.structure(part)
       self.bufs[g] = jax.tree.map(lambda x: _zeros_stack(x, self.count[g]), part)
-    elif jax.tree.structure(part) != self.shapes[g]:
+    elif jax.tree.structure(part) != self.structs[g]:
       from pallas_kernels.quant.layout import QuantLayoutError  # noqa: PLC0415
       raise QuantLayoutError(f"stack: parts differ: {jax.tree.structure(part)} vs "
-                             f"{self.shapes[g]}")
+                             f"{self.structs[g]}")
     self.bufs[g] = jax.tree.map(lambda b, x: _put_at(b, x, j), self.bufs[g], part)
     self.added += 1
 
