@@ -116,12 +116,14 @@ def free_bytes(dev) -> float | None:
 
 def allocator_hint(dev) -> str:
   """For a refusal on a GPU: JAX's allocator stops at a share of the card (run 85: an 80 GB
-  H100 gave 55.9 GiB), which only an environment variable set before JAX starts raises."""
+  H100 gave 55.9 GiB), which only an environment variable set before JAX starts raises
+  (XLA_CLIENT_MEM_FRACTION; XLA_PYTHON_CLIENT_MEM_FRACTION is its older name)."""
   if getattr(dev, "platform", "") != "gpu":
     return ""
-  share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75 (the default)")
-  return (f"; JAX uses {share} of this GPU's memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95, set "
-          f"before starting, gives it more")
+  share = (os.environ.get("XLA_CLIENT_MEM_FRACTION")
+           or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or "0.75 (the default)")
+  return (f"; JAX uses {share} of this GPU's memory: XLA_CLIENT_MEM_FRACTION=.95, set before "
+          f"starting, gives it more")
 
 
 def plan_ranges(cost, embed: float, head: float, devices, what: str = "the model"):
