@@ -544,6 +544,15 @@ class StackInPlace:
 
   def add(self, part) -> None:
     g, j = self.group[self.added], self.pos[self.added]
+    if not all(x.is_fully_addressable for x in jax.tree.leaves(part)):
+      # another process's device (a stage per process): this process holds no data there,
+      # only the stack's handle, as `distributed.call_on_stage` makes them (a jitted write
+      # into another process's buffer crashes JAX 0.10 on CPU)
+      if self.bufs[g] is None:
+        self.bufs[g] = jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+            (self.count[g], *x.shape), x.sharding, [], dtype=x.dtype), part)
+      self.added += 1
+      return
     if self.bufs[g] is None:
       self.structs[g] = jax.tree.structure(part)
       self.bufs[g] = jax.tree.map(lambda x: _zeros_stack(x, self.count[g]), part)
