@@ -10,7 +10,6 @@ reserve (`stage_reserve_bytes`), since no weight is placed before the ranges are
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import numpy as np
@@ -116,14 +115,17 @@ def free_bytes(dev) -> float | None:
 
 def allocator_hint(dev) -> str:
   """For a refusal on a GPU: JAX's allocator stops at a share of the card (run 85: an 80 GB
-  H100 gave 55.9 GiB), which only an environment variable set before JAX starts raises
-  (XLA_CLIENT_MEM_FRACTION; XLA_PYTHON_CLIENT_MEM_FRACTION is its older name)."""
+  H100 gave 55.9 GiB), which only an environment variable read when JAX starts raises. The
+  limit is the device's own figure; the library reads no environment variable."""
   if getattr(dev, "platform", "") != "gpu":
     return ""
-  share = (os.environ.get("XLA_CLIENT_MEM_FRACTION")
-           or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or "0.75 (the default)")
-  return (f"; JAX uses {share} of this GPU's memory: XLA_CLIENT_MEM_FRACTION=.95, set before "
-          f"starting, gives it more")
+  try:
+    limit = (dev.memory_stats() or {}).get("bytes_limit")
+  except Exception:  # noqa: BLE001 (backends without stats)
+    limit = None
+  at = f" at {limit / 2**30:.2f} GiB" if limit else ""
+  return (f"; JAX's allocator stops{at}, a share of this GPU (0.75 unless set otherwise): "
+          f"XLA_CLIENT_MEM_FRACTION=.95, set before starting, gives it more")
 
 
 def plan_ranges(cost, embed: float, head: float, devices, what: str = "the model"):
