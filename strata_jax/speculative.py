@@ -231,9 +231,8 @@ class SpecDecoder:
   def restart(self, slot: int, pos: int):
     self.drafts[slot] = []
     if self.mstate is not None:
-      rows = jnp.asarray(np.arange(self.n_slots) == slot, jnp.int32)
-      self.mstate = steps.mtp_restart(self.mstate, rows,
-                                      jnp.full((self.n_slots,), pos, jnp.int32))
+      rows = (np.arange(self.n_slots) == slot).astype(np.int32)
+      self.mstate = steps.mtp_restart(self.mstate, rows, np.full(self.n_slots, pos, np.int32))
 
   def round(self, states: list, rows: dict[int, Row]):
     """Verify and draft for `rows` {slot: Row}; the other slots are left as they are.
@@ -358,7 +357,7 @@ class SpecDecoder:
     for i, st in enumerate(self.stages):
       n, s = ((n_emit, switch) if st.device is None
               else jax.device_put((n_emit, switch), st.device))
-      states[i] = steps.commit(states[i], pending[i], jnp.asarray(n), jnp.asarray(s))
+      states[i] = steps.commit(states[i], pending[i], n, s)
     return states
 
   def _accept_on_host(self, logits, rows, toks, nv, cap):

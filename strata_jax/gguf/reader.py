@@ -534,7 +534,6 @@ class StackInPlace:
 
   def __init__(self, n: int, keys=None):
     order = [None] if keys is None else list(dict.fromkeys(keys))
-    self.keyed = keys is not None and len(order) > 1
     self.group = [0] * n if keys is None else [order.index(k) for k in keys]
     self.pos = [self.group[:j].count(self.group[j]) for j in range(n)]
     self.count = [self.group.count(g) for g in range(len(order))]
@@ -569,7 +568,7 @@ class StackInPlace:
     from pallas_kernels.quant.layout import QTensor  # noqa: PLC0415
     stacks = [b.replace(shape=(n, *b.shape)) if isinstance(b, QTensor) else b
               for b, n in zip(self.bufs, self.count)]
-    if not self.keyed:
+    if len(stacks) == 1:
       return stacks[0]
     return QGroups(parts=tuple(stacks), group=tuple(self.group), pos=tuple(self.pos))
 
