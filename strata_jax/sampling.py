@@ -245,6 +245,77 @@ def pick_nucleus(zt, top_k, top_p, min_p, u, *, with_top_k: bool = True):
   return pick(jnp.where(keep, zt, -jnp.inf), top_k, top_p, min_p, u, ordered=False)
 
 
+def kept_probs(zt, top_k, top_p, min_p):
+  """The distribution a plain step draws from, as probabilities [N, V] over tempered logits
+  zt [N, V]: top-k (top_k [N], 0 or >= V: off), then the top-p nucleus (top_p [N], >= 1: off),
+  then min-p (min_p [N]), renormalised; the kept sets `pick_nucleus` draws from (a `cap` row's
+  64 entries hold the same set). `speculative.target_probs` is its float64 host twin."""
+  V = zt.shape[-1]
+  keep = _top_k_mask(zt, jnp.where((top_k > 0) & (top_k < V), top_k, V))
+  z = jnp.where(keep, zt, -jnp.inf)
+  p = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
+  p = p / jnp.sum(p, axis=-1, keepdims=True)
+  use_p = top_p < 1.0
+  keep &= _nucleus_mask(p, jnp.where(use_p, top_p, 1.0)) | ~use_p[:, None]
+  # min-p is relative to the top probability, which the nucleus always keeps
+  keep &= p >= min_p[:, None] * jnp.max(p, axis=-1, keepdims=True)
+  p = jnp.where(keep, p, 0.0)
+  return p / jnp.sum(p, axis=-1, keepdims=True)
+
+
+SPEC_STREAM = 1   # folded into a speculative draw's key: its uniforms are not a plain step's
+
+
+def spec_uniforms(sp: SamplingParams, step):
+  """Two uniforms in [0, 1) per row and position from (seed, step) alone, step int [B, T] the
+  output index the position would emit: [..., 0] decides a draft, [..., 1] draws a token."""
+  def one(lo, hi, s):
+    k = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), lo), hi)
+    at = lambda i: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(k, i), SPEC_STREAM),
+                                      (2,), jnp.float32)
+    return jax.vmap(at)(s)
+  return jax.vmap(one)(sp.seed_lo, sp.seed_hi, step.astype(jnp.uint32))
+
+
+def spec_accept(logits, tokens, n_new, sp: SamplingParams, step0, choice, k):
+  """The rejection rule on the device for the sampled rows of a speculative round (the others
+  keep the greedy `choice`, `k` given). logits [B, T, V] the verification's (penalties are the
+  host's); tokens [B, T] the row's pending token, then its n_new - 1 drafts; step0 [B] the
+  output index of position 0's token. Draft d at position i, whose target (`kept_probs` of
+  logits / temperature) is p, is kept with probability p(d); the first rejected one is
+  replaced by a draw from p with d removed, renormalised, and after every draft was kept a
+  bonus token is drawn from the next position's p, so each emitted token follows plain
+  sampling's distribution. Returns (choice [B, T]: the kept drafts, then the drawn token;
+  accepted drafts k [B])."""
+  B, T, V = logits.shape
+  sampled = row_path(sp.temperature, sp.top_k, sp.top_p) != GREEDY
+  t = jnp.where(sampled, sp.temperature, 1.0)
+  per_pos = lambda x: jnp.repeat(x, T)
+  p = kept_probs((logits / t[:, None, None]).reshape(B * T, V), per_pos(sp.top_k),
+                 per_pos(sp.top_p), per_pos(sp.min_p)).reshape(B, T, V)
+  at = jnp.arange(T, dtype=jnp.int32)
+  u = spec_uniforms(sp, step0[:, None] + at[None])                      # [B, T, 2]
+  drafts = tokens[:, 1:]                                               # [B, T - 1]
+  p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
+  ok = (u[:, :-1, 0] < p_draft) & (at[None, :-1] < n_new[:, None] - 1)
+  ks = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)      # [B]
+  rows = jnp.arange(B)
+  q = p[rows, ks]                                                      # [B, V]
+  rejected = ks < n_new - 1
+  d = drafts[rows, jnp.minimum(ks, T - 2)] if T > 1 else jnp.zeros(B, jnp.int32)
+  q_res = jnp.where(rejected[:, None] & (jnp.arange(V)[None] == d[:, None]), 0.0, q)
+  cdf = jnp.cumsum(q_res, axis=-1)
+  drawn = jnp.sum(cdf <= (u[rows, ks, 1] * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
+  last_kept = jnp.max(jnp.where(q_res > 0, jnp.arange(V)[None], 0), axis=-1)
+  # float32 can hold a rejected draft at p(d) = 1 - ulp with nothing else left: keep it
+  tok = jnp.where(cdf[:, -1] > 0, jnp.minimum(drawn, last_kept), d)
+  shifted = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+  mine = jnp.where(at[None] < ks[:, None], shifted, jnp.where(at[None] == ks[:, None],
+                                                                 tok[:, None], 0))
+  return (jnp.where(sampled[:, None], mine, choice).astype(jnp.int32),
+          jnp.where(sampled, ks, k).astype(jnp.int32))
+
+
 def choose(logits, recent, sp: SamplingParams, step, plan: Plan):
   """The token of every row and its logprobs.
 

@@ -7,8 +7,9 @@ Drafters: "mtp", the model's own MTP head (never adapted, whatever the row's LoR
 drafts while they equal the argmax; sampled rows use the standard rejection rule with the
 draft as a point mass (draft d at a position with target distribution p is kept with
 probability p(d); on rejection the token is drawn from p with d removed, renormalised), so the
-output distribution is exactly the target model's. Host orchestration (numpy) here; the jitted
-programs are in `strata_jax.steps`.
+output distribution is exactly the target model's: on the device (`sampling.spec_accept`),
+or here on the host (`accept`) for rows that want their logits or have penalties. Host
+orchestration (numpy) here; the jitted programs are in `strata_jax.steps`.
 """
 from __future__ import annotations
 
@@ -139,6 +140,30 @@ def accept(logits: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
   return out + [int(rng.choice(p.size, p=p))], len(drafts)
 
 
+def _greedy(r) -> bool:
+  return r.temperature < GREEDY_BELOW or not r.temperature == r.temperature
+
+
+def _device_sampling(rows: dict, B: int):
+  """The device rule's inputs for `rows` {slot: Row} over B slots: (`sampling.SamplingParams`
+  [B], step0 [B], each row's output index of its next token); greedy and idle slots keep
+  temperature 0."""
+  a = dict(temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32),
+           top_p=np.ones(B, np.float32), min_p=np.zeros(B, np.float32),
+           seed_lo=np.zeros(B, np.uint32), seed_hi=np.zeros(B, np.uint32))
+  step0 = np.zeros(B, np.int32)
+  for slot, r in rows.items():
+    if _greedy(r):
+      continue
+    seed = int(r.seed) % (1 << 64)
+    a["temperature"][slot], a["top_k"][slot] = r.temperature, r.top_k
+    a["top_p"][slot], a["min_p"][slot] = r.top_p, r.min_p
+    a["seed_lo"][slot], a["seed_hi"][slot] = seed & 0xFFFFFFFF, seed >> 32
+    step0[slot] = r.step
+  z = np.zeros(B, np.float32)
+  return sampling.SamplingParams(presence=z, frequency=z, repeat=z + 1, **a), step0
+
+
 def rounds_for(caps: Sequence[int], ns: Sequence[int], most: int) -> int:
   """Greedy MTP rounds to run in one dispatch: `most` when no row can reach its cap before the
   last of them (a round emits at most n + 1 tokens), so no round is spent on rows that are all
@@ -158,7 +183,10 @@ class Row:
     context: every token of the row so far, `last` included (the n-gram drafter reads it).
     cap: tokens the row may still emit (>= 1).
     stop: token ids that end the row (emitted, then nothing more).
-    temperature, top_k, top_p, min_p, rng: its sampling (temperature below 1e-5: greedy).
+    temperature, top_k, top_p, min_p: its sampling (temperature below 1e-5: greedy).
+    seed, step: the device rule's draws (`sampling.spec_accept`): the request's seed, and
+      the output index of the row's next token (its draws depend on these alone).
+    rng: the host rule's draws (rows that want their logits or have penalties).
     presence, frequency, repeat: its penalties (0, 0, 1: off), over the last RECENT tokens of
       `context` and the drafts before each position, as a plain decode step's window.
     n: drafts the row takes per round (at most the decoder's n; None: the decoder's n).
@@ -173,6 +201,8 @@ class Row:
   top_k: int = 0
   top_p: float = 1.0
   rng: np.random.Generator | None = None
+  seed: int = 0
+  step: int = 0
   n: int | None = None
   min_p: float = 0.0
   want_logits: bool = False
@@ -249,11 +279,13 @@ class SpecDecoder:
     # numpy inputs go to the programs as they are: jit moves them with its own call (a
     # `jnp.asarray` each was a dispatch of its own, five a round)
     stop = np.asarray(sorted({int(s) for r in rows.values() for s in r.stop}) or [-1], np.int32)
-    greedy = all(r.temperature < GREEDY_BELOW or not r.temperature == r.temperature
-                 for r in rows.values())
     # rows that want their logits take the host's rule (greedy: the same argmax), which reads
-    # the verification's logits anyway
-    host_rule = not greedy or any(r.want_logits or r.penalised for r in rows.values())
+    # the verification's logits anyway, as do penalised rows (each position's own window);
+    # sampled rows otherwise take the device's rule, with their seeds and output indices
+    host_rule = any(r.want_logits or r.penalised for r in rows.values())
+    sp = step0 = None
+    if not host_rule and not all(_greedy(r) for r in rows.values()):
+      sp, step0 = _device_sampling(rows, B)
     states = list(states)
     arrs = (toks, sw, nv)
     logits = None
@@ -264,21 +296,22 @@ class SpecDecoder:
     if whole and not host_rule and self.draft == "mtp":
       R = rounds_for(cap[list(rows)], n_row[list(rows)], self.rounds)
       if R > 1:
-        states[0], out = self._rounds(states[0], rows, toks, nv, n_row, sw, cap, stop, R)
+        states[0], out = self._rounds(states[0], rows, toks, nv, n_row, sw, cap, stop, R,
+                                      sp, step0)
         return states, out
-      choice, k, n_emit, drafts, states[0], self.mstate = steps.spec_step_greedy(
-          *args, self.mstate, *arrs, cap, stop, n_draft=self.n, cvec=st.cvec)
+      choice, k, n_emit, drafts, states[0], self.mstate = steps.spec_step(
+          *args, self.mstate, *arrs, cap, stop, sp, step0, n_draft=self.n, cvec=st.cvec)
     else:
       pos = states[-1].pos + 0      # a copy: the steps donate the state
       if whole and not host_rule:
-        choice, k, n_emit, hidden, states[0] = steps.verify_greedy(
-            *args, *arrs, cap, stop, cvec=st.cvec)
+        choice, k, n_emit, hidden, states[0] = steps.verify_accept(
+            *args, *arrs, cap, stop, sp, step0, cvec=st.cvec)
       else:
         out, hidden, pending = self._verify(states, *arrs)
         if host_rule:
           choice, k, n_emit, logits = self._accept_on_host(out, rows, toks, nv, cap)
         else:
-          choice, k, n_emit = steps.greedy_emit(out, toks, nv, cap, stop)
+          choice, k, n_emit = steps.accept_emit(out, toks, nv, cap, stop, sp, step0)
         states = self._commit(states, pending, n_emit, arrs[1])
       drafts = None
       if self.draft == "mtp":
@@ -302,14 +335,14 @@ class SpecDecoder:
         self.drafts[slot] = ngram_draft(list(r.context) + emitted, self.n)
     return states, out
 
-  def _rounds(self, state, rows, toks, nv, n_row, sw, cap, stop, R: int):
-    """R greedy MTP rounds in one program (`steps.spec_rounds_greedy`): each row's Out sums
-    its rounds (a row stops at a stop id or its cap; its later rounds are empty)."""
+  def _rounds(self, state, rows, toks, nv, n_row, sw, cap, stop, R: int, sp, step0):
+    """R MTP rounds in one program (`steps.spec_rounds_step`): each row's Out sums its
+    rounds (a row stops at a stop id or its cap; its later rounds are empty)."""
     st = self.stages[0]
-    tokens, choice, k, n_emit, drafts, state, self.mstate = steps.spec_rounds_greedy(
+    tokens, choice, k, n_emit, drafts, state, self.mstate = steps.spec_rounds_step(
         st.cfg, st.params, st.lora, state, self.mstate, toks[:, 0], toks[:, 1:],
-        (nv - (nv > 0)).astype(np.int32), n_row, sw, cap, stop, n_draft=self.n, n_rounds=R,
-        cvec=st.cvec)
+        (nv - (nv > 0)).astype(np.int32), n_row, sw, cap, stop, sp, step0, n_draft=self.n,
+        n_rounds=R, cvec=st.cvec)
     tokens, choice, k, n_emit, drafts = jax.device_get((tokens, choice, k, n_emit, drafts))
     out = {}
     for slot in rows:

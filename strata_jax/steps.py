@@ -278,12 +278,16 @@ def _greedy_accept(logits, tokens, n_new):
   return choice, k
 
 
-def _greedy_emit(logits, tokens, n_new, cap, stop):
+def _accept_emit(logits, tokens, n_new, cap, stop, sp=None, step0=None):
   """Greedy acceptance with the round's limits: (choice [B, T], accepted drafts k [B], tokens
   to emit n_emit [B]). A row emits choice[:n_emit]: its accepted drafts and then the model's own
   token, cut after the first stop id (stop int32 [S], -1 padded) and at cap [B] tokens; it has
-  then consumed tokens[:n_emit] (0 for an idle row)."""
+  then consumed tokens[:n_emit] (0 for an idle row). With sampling parameters `sp` (and
+  step0 [B], the output index of each row's position 0), rows whose temperature samples take
+  the rejection rule (`sampling.spec_accept`) instead."""
   choice, k = _greedy_accept(logits, tokens, n_new)
+  if sp is not None:
+    choice, k = sampling.spec_accept(logits, tokens, n_new, sp, step0, choice, k)
   T = tokens.shape[1]
   is_stop = jnp.any(choice[:, :, None] == stop[None, None, :], axis=-1)      # [B, T]
   first_stop = jnp.min(jnp.where(is_stop, jnp.arange(T)[None], T), axis=1)
@@ -292,20 +296,22 @@ def _greedy_emit(logits, tokens, n_new, cap, stop):
 
 
 @jax.jit
-def greedy_emit(logits, tokens, n_new, cap, stop):
-  """`_greedy_emit` on its own, for a layer split (its stages verify one after another, then
-  the last stage's logits decide): (choice [B, T], accepted drafts k [B], n_emit [B])."""
-  return _greedy_emit(logits, tokens, n_new, cap, stop)
+def accept_emit(logits, tokens, n_new, cap, stop, sp=None, step0=None):
+  """`_accept_emit` on its own, for a layer split (its stages verify one after another, then
+  the last stage's logits decide): (choice [B, T], accepted drafts k [B], n_emit [B]). With
+  `sp`, sampled rows take the device's rejection rule (one more program)."""
+  return _accept_emit(logits, tokens, n_new, cap, stop, sp, step0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def verify_greedy(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, n_new,
-                  cap, stop, *, cvec=None):
-  """`verify`, greedy acceptance (`_greedy_emit`) and `commit` in one program. Returns
-  (choice int32 [B, T], accepted drafts k [B], n_emit [B], hidden [B, T, D], state)."""
+def verify_accept(cfg: ModelConfig, params, lora, state: ModelState, tokens, switch, n_new,
+                  cap, stop, sp=None, step0=None, *, cvec=None):
+  """`verify`, greedy acceptance (`_accept_emit`; with `sp`, the rejection rule for sampled
+  rows) and `commit` in one program. Returns (choice int32 [B, T], accepted drafts k [B],
+  n_emit [B], hidden [B, T, D], state)."""
   logits, hidden, state, pending = verify(cfg, params, lora, state, tokens, switch, n_new,
                                           cvec=cvec)
-  choice, k, n_emit = _greedy_emit(logits, tokens, n_new, cap, stop)
+  choice, k, n_emit = _accept_emit(logits, tokens, n_new, cap, stop, sp, step0)
   state = _commit(state, pending, n_emit, switch)
   return choice, k, n_emit, hidden, state
 
@@ -346,39 +352,42 @@ def mtp_draft(cfg: ModelConfig, params, mstate, tokens, hidden, pos, n_new, *, n
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_draft"),
                    donate_argnames=("state", "mstate"))
-def spec_step_greedy(cfg: ModelConfig, params, lora, state: ModelState, mstate, tokens, switch,
-                     n_new, cap, stop, *, n_draft: int, cvec=None):
-  """One greedy speculative round in one program: `verify_greedy`, then the MTP head takes the
-  emitted positions and drafts the next `n_draft` tokens. Returns (choice [B, T], k [B],
-  n_emit [B], drafts [B, n_draft], state, mstate)."""
+def spec_step(cfg: ModelConfig, params, lora, state: ModelState, mstate, tokens, switch,
+              n_new, cap, stop, sp=None, step0=None, *, n_draft: int, cvec=None):
+  """One speculative round in one program: `verify_accept` (greedy rows; with `sp`, sampled
+  rows by the rejection rule), then the MTP head takes the emitted positions and drafts the
+  next `n_draft` tokens. Returns (choice [B, T], k [B], n_emit [B], drafts [B, n_draft],
+  state, mstate)."""
   with _precision(cfg, state):
     return _spec_round(cfg, params, lora, state, mstate, tokens, switch, n_new, cap, stop,
-                       n_draft, cvec)
+                       n_draft, cvec, sp, step0)
 
 
 def _spec_round(cfg, params, lora, state, mstate, tokens, switch, n_new, cap, stop, n_draft,
-                cvec):
-  """`spec_step_greedy`'s round (traced inside a precision context): (choice, k, n_emit,
+                cvec, sp=None, step0=None):
+  """`spec_step`'s round (traced inside a precision context): (choice, k, n_emit,
   drafts, state, mstate)."""
   pos = state.pos
-  choice, k, n_emit, hidden, state = verify_greedy(cfg, params, lora, state, tokens, switch,
-                                                   n_new, cap, stop, cvec=cvec)
+  choice, k, n_emit, hidden, state = verify_accept(cfg, params, lora, state, tokens, switch,
+                                                   n_new, cap, stop, sp, step0, cvec=cvec)
   drafts, mstate = _mtp_draft(cfg, params, mstate, choice, hidden, pos, n_emit, n_draft)
   return choice, k, n_emit, drafts, state, mstate
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_draft", "n_rounds"),
                    donate_argnames=("state", "mstate"))
-def spec_rounds_greedy(cfg: ModelConfig, params, lora, state: ModelState, mstate, last, drafts,
-                       n_first, n_row, switch, cap, stop, *, n_draft: int, n_rounds: int,
-                       cvec=None):
-  """`n_rounds` greedy speculative rounds in one program, each `spec_step_greedy`'s, the next
+def spec_rounds_step(cfg: ModelConfig, params, lora, state: ModelState, mstate, last, drafts,
+                     n_first, n_row, switch, cap, stop, sp=None, step0=None, *, n_draft: int,
+                     n_rounds: int, cvec=None):
+  """`n_rounds` speculative rounds in one program, each `spec_step`'s, the next
   one's tokens built on the device from the last one's outputs (no host round trip between
   them). last int32 [B]: each row's last token; drafts int32 [B, n_draft]: its drafts for the
   first round, of which it takes n_first [B] (0 for a row that (re)starts); n_row [B]: the
   drafts it takes in later rounds (<= n_draft); switch [B]; cap [B]: tokens it may still emit
   (0: the row is idle). A row stops after a stop id (stop int32 [S], -1 padded) or at its cap;
-  later rounds leave it as it is (n_new 0). Returns (tokens [R, B, T] each round's inputs,
+  later rounds leave it as it is (n_new 0). With `sp`, sampled rows take the rejection rule,
+  step0 [B] the output index of their first round's position 0 (later rounds' follow on).
+  Returns (tokens [R, B, T] each round's inputs,
   choice [R, B, T], accepted drafts k [R, B], n_emit [R, B], drafts [B, n_draft] for the next
   round, state, mstate)."""
   B, T = last.shape[0], n_draft + 1
@@ -386,23 +395,25 @@ def spec_rounds_greedy(cfg: ModelConfig, params, lora, state: ModelState, mstate
   cols = jnp.arange(T)[None]
 
   def body(carry, _):
-    state, mstate, last, drafts, n_d, cap = carry
+    state, mstate, last, drafts, n_d, cap, at = carry
     n_new = jnp.where(cap > 0, 1 + n_d, 0)
     # the positions past a row's drafts hold 0, as the host's round fills them
     tokens = jnp.where(cols < n_new[:, None],
                        jnp.concatenate([last[:, None], drafts], axis=1), 0)
     choice, k, n_emit, drafts, state, mstate = _spec_round(
-        cfg, params, lora, state, mstate, tokens, switch, n_new, cap, stop, n_draft, cvec)
+        cfg, params, lora, state, mstate, tokens, switch, n_new, cap, stop, n_draft, cvec,
+        sp, at)
     emitted = cols < n_emit[:, None]
     stopped = jnp.any(emitted & jnp.any(choice[:, :, None] == stop[None, None], axis=-1),
                       axis=1)
     last = jnp.where(n_emit > 0, choice[rows, jnp.maximum(n_emit - 1, 0)], last)
     cap = jnp.where(stopped, 0, cap - n_emit)
-    return (state, mstate, last, drafts, n_row, cap), (tokens, choice, k, n_emit)
+    at = None if at is None else at + n_emit
+    return (state, mstate, last, drafts, n_row, cap, at), (tokens, choice, k, n_emit)
 
   with _precision(cfg, state):
-    (state, mstate, _, drafts, _, _), (tokens, choice, k, n_emit) = lax.scan(
-        body, (state, mstate, last, drafts, n_first, cap), None, length=n_rounds)
+    (state, mstate, _, drafts, _, _, _), (tokens, choice, k, n_emit) = lax.scan(
+        body, (state, mstate, last, drafts, n_first, cap, step0), None, length=n_rounds)
   return tokens, choice, k, n_emit, drafts, state, mstate
 
 

@@ -280,11 +280,14 @@ def test_greedy_speculative_equals_plain_greedy_under_the_fused_gdn_kernel(lora)
   assert_state_close(eng.states[0], eng0.states[0], rel=SPEC_STATE_REL_FP32)
 
 
-def test_rows_accept_different_lengths(model, lora, monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rows_accept_different_lengths(model, lora, monkeypatch, sampled):
   """A drafter that knows the answer (row 0 fully, row 1 with its last draft wrong, row 2 never):
   the rows accept different lengths in the same rounds and still give the plain tokens; and
   every row's state (K/V up to its length, conv, recurrent) then equals the plain engine's,
-  which decoded the same tokens one at a time."""
+  which decoded the same tokens one at a time. Sampled: temperature 0.8 with top-k 1 through
+  the device's rejection rule (a point-mass target keeps right drafts and rejects wrong ones
+  with certainty)."""
   sw = [True, False, True]
   res0, eng0 = _run(model, lora, sw, 0, engine=True)
   plain = [r.tokens for r in res0]
@@ -297,7 +300,8 @@ def test_rows_accept_different_lengths(model, lora, monkeypatch):
       d[-1] = (d[-1] + 1) % CFG.vocab_size
     return [(x + 1) % CFG.vocab_size for x in d] if row == 2 else d
   monkeypatch.setattr(speculative, "ngram_draft", oracle)
-  res, eng = _run(model, lora, sw, 3, "ngram", engine=True)
+  res, eng = _run(model, lora, sw, 3, "ngram", engine=True, temperature=0.8 if sampled else 0.0,
+                  top_k=1 if sampled else 0)
   assert [r.tokens for r in res] == plain
   acc = [r.draft["accepted"] / max(r.draft["proposed"], 1) for r in res]
   assert acc[0] == 1.0 and 0.5 < acc[1] < 1.0 and acc[2] == 0.0, [r.draft for r in res]
@@ -306,7 +310,7 @@ def test_rows_accept_different_lengths(model, lora, monkeypatch):
 
 
 def test_sampled_path_with_top_k_1_equals_greedy(model, lora):
-  """temperature > 0 runs the sampled path (verify, rejection rule on the host, commit, MTP
+  """temperature > 0 runs the sampled path (verify, the device's rejection rule, commit, MTP
   drafts); with top_k = 1 the target is a point mass, so it must equal greedy decoding."""
   sw = [True, False, True]
   plain = [r.tokens for r in _run(model, lora, sw, 0)]
@@ -394,6 +398,87 @@ def test_rejection_sampling_gives_the_target_distribution():
   for counts, probs in ((first, p[0]), (second, p[1])):
     _, pval = stats.chisquare(counts, probs * counts.sum())
     assert pval > 1e-3, (counts / counts.sum(), probs)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (0.7, 0, 1.0, 0.0), (1.3, 40, 0.9, 0.0), (1.0, 5, 1.0, 0.1), (0.9, 0, 0.6, 0.05),
+    (1.0, 100, 0.97, 0.0)])
+def test_device_target_is_the_hosts_target(temperature, top_k, top_p, min_p):
+  """`sampling.kept_probs` (the device rule's target) equals the host's float64
+  `target_probs` on random logits, the kept set included, for each filter alone and
+  together (and a top-k beyond the vocabulary: off)."""
+  from strata_jax import sampling
+  rng = np.random.default_rng(1)
+  V = 97
+  logits = rng.standard_normal((6, V)) * 2.0
+  logits[0, :4] = logits[0, 4]     # ties at the top
+  n = logits.shape[0]
+  got = np.asarray(jax.jit(sampling.kept_probs)(
+      jnp.asarray(logits / temperature, jnp.float32), jnp.full(n, top_k, jnp.int32),
+      jnp.full(n, top_p, jnp.float32), jnp.full(n, min_p, jnp.float32)))
+  for row, g in zip(logits, got):
+    want = speculative.target_probs(row, temperature, top_k, top_p, min_p)
+    np.testing.assert_array_equal(g > 0, want > 0)
+    np.testing.assert_allclose(g, want, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.9, 0, 1.0), (1.2, 4, 0.9)])
+def test_device_rejection_rule_gives_the_target_distribution(temperature, top_k, top_p):
+  """`sampling.spec_accept` over 40,000 rows, each its own seed, on the same logits and
+  drafts (a likely first draft, an unlikely second): the first emitted token follows the
+  target p0 and, after a kept first draft, the second follows p1 (chi-square); each row's
+  accepted count agrees with its emitted drafts; a greedy row beside them keeps the greedy
+  choice it was given."""
+  from strata_jax import sampling
+  rng = np.random.default_rng(0)
+  V, T, B = 6, 3, 40_000
+  logits = rng.standard_normal((T, V)) * 1.5
+  p = [speculative.target_probs(lg, temperature, top_k, top_p) for lg in logits]
+  drafts = [int(np.argmax(p[0])), int(np.argmin(np.where(p[1] > 0, p[1], 2)))]
+  seeds = np.arange(B, dtype=np.uint64) * 7919 + 3
+  temp = np.full(B, temperature, np.float32)
+  temp[0] = 0.0                                   # one greedy row
+  z = np.zeros(B, np.float32)
+  sp = sampling.SamplingParams(
+      temperature=temp, top_k=np.full(B, top_k, np.int32), top_p=np.full(B, top_p, np.float32),
+      min_p=z, presence=z, frequency=z, repeat=z + 1,
+      seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32), seed_hi=(seeds >> 32).astype(np.uint32))
+  tokens = np.tile(np.asarray([[1] + drafts], np.int32), (B, 1))
+  n_new = np.full(B, T, np.int32)
+  greedy_choice = np.full((B, T), 77, np.int32)
+  choice, k = jax.device_get(jax.jit(sampling.spec_accept)(
+      jnp.asarray(np.broadcast_to(logits, (B, T, V)), jnp.float32), tokens, n_new, sp,
+      np.full(B, 5, np.int32), greedy_choice, np.full(B, 1, np.int32)))
+  assert list(choice[0]) == [77] * T and k[0] == 1
+  choice, k = choice[1:], k[1:]
+  assert all((choice[i, :k[i]] == drafts[:k[i]]).all() for i in range(0, B - 1, 97))
+  assert (k <= 2).all() and ((k < 2) | (choice[:, 2] < V)).all()
+  first = np.bincount(choice[:, 0], minlength=V)[:V]
+  kept = k >= 1
+  second = np.bincount(choice[kept, 1], minlength=V)[:V]
+  for counts, probs in ((first, p[0]), (second, p[1])):
+    on = probs > 0
+    assert counts[~on].sum() == 0, (counts, probs)
+    _, pval = stats.chisquare(counts[on], probs[on] * counts.sum())
+    assert pval > 1e-3, (counts / counts.sum(), probs)
+
+
+def test_sampled_speculative_rows_depend_on_their_seed_alone(model, lora):
+  """The device's rule draws from (seed, output index) alone: a seeded sampled request gives
+  the same tokens alone, beside other rows (switch mixed), and with four MTP rounds a
+  dispatch or one; another seed gives other tokens. (This random MTP head's drafts are never
+  kept; `test_rows_accept_different_lengths[True]` keeps drafts on the device's rule.)"""
+  def go(reqs, rounds=4, slots=3):
+    eng = Engine(model, lora=lora, slots=slots, max_seq=64, spec=3, draft="mtp",
+                 spec_rounds=rounds)
+    return eng.run(reqs)
+  me = dict(tokens=PROMPTS[0], max_tokens=20, lora=True, temperature=0.8, top_p=0.95, seed=5)
+  alone = go([Request(**me)], slots=1)[0]
+  crowd = go([Request(tokens=PROMPTS[1], max_tokens=9, lora=False, temperature=1.1, seed=1),
+              Request(**me), Request(tokens=PROMPTS[2], max_tokens=20, lora=True)])
+  one_round = go([Request(**me)], rounds=1, slots=1)[0]
+  assert crowd[1].tokens == alone.tokens == one_round.tokens
+  assert go([Request(**dict(me, seed=6))], slots=1)[0].tokens != alone.tokens
 
 
 def test_ngram_draft_prompt_lookup():
@@ -509,13 +594,13 @@ def test_rounds_for_never_runs_a_round_past_every_rows_length():
 
 def test_several_mtp_rounds_in_one_dispatch_equal_one_round_at_a_time(model, lora, monkeypatch):
   """`Engine(spec_rounds=4)` runs greedy MTP rounds back to back in one program
-  (`steps.spec_rounds_greedy`), building each round's tokens on the device: the tokens, the
+  (`steps.spec_rounds_step`), building each round's tokens on the device: the tokens, the
   drafts proposed and accepted, and the states equal one round a dispatch, with the switch
   mixed and one row ending at a stop id mid-dispatch (its later rounds empty)."""
   from strata_jax import steps
   calls = []
-  real = steps.spec_rounds_greedy
-  monkeypatch.setattr(steps, "spec_rounds_greedy",
+  real = steps.spec_rounds_step
+  monkeypatch.setattr(steps, "spec_rounds_step",
                       lambda *a, **k: calls.append(k["n_rounds"]) or real(*a, **k))
   sw = [True, False, True]
   plain = [r.tokens for r in _run(model, lora, sw, 0, n=20)]

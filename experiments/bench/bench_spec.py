@@ -6,10 +6,10 @@ Every measurement is a jitted loop of R repetitions (state carried, one dispatch
 interleaved rounds (median), batch 1, bf16, adapter loaded (rank 50):
   decode        `steps.decode_greedy`, R steps in one program (the plain decode loop the Engine
                 runs: argmax fed back, the LoRA pass chosen once), switch on
-  verify_nN     `steps.verify_greedy` on N+1 positions (the last token and N drafts), R times,
+  verify_nN     `steps.verify_accept` on N+1 positions (the last token and N drafts), R times,
                 switch on; the drafts are random, so the state advances one token a step
   mtp_step      one MTP entry (`model.mtp.mtp_forward`, T = 1) R times: one draft token
-  round_nN      `steps.spec_step_greedy` (verify N+1, feed the MTP head, N drafts), R times,
+  round_nN      `steps.spec_step` (verify N+1, feed the MTP head, N drafts), R times,
                 switch on and off (same program: the switch is data)
 
 Then the path users run (`--engine_rounds`, one setting per value): `Engine(slots=1, spec=N,
@@ -133,7 +133,7 @@ def main(_):
     def loop(params, lora, state, toks, switch):
       def body(c, i):
         st, tk = c
-        ch, k, ne, _, st = steps.verify_greedy(cfg, params, lora, st, tk, switch,
+        ch, k, ne, _, st = steps.verify_accept(cfg, params, lora, st, tk, switch,
                                                jnp.full((1,), n + 1, jnp.int32), cap, stop)
         nxt = jnp.concatenate([ch[:, :1], (tk[:, 1:] + 7 * (i + 1)) % cfg.vocab_size], axis=1)
         return (st, nxt), None
@@ -156,7 +156,7 @@ def main(_):
     def loop(params, lora, state, mstate, toks, switch):
       def body(c, _):
         st, ms, tk = c
-        ch, k, ne, dr, st, ms = steps.spec_step_greedy(
+        ch, k, ne, dr, st, ms = steps.spec_step(
             cfg, params, lora, st, ms, tk, switch, jnp.full((1,), n + 1, jnp.int32), cap, stop,
             n_draft=n)
         last = jnp.take_along_axis(ch, (ne - 1)[:, None], axis=1)

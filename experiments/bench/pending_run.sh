@@ -1049,7 +1049,7 @@ if want s28min; then
 fi
 # Session of 2026-12-07 (twenty-ninth), SECTIONS=s29 (~5 min): speculative decoding through the
 # Engine. bench_spec at N = 3 and 4 with its Engine leg at spec_rounds 1 and 4 (greedy MTP
-# rounds back to back in one program, `steps.spec_rounds_greedy`): the Engine's decode
+# rounds back to back in one program, `steps.spec_rounds_step`): the Engine's decode
 # tokens/s beside the device program's rate for the same rounds, so engine / program is the
 # host's share of a round, one round a dispatch against four.
 # Then (same section) `Forms.proj_finish="gemv_b"`: the one-row GEMV's launch copies the

@@ -140,7 +140,7 @@ class _Running:
   spec: int = 0            # speculative drafts per round (0: the plain decode path)
   proposed: int = 0
   accepted: int = 0
-  rng: np.random.Generator | None = None   # the rejection rule's draws (sampled spec rows)
+  rng: np.random.Generator | None = None   # the host rejection rule's draws (its spec rows)
   first: tuple | None = None   # (sampler outputs, plan, logits or None): not yet read
 
 
@@ -292,8 +292,8 @@ class Engine:
     spec: speculative decoding, drafts per step for requests that do not say (0: off).
     draft: the drafter, "mtp" (the model's MTP head; the default when it has one) or "ngram"
       (prompt lookup). `strata_jax.speculative`.
-    spec_rounds: greedy MTP rounds per dispatch (one program runs them back to back,
-      `steps.spec_rounds_greedy`; one round runs where a row's length could end sooner:
+    spec_rounds: MTP rounds per dispatch (one program runs them back to back,
+      `steps.spec_rounds_step`; one round runs where a row's length could end sooner:
       `speculative.rounds_for`). 1: one round a dispatch.
   """
 
@@ -1194,7 +1194,8 @@ class Engine:
       rows[slot] = speculative.Row(
           last=run.tokens[-1], switch=run.switch, context=list(r.tokens) + run.tokens,
           cap=max(cap, 1), stop=tuple(r.stop), temperature=r.temperature, top_k=r.top_k,
-          top_p=r.top_p, min_p=r.min_p, rng=run.rng, n=run.spec,
+          top_p=r.top_p, min_p=r.min_p, rng=run.rng, seed=r.seed, step=len(run.tokens),
+          n=run.spec,
           want_logits=r.return_logits or r.return_step_logits or r.logprobs is not None,
           presence=r.presence_penalty, frequency=r.frequency_penalty, repeat=r.repeat_penalty)
     self.states, out = sd.round(self.states, rows)
