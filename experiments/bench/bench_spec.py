@@ -14,7 +14,7 @@ interleaved rounds (median), batch 1, bf16, adapter loaded (rank 50):
 
 Then the path users run (`--engine_rounds`, one setting per value): `Engine(slots=1, spec=N,
 spec_rounds=value)` serving one request of `context` prompt tokens and 64 new ones, adapter
-on, greedy (median of `rounds` timed requests): decode tokens/s, and beside it what the device
+on, greedy or sampled (`--engine_temperatures`; median of `rounds` timed requests): decode tokens/s, and beside it what the device
 program alone would give for the same rounds (`round_nN_on`'s time per round, the engine's own
 drafts proposed / accepted): engine / program is the host's share of a round.
 
@@ -46,6 +46,9 @@ flags.DEFINE_string("forms", "", "Forms over the backend's defaults, as the CLI'
 flags.DEFINE_bool("summary", True, "merge the targets into results/summary.json")
 flags.DEFINE_string("engine_rounds", "1,4", "Engine(spec_rounds=) values served through the "
                     "Engine at N = 3 (empty: no Engine leg)")
+flags.DEFINE_string("engine_temperatures", "0", "temperatures of the Engine leg's request "
+                    "(each with every --engine_rounds value; > 0: top-p 0.95, seed 1, the "
+                    "rejection rule on the device)")
 F = flags.FLAGS
 
 ACCEPT = 0.7
@@ -251,8 +254,9 @@ def main(_):
 
 
 def engine_leg(cfg, params, dtype, per, n):
-  """`Engine(slots=1, spec=n, spec_rounds=r)` for each r of --engine_rounds: one request of
-  `context` prompt tokens and 64 new ones, adapter on, greedy, median of --rounds timed
+  """`Engine(slots=1, spec=n, spec_rounds=r)` for each r of --engine_rounds and each
+  temperature of --engine_temperatures: one request of `context` prompt tokens and 64 new
+  ones, adapter on, median of --rounds timed
   requests after one untimed (compiling) request. Beside each: the device program's rate for
   the same rounds, tokens / (rounds x t(round_n{n}_on)). Returns one dict per r."""
   import time
@@ -267,13 +271,16 @@ def engine_leg(cfg, params, dtype, per, n):
   prompt = [int(t) for t in np.random.default_rng(5).integers(0, cfg.vocab_size, F.context)]
   new = 64
   out = []
-  for r in [int(x) for x in F.engine_rounds.split(",") if x]:
+  settings = [(r, float(t)) for t in F.engine_temperatures.split(",") if t
+              for r in [int(x) for x in F.engine_rounds.split(",") if x]]
+  for r, temp in settings:
     eng = sj.Engine(model, lora=lora, slots=1, max_seq=F.max_seq, spec=n, spec_rounds=r,
                     prefix_cache_bytes=0)
     rates, props, accs, walls = [], [], [], []
     for i in range(F.rounds + 1):
       t0 = time.perf_counter()
-      res = eng.run([Request(tokens=prompt, max_tokens=new, lora=True)])[0]
+      res = eng.run([Request(tokens=prompt, max_tokens=new, lora=True, temperature=temp,
+                             top_p=0.95, seed=1)])[0]
       if i:   # the first request compiles
         rates.append(res.decode_tokens_per_s)
         walls.append(time.perf_counter() - t0)
@@ -283,7 +290,8 @@ def engine_leg(cfg, params, dtype, per, n):
     n_rounds = 1 + statistics.median(props) / n
     program = (new - 1) / (n_rounds * per[f"round_n{n}_on"])
     rate = statistics.median(rates)
-    out.append(dict(spec=n, spec_rounds=r, decode_tok_s=rate, wall_s=statistics.median(walls),
+    out.append(dict(spec=n, spec_rounds=r, temperature=temp, decode_tok_s=rate,
+                    wall_s=statistics.median(walls),
                     proposed=statistics.median(props), accepted=statistics.median(accs),
                     program_tok_s=program, engine_over_program=rate / program))
   return out

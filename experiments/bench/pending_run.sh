@@ -1077,13 +1077,17 @@ if want s30; then
   VARIANTS=base,qapart PROFILE=base PROBE_CAP=170 BATCHES=1,8 CAP=$(( $(left) - 5 )) \
     bash experiments/bench/a80b_run.sh
 fi
-# SECTIONS=s30spec (~3 min): the Engine's speculative rounds after the thirtieth session's host
+# SECTIONS=s30spec (~4 min): the Engine's speculative rounds after the thirtieth session's host
 # changes (the round's inputs go to the program as numpy, its outputs come back in one read;
 # on this CPU +10-40 % tok/s at spec_rounds 1, within noise at 4). Run 86 read ~5 ms of host time a dispatch
-# on the H100 (Engine 73.4 / 90.0 tok/s against the program's 115.2 at rounds 1 / 4).
+# on the H100 (Engine 73.4 / 90.0 tok/s against the program's 115.2 at rounds 1 / 4). Since
+# the thirty-first session sampled rows take the rejection rule on the device (before: each
+# round's [N + 1, 151,936] logits to the host and a float64 softmax per position), and run
+# MTP rounds back to back as greedy rows do: temperature 0.8 beside greedy, never timed on a GPU.
 if want s30spec; then
   timeout $(( $(left) - 5 )) python3 experiments/bench/bench_spec.py --ns 3 \
-    --engine_rounds 1,4 --out $OUT/bench_spec_s30.json 2>&1 | grep -e engine -e Error | cut -c1-300
+    --engine_rounds 1,4 --engine_temperatures 0,0.8 --out $OUT/bench_spec_s30.json 2>&1 \
+    | grep -e engine -e Error | cut -c1-300
 fi
 # SECTIONS=h200peer: what the H200's summary figures owe since run 77 (only on an H200).
 if want h200peer; then
