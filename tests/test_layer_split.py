@@ -11,9 +11,9 @@ HERE = pathlib.Path(__file__).parent
 
 
 def test_split_on_three_devices_matches_single_device():
-  """Three stages (first, middle, last), speculative decoding on them included. Two stages
-  run in `test_split_across_two_processes` (the same checks, a process each) and on two
-  devices through the CLI (test_cli.py)."""
+  """Three stages (first, middle, last), speculative decoding and the one-pass prefill on them
+  included. Two stages run in `test_split_across_two_processes` (the same checks but those
+  two, a process each) and on two devices through the CLI (test_cli.py)."""
   n_dev = 3
   env = dict(os.environ, PYTHONPATH=str(HERE.parent))
   proc = subprocess.run([sys.executable, str(HERE / "split_check.py"), str(n_dev)],
