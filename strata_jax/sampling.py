@@ -230,6 +230,15 @@ def pick_nucleus(zt, top_k, top_p, min_p, u, *, with_top_k: bool = True):
   >= V: off), top-p (top_p [B], >= 1: off) and min-p, with no sort: see the module's
   `nucleus` path. `with_top_k` (static) False skips the top-k passes (no row uses top-k):
   static rather than a `lax.cond`, whose predicate the GPU would read on the host every step."""
+  keep, _ = _top_k_and_nucleus(zt, top_k, top_p, with_top_k)
+  # min-p and the draw in id order over what is kept: `pick`'s (min-p is relative to the top
+  # probability, so renormalising over the kept ids leaves it as it was)
+  return pick(jnp.where(keep, zt, -jnp.inf), top_k, top_p, min_p, u, ordered=False)
+
+
+def _top_k_and_nucleus(zt, top_k, top_p, with_top_k: bool = True):
+  """(keep [B, V]: the top-k set, then its top-p nucleus; p [B, V]: the softmax over the top-k
+  set) for tempered logits zt, top_k [B] (0 or >= V: off), top_p [B] (>= 1: off)."""
   V = zt.shape[-1]
   keep = jnp.ones(zt.shape, bool)
   if with_top_k:
@@ -240,9 +249,7 @@ def pick_nucleus(zt, top_k, top_p, min_p, u, *, with_top_k: bool = True):
   p = p / jnp.sum(p, axis=-1, keepdims=True)
   use_p = top_p < 1.0
   keep &= _nucleus_mask(p, jnp.where(use_p, top_p, 1.0)) | ~use_p[:, None]
-  # min-p and the draw in id order over what is kept: `pick`'s (min-p is relative to the top
-  # probability, so renormalising over the kept ids leaves it as it was)
-  return pick(jnp.where(keep, zt, -jnp.inf), top_k, top_p, min_p, u, ordered=False)
+  return keep, p
 
 
 def kept_probs(zt, top_k, top_p, min_p):
@@ -250,13 +257,7 @@ def kept_probs(zt, top_k, top_p, min_p):
   zt [N, V]: top-k (top_k [N], 0 or >= V: off), then the top-p nucleus (top_p [N], >= 1: off),
   then min-p (min_p [N]), renormalised; the kept sets `pick_nucleus` draws from (a `cap` row's
   64 entries hold the same set). `speculative.target_probs` is its float64 host twin."""
-  V = zt.shape[-1]
-  keep = _top_k_mask(zt, jnp.where((top_k > 0) & (top_k < V), top_k, V))
-  z = jnp.where(keep, zt, -jnp.inf)
-  p = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
-  p = p / jnp.sum(p, axis=-1, keepdims=True)
-  use_p = top_p < 1.0
-  keep &= _nucleus_mask(p, jnp.where(use_p, top_p, 1.0)) | ~use_p[:, None]
+  keep, p = _top_k_and_nucleus(zt, top_k, top_p)
   # min-p is relative to the top probability, which the nucleus always keeps
   keep &= p >= min_p[:, None] * jnp.max(p, axis=-1, keepdims=True)
   p = jnp.where(keep, p, 0.0)

@@ -144,26 +144,6 @@ def _greedy(r) -> bool:
   return r.temperature < GREEDY_BELOW or not r.temperature == r.temperature
 
 
-def _device_sampling(rows: dict, B: int):
-  """The device rule's inputs for `rows` {slot: Row} over B slots: (`sampling.SamplingParams`
-  [B], step0 [B], each row's output index of its next token); greedy and idle slots keep
-  temperature 0."""
-  a = dict(temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32),
-           top_p=np.ones(B, np.float32), min_p=np.zeros(B, np.float32),
-           seed_lo=np.zeros(B, np.uint32), seed_hi=np.zeros(B, np.uint32))
-  step0 = np.zeros(B, np.int32)
-  for slot, r in rows.items():
-    if _greedy(r):
-      continue
-    seed = int(r.seed) % (1 << 64)
-    a["temperature"][slot], a["top_k"][slot] = r.temperature, r.top_k
-    a["top_p"][slot], a["min_p"][slot] = r.top_p, r.min_p
-    a["seed_lo"][slot], a["seed_hi"][slot] = seed & 0xFFFFFFFF, seed >> 32
-    step0[slot] = r.step
-  z = np.zeros(B, np.float32)
-  return sampling.SamplingParams(presence=z, frequency=z, repeat=z + 1, **a), step0
-
-
 def rounds_for(caps: Sequence[int], ns: Sequence[int], most: int) -> int:
   """Greedy MTP rounds to run in one dispatch: `most` when no row can reach its cap before the
   last of them (a round emits at most n + 1 tokens), so no round is spent on rows that are all
@@ -184,8 +164,8 @@ class Row:
     cap: tokens the row may still emit (>= 1).
     stop: token ids that end the row (emitted, then nothing more).
     temperature, top_k, top_p, min_p: its sampling (temperature below 1e-5: greedy).
-    seed, step: the device rule's draws (`sampling.spec_accept`): the request's seed, and
-      the output index of the row's next token (its draws depend on these alone).
+    step: the output index of the row's next token (the device rule's draws,
+      `sampling.spec_accept`, are keyed by it and the row's seed in `round`'s `sp`).
     rng: the host rule's draws (rows that want their logits or have penalties).
     presence, frequency, repeat: its penalties (0, 0, 1: off), over the last RECENT tokens of
       `context` and the drafts before each position, as a plain decode step's window.
@@ -201,7 +181,6 @@ class Row:
   top_k: int = 0
   top_p: float = 1.0
   rng: np.random.Generator | None = None
-  seed: int = 0
   step: int = 0
   n: int | None = None
   min_p: float = 0.0
@@ -264,14 +243,18 @@ class SpecDecoder:
       rows = (np.arange(self.n_slots) == slot).astype(np.int32)
       self.mstate = steps.mtp_restart(self.mstate, rows, np.full(self.n_slots, pos, np.int32))
 
-  def round(self, states: list, rows: dict[int, Row]):
+  def round(self, states: list, rows: dict[int, Row], sp: sampling.SamplingParams):
     """Verify and draft for `rows` {slot: Row}; the other slots are left as they are.
-    `states`: each stage's model state (donated). Returns (states, {slot: Out})."""
+    `states`: each stage's model state (donated); `sp`: every slot's sampling parameters [B]
+    (the engine's `RowParams.params()`), of which the device's rule reads the sampled rows'.
+    Returns (states, {slot: Out})."""
     B, T = self.n_slots, self.n + 1
     toks = np.zeros((B, T), np.int32)
     nv, sw = np.zeros(B, np.int32), np.zeros(B, np.int32)
     cap, n_row = np.zeros(B, np.int32), np.zeros(B, np.int32)   # n_row: drafts a row takes
+    step0 = np.zeros(B, np.int32)
     for slot, r in rows.items():
+      step0[slot] = r.step
       n_row[slot] = self.n if r.n is None else min(r.n, self.n)
       d = self.drafts.get(slot, [])[:n_row[slot]]
       toks[slot, 0], toks[slot, 1:1 + len(d)] = r.last, d
@@ -283,9 +266,8 @@ class SpecDecoder:
     # the verification's logits anyway, as do penalised rows (each position's own window);
     # sampled rows otherwise take the device's rule, with their seeds and output indices
     host_rule = any(r.want_logits or r.penalised for r in rows.values())
-    sp = step0 = None
-    if not host_rule and not all(_greedy(r) for r in rows.values()):
-      sp, step0 = _device_sampling(rows, B)
+    if host_rule or all(_greedy(r) for r in rows.values()):
+      sp = step0 = None   # the greedy programs (the host's rule reads logits)
     states = list(states)
     arrs = (toks, sw, nv)
     logits = None

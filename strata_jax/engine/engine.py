@@ -1194,11 +1194,10 @@ class Engine:
       rows[slot] = speculative.Row(
           last=run.tokens[-1], switch=run.switch, context=list(r.tokens) + run.tokens,
           cap=max(cap, 1), stop=tuple(r.stop), temperature=r.temperature, top_k=r.top_k,
-          top_p=r.top_p, min_p=r.min_p, rng=run.rng, seed=r.seed, step=len(run.tokens),
-          n=run.spec,
+          top_p=r.top_p, min_p=r.min_p, rng=run.rng, step=len(run.tokens), n=run.spec,
           want_logits=r.return_logits or r.return_step_logits or r.logprobs is not None,
           presence=r.presence_penalty, frequency=r.frequency_penalty, repeat=r.repeat_penalty)
-    self.states, out = sd.round(self.states, rows)
+    self.states, out = sd.round(self.states, rows, self.row_params.params())
     for slot, o in out.items():
       h, run = running[slot]
       self.slot_tokens[slot].extend(o.consumed)

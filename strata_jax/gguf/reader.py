@@ -596,7 +596,7 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
           for i, (lo, hi) in enumerate(ranges)]
   devs = list(devices) if devices else [None] * len(ranges)
   for i, dev in enumerate(devs):  # refuse before placing anything
-    free = plan_lib.free_bytes(dev if dev is not None else jax.devices()[0])
+    free = plan_lib.free_bytes(_device(dev))
     if free is not None and need[i] > free:
       raise DeviceMemoryError(f"{path} needs {_gib(need[i])} GiB on {_dev_name(dev)}, "
                               f"{_gib(free)} GiB free{plan_lib.allocator_hint(_device(dev))}")
@@ -646,7 +646,7 @@ def place_stages(reader: gguf.GGUFReader, cfg: ModelConfig, plans: list[LeafPlan
       except Exception as e:
         if not _is_oom(e):
           raise
-        d = dev if dev is not None else jax.devices()[0]
+        d = _device(dev)
         free = plan_lib.free_bytes(d)
         have = f"{_gib(free)} GiB free" if free is not None else "free memory unknown"
         raise DeviceMemoryError(f"{path} needs {_gib(need[i])} GiB on {_dev_name(dev)}, {have} "
